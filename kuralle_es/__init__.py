@@ -1,0 +1,92 @@
+"""kuralle_es: durable execution for LLM-agent runs, event-sourced.
+
+Every side effect of a run is a journaled step; re-entering a run replays
+recorded outcomes instead of executing again.
+"""
+
+from __future__ import annotations
+
+from .agents import Agent, define_agent
+from .context import RunContext
+from .errors import (
+    FlowDriftError,
+    FlowNotFoundError,
+    InvalidSignalError,
+    InvalidToolArgsError,
+    KuralleError,
+    LeaseHeldError,
+    NonDeterminismError,
+    PayloadTooLargeError,
+    RunNotFoundError,
+    SignalMismatchError,
+    StaleWriteError,
+    SuspendError,
+    ToolApprovalDeniedError,
+    ToolExecutionError,
+    ToolResultTypeError,
+    UnknownToolError,
+)
+from .flows import Flow, action, define_flow, end, goto, handoff
+from .handle import TurnHandle
+from .keys import idempotency_key
+from .models import (
+    ApprovalDecision,
+    FrozenOperation,
+    Message,
+    RunState,
+    SignalDelivery,
+    StepError,
+    StepRecord,
+    StreamPart,
+    ToolCall,
+    TurnResult,
+    WaitingFor,
+)
+from .runtime import Runtime
+from .store import RunStore
+from .tools import Tool, define_tool
+
+__all__ = [
+    "Agent",
+    "ApprovalDecision",
+    "Flow",
+    "FlowDriftError",
+    "FlowNotFoundError",
+    "FrozenOperation",
+    "InvalidSignalError",
+    "InvalidToolArgsError",
+    "KuralleError",
+    "LeaseHeldError",
+    "Message",
+    "NonDeterminismError",
+    "PayloadTooLargeError",
+    "RunContext",
+    "RunNotFoundError",
+    "RunState",
+    "RunStore",
+    "Runtime",
+    "SignalDelivery",
+    "SignalMismatchError",
+    "StaleWriteError",
+    "StepError",
+    "StepRecord",
+    "StreamPart",
+    "SuspendError",
+    "Tool",
+    "ToolApprovalDeniedError",
+    "ToolCall",
+    "ToolExecutionError",
+    "ToolResultTypeError",
+    "TurnHandle",
+    "TurnResult",
+    "UnknownToolError",
+    "WaitingFor",
+    "action",
+    "define_agent",
+    "define_flow",
+    "define_tool",
+    "end",
+    "goto",
+    "handoff",
+    "idempotency_key",
+]

@@ -1,0 +1,442 @@
+"""The ``Run`` aggregate: a run's journal as domain events.
+
+The domain is pure. Command methods check their preconditions and trigger
+events; an event's ``apply`` is the only way a run's state changes. So the
+same ``RunState`` comes out whether a run is rebuilt from its events, from a
+snapshot, or read from a projection.
+
+Aggregate attributes are plain JSON-friendly data (dicts, lists, strings,
+datetimes) so that ``eventsourcing`` snapshots need no custom transcoding.
+Every stored topic is explicit (``TOPIC``) so that moving a class never
+orphans a journal.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from datetime import datetime, timedelta
+from typing import Any, TypedDict, cast
+from uuid import UUID
+
+from eventsourcing.domain import Aggregate
+
+from .models import (
+    Message,
+    RunState,
+    StepError,
+    StepRecord,
+    WaitingFor,
+)
+
+
+class StepData(TypedDict):
+    """A step as the aggregate holds it (JSON-friendly; ``result_json`` exact)."""
+
+    index: int
+    key: str
+    kind: str
+    name: str
+    callsite: int
+    logical_run: str
+    args: Any
+    status: str
+    result_json: str | None
+    error: dict[str, Any] | None
+    started_at: datetime
+    finished_at: datetime | None
+
+
+def _slot(logical_run: str, callsite: int) -> str:
+    return f"{logical_run}|{callsite}"
+
+
+class Run(Aggregate):
+    """One run of an agent or a flow, with its journal of steps."""
+
+    TOPIC = "kuralle_es:Run"
+
+    class Event(Aggregate.Event):
+        pass
+
+    class Created(Event, Aggregate.Created):
+        TOPIC = "kuralle_es:Run.Created"
+        session_id: str
+        kind: str
+        agent: str | None
+        flow: str | None
+        flow_digest: str | None
+
+    def __init__(
+        self,
+        session_id: str,
+        kind: str,
+        agent: str | None,
+        flow: str | None,
+        flow_digest: str | None,
+    ) -> None:
+        self.session_id = session_id
+        self.kind = kind
+        self.status = "running"
+        self.active_agent = agent
+        self.active_flow = flow
+        self.active_node: str | None = None
+        self.flow_digest = flow_digest
+        self.state: dict[str, Any] = {}
+        self.messages: list[dict[str, Any]] = []
+        self.waiting_for: dict[str, Any] | None = None
+        self.lease_holder: str | None = None
+        self.lease_expires_at: datetime | None = None
+        self.error: dict[str, Any] | None = None
+        self.outcome: str | None = None
+        self.output: Any = None
+        self.epoch = 0
+        self.callsite_base = 0
+        self.steps: list[StepData] = []
+        self.slots: dict[str, list[int]] = {}
+        self.signal_ids: list[str] = []
+        self.turn_keys: dict[str, dict[str, Any]] = {}
+
+    # ------------------------------------------------------------------ ids
+    @property
+    def run_id(self) -> str:
+        return str(self.id)
+
+    # --------------------------------------------------------------- events
+    class TurnStarted(Event):
+        """A turn began: a fresh epoch for a conversation's new user input."""
+
+        TOPIC = "kuralle_es:Run.TurnStarted"
+        epoch: int
+        message: dict[str, Any] | None
+        idempotency_key: str | None
+
+        def apply(self, run: Run) -> None:
+            run.epoch = self.epoch
+            run.status = "running"
+            run.error = None
+            if self.message is not None:
+                run.messages.append(self.message)
+
+    class NodeEntered(Event):
+        """The flow moved to ``node`` with ``state``; its effects count from ``callsite_base``."""
+
+        TOPIC = "kuralle_es:Run.NodeEntered"
+        flow: str | None
+        node: str | None
+        state: dict[str, Any]
+        callsite_base: int
+
+        def apply(self, run: Run) -> None:
+            run.active_flow = self.flow
+            run.active_node = self.node
+            run.state = self.state
+            run.callsite_base = self.callsite_base
+
+    class StepStarted(Event):
+        """Intent: an effect is about to run at ``callsite`` with ``key``."""
+
+        TOPIC = "kuralle_es:Run.StepStarted"
+        index: int
+        key: str
+        kind: str
+        name: str
+        callsite: int
+        logical_run: str
+        args: Any
+
+        def apply(self, run: Run) -> None:
+            run.steps.append(
+                StepData(
+                    index=self.index,
+                    key=self.key,
+                    kind=self.kind,
+                    name=self.name,
+                    callsite=self.callsite,
+                    logical_run=self.logical_run,
+                    args=self.args,
+                    status="running",
+                    result_json=None,
+                    error=None,
+                    started_at=self.timestamp,
+                    finished_at=None,
+                )
+            )
+            run.slots.setdefault(_slot(self.logical_run, self.callsite), []).append(self.index)
+
+    class StepFinished(Event):
+        TOPIC = "kuralle_es:Run.StepFinished"
+        index: int
+        result_json: str
+
+        def apply(self, run: Run) -> None:
+            step = run.steps[self.index]
+            step["status"] = "finished"
+            step["result_json"] = self.result_json
+            step["error"] = None
+            step["finished_at"] = self.timestamp
+
+    class StepFailed(Event):
+        TOPIC = "kuralle_es:Run.StepFailed"
+        index: int
+        error: dict[str, Any]
+
+        def apply(self, run: Run) -> None:
+            step = run.steps[self.index]
+            step["status"] = "error"
+            step["error"] = self.error
+            step["finished_at"] = self.timestamp
+
+    class MessageAppended(Event):
+        TOPIC = "kuralle_es:Run.MessageAppended"
+        message: dict[str, Any]
+
+        def apply(self, run: Run) -> None:
+            run.messages.append(self.message)
+
+    class Paused(Event):
+        TOPIC = "kuralle_es:Run.Paused"
+        waiting_for: dict[str, Any]
+
+        def apply(self, run: Run) -> None:
+            run.status = "paused"
+            run.waiting_for = self.waiting_for
+
+    class SignalAccepted(Event):
+        """A delivered signal passed every check; the run may re-execute."""
+
+        TOPIC = "kuralle_es:Run.SignalAccepted"
+        signal_id: str
+        name: str
+        actor: str | None
+
+        def apply(self, run: Run) -> None:
+            run.signal_ids.append(self.signal_id)
+            run.waiting_for = None
+            run.status = "running"
+
+    class Finished(Event):
+        TOPIC = "kuralle_es:Run.Finished"
+        outcome: str | None
+        output: Any
+        agent: str | None
+        state: dict[str, Any]
+
+        def apply(self, run: Run) -> None:
+            run.status = "finished"
+            run.state = self.state
+            run.outcome = self.outcome
+            run.output = self.output
+            run.active_agent = self.agent
+            run.active_flow = None
+            run.active_node = None
+            run.waiting_for = None
+
+    class Errored(Event):
+        TOPIC = "kuralle_es:Run.Errored"
+        error: dict[str, Any]
+
+        def apply(self, run: Run) -> None:
+            run.status = "error"
+            run.error = self.error
+
+    class Aborted(Event):
+        TOPIC = "kuralle_es:Run.Aborted"
+        reason: str
+
+        def apply(self, run: Run) -> None:
+            run.status = "aborted"
+            run.outcome = self.reason
+            run.waiting_for = None
+
+    class TurnRecorded(Event):
+        """The result of a turn started with an inbound idempotency key."""
+
+        TOPIC = "kuralle_es:Run.TurnRecorded"
+        idempotency_key: str
+        result: dict[str, Any]
+
+        def apply(self, run: Run) -> None:
+            run.turn_keys[self.idempotency_key] = self.result
+
+    class LeaseTaken(Event):
+        TOPIC = "kuralle_es:Run.LeaseTaken"
+        holder: str
+        expires_at: datetime
+
+        def apply(self, run: Run) -> None:
+            run.lease_holder = self.holder
+            run.lease_expires_at = self.expires_at
+
+    class LeaseReleased(Event):
+        TOPIC = "kuralle_es:Run.LeaseReleased"
+
+        def apply(self, run: Run) -> None:
+            run.lease_holder = None
+            run.lease_expires_at = None
+
+    # ------------------------------------------------------------- commands
+    def start_turn(self, epoch: int, message: Message | None, idempotency_key: str | None) -> None:
+        self.trigger_event(
+            self.TurnStarted,
+            epoch=epoch,
+            message=message.model_dump(exclude_none=True) if message else None,
+            idempotency_key=idempotency_key,
+        )
+
+    def enter_node(
+        self, flow: str | None, node: str | None, state: dict[str, Any], callsite_base: int
+    ) -> None:
+        self.trigger_event(
+            self.NodeEntered,
+            flow=flow,
+            node=node,
+            state=copy.deepcopy(state),
+            callsite_base=callsite_base,
+        )
+
+    def start_step(
+        self, *, key: str, kind: str, name: str, callsite: int, logical_run: str, args: Any
+    ) -> int:
+        """Append an intent; returns the new step's index."""
+        self._require_status("running", "start a step")
+        index = len(self.steps)
+        self.trigger_event(
+            self.StepStarted,
+            index=index,
+            key=key,
+            kind=kind,
+            name=name,
+            callsite=callsite,
+            logical_run=logical_run,
+            args=args,
+        )
+        return index
+
+    def finish_step(self, index: int, result_json: str) -> None:
+        self._require_step_running(index)
+        self.trigger_event(self.StepFinished, index=index, result_json=result_json)
+
+    def fail_step(self, index: int, error: StepError) -> None:
+        self._require_step_running(index)
+        self.trigger_event(self.StepFailed, index=index, error=error.model_dump())
+
+    def append_message(self, message: Message) -> None:
+        self.trigger_event(self.MessageAppended, message=message.model_dump(exclude_none=True))
+
+    def pause(self, waiting_for: WaitingFor) -> None:
+        self.trigger_event(self.Paused, waiting_for=waiting_for.model_dump(mode="json"))
+
+    def accept_signal(self, signal_id: str, name: str, actor: str | None) -> None:
+        self._require_status("paused", "accept a signal")
+        self.trigger_event(self.SignalAccepted, signal_id=signal_id, name=name, actor=actor)
+
+    def finish(
+        self, outcome: str | None, output: Any, agent: str | None, state: dict[str, Any]
+    ) -> None:
+        self.trigger_event(
+            self.Finished,
+            outcome=outcome,
+            output=output,
+            agent=agent,
+            state=copy.deepcopy(state),
+        )
+
+    def fail(self, error: StepError) -> None:
+        self.trigger_event(self.Errored, error=error.model_dump())
+
+    def abort(self, reason: str) -> None:
+        self.trigger_event(self.Aborted, reason=reason)
+
+    def record_turn(self, idempotency_key: str, result: dict[str, Any]) -> None:
+        self.trigger_event(self.TurnRecorded, idempotency_key=idempotency_key, result=result)
+
+    def take_lease(self, holder: str, expires_at: datetime) -> None:
+        self.trigger_event(self.LeaseTaken, holder=holder, expires_at=expires_at)
+
+    def release_lease(self) -> None:
+        if self.lease_holder is not None:
+            self.trigger_event(self.LeaseReleased)
+
+    # -------------------------------------------------------------- queries
+    def steps_at(self, logical_run: str, callsite: int) -> list[StepData]:
+        """Every step journaled at this callsite of this logical run, oldest first."""
+        return [self.steps[i] for i in self.slots.get(_slot(logical_run, callsite), [])]
+
+    def lease_is_live(self, now: datetime) -> bool:
+        return self.lease_expires_at is not None and self.lease_expires_at > now
+
+    def lease_needs_renewal(self, now: datetime, ttl: timedelta) -> bool:
+        return self.lease_expires_at is None or self.lease_expires_at - now < ttl / 2
+
+    def to_state(self) -> RunState:
+        return RunState(
+            run_id=self.run_id,
+            session_id=self.session_id,
+            kind=cast(Any, self.kind),
+            status=cast(Any, self.status),
+            active_agent=self.active_agent,
+            active_flow=self.active_flow,
+            active_node=self.active_node,
+            state=copy.deepcopy(self.state),
+            messages=[Message.model_validate(m) for m in self.messages],
+            waiting_for=WaitingFor.model_validate(self.waiting_for) if self.waiting_for else None,
+            flow_digest=self.flow_digest,
+            lease_holder=self.lease_holder,
+            lease_expires_at=self.lease_expires_at,
+            version=self.version,
+            step_count=len(self.steps),
+            created_at=self.created_on,
+            updated_at=self.modified_on,
+            error=StepError.model_validate(self.error) if self.error else None,
+            outcome=self.outcome,
+        )
+
+    def step_records(self) -> list[StepRecord]:
+        return [step_record(s) for s in self.steps]
+
+    # -------------------------------------------------------------- helpers
+    def _require_status(self, status: str, doing: str) -> None:
+        if self.status != status:
+            msg = f"cannot {doing}: run {self.run_id} is {self.status}, not {status}"
+            raise ValueError(msg)
+
+    def _require_step_running(self, index: int) -> None:
+        if self.steps[index]["status"] != "running":
+            msg = f"step {index} of run {self.run_id} is already {self.steps[index]['status']}"
+            raise ValueError(msg)
+
+
+def step_record(step: StepData) -> StepRecord:
+    result_json = step["result_json"]
+    return StepRecord(
+        index=step["index"],
+        key=step["key"],
+        kind=cast(Any, step["kind"]),
+        name=step["name"],
+        callsite=step["callsite"],
+        status=cast(Any, step["status"]),
+        result=json.loads(result_json) if result_json is not None else None,
+        error=StepError.model_validate(step["error"]) if step["error"] else None,
+        started_at=step["started_at"],
+        finished_at=step["finished_at"],
+    )
+
+
+def new_run(
+    run_id: UUID,
+    session_id: str,
+    kind: str,
+    agent: str | None,
+    flow: str | None,
+    flow_digest: str | None,
+) -> Run:
+    return Run._create(
+        Run.Created,
+        id=run_id,
+        session_id=session_id,
+        kind=kind,
+        agent=agent,
+        flow=flow,
+        flow_digest=flow_digest,
+    )

@@ -1,0 +1,211 @@
+"""Every public error of kuralle_es, in one module.
+
+Each error carries the fields a caller needs as attributes and a message that
+says what happened and what to do. Driver errors (``eventsourcing``'s
+``IntegrityError``) are translated into these at one boundary: the store.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .models import WaitingFor
+
+
+class KuralleError(Exception):
+    """Base class of every error raised by kuralle_es."""
+
+
+class SuspendError(KuralleError):
+    """Raised inside a run to stop the turn until a signal arrives.
+
+    A suspend is not a failure: the runtime catches it, marks the run
+    ``paused`` and ends the turn cleanly. It is never journaled as an error.
+    """
+
+    def __init__(self, waiting_for: WaitingFor) -> None:
+        self.waiting_for = waiting_for
+        super().__init__(
+            f"run suspended waiting for {waiting_for.name!r} "
+            f"(request_id={waiting_for.request_id}); deliver it with SignalDelivery"
+        )
+
+
+class NonDeterminismError(KuralleError):
+    """The code asked for a different effect at a callsite than the journal holds."""
+
+    def __init__(self, callsite: int, expected: str, actual: str) -> None:
+        self.callsite = callsite
+        self.expected = expected
+        self.actual = actual
+        super().__init__(
+            f"non-deterministic replay at callsite {callsite}: the journal recorded "
+            f"{expected}, the code now requests {actual}; nothing was executed. "
+            "Restore the previous code path, or run the flow under a new definition "
+            "(a changed flow digest starts fresh keys)"
+        )
+
+
+class ToolExecutionError(KuralleError):
+    """A tool raised; the failure is frozen in the journal and re-raised on replay."""
+
+    def __init__(self, tool_name: str, error_type: str, message: str) -> None:
+        self.tool_name = tool_name
+        self.error_type = error_type
+        self.message = message
+        super().__init__(
+            f"tool {tool_name!r} failed with {error_type}: {message} "
+            "(the failure is recorded and will be raised again on replay, not retried)"
+        )
+
+
+class ToolResultTypeError(ToolExecutionError, TypeError):
+    """A tool returned something that is not JSON-serialisable (or too large)."""
+
+
+class ToolApprovalDeniedError(KuralleError):
+    """A tool call that needed approval was denied."""
+
+    def __init__(self, tool_name: str, denied_by: str | None, reason: str | None) -> None:
+        self.tool_name = tool_name
+        self.denied_by = denied_by
+        self.reason = reason
+        super().__init__(
+            f"tool {tool_name!r} was denied by {denied_by or 'an approver'}"
+            f"{': ' + reason if reason else ''}; it was not executed and must not be retried"
+        )
+
+
+class UnknownToolError(KuralleError, LookupError):
+    """A tool name that the active agent does not define."""
+
+    def __init__(self, tool_name: str, known: list[str]) -> None:
+        self.tool_name = tool_name
+        self.known = known
+        super().__init__(
+            f"unknown tool {tool_name!r}; the agent defines {sorted(known)!r}. "
+            "Pass one of those names, or add the tool to the agent's tools"
+        )
+
+
+class InvalidToolArgsError(KuralleError, ValueError):
+    """Arguments that fail a tool's input model; nothing was journaled or executed."""
+
+    def __init__(self, tool_name: str, detail: str) -> None:
+        self.tool_name = tool_name
+        self.detail = detail
+        super().__init__(
+            f"invalid arguments for tool {tool_name!r}: {detail}. "
+            "Fix the arguments to match the tool's input model"
+        )
+
+
+class SignalMismatchError(KuralleError):
+    """A delivery that does not match what the run waits for."""
+
+    def __init__(self, run_id: str, message: str) -> None:
+        self.run_id = run_id
+        super().__init__(message)
+
+
+class InvalidSignalError(KuralleError, ValueError):
+    """A signal payload that fails validation."""
+
+    def __init__(self, name: str, message: str) -> None:
+        self.name = name
+        super().__init__(message)
+
+
+class RunNotFoundError(KuralleError, LookupError):
+    """No run with that id in that session (the same error either way)."""
+
+    def __init__(self, run_id: str, session_id: str) -> None:
+        self.run_id = run_id
+        self.session_id = session_id
+        super().__init__(
+            f"no run {run_id!r} in session {session_id!r}; check the run id and the "
+            "session it was started in"
+        )
+
+
+class FlowDriftError(KuralleError):
+    """The run was pinned to another definition of its flow."""
+
+    def __init__(
+        self,
+        run_id: str,
+        pinned: str | None,
+        current: str,
+        recovery: tuple[str, ...] = ("restart", "abandon"),
+    ) -> None:
+        self.run_id = run_id
+        self.pinned = pinned
+        self.current = current
+        self.recovery = recovery
+        super().__init__(
+            f"run {run_id!r} was started with flow digest {pinned} but the flow is now "
+            f"{current}; call runtime.resolve_drift(run_id, session_id, one of "
+            f"{list(recovery)!r})"
+        )
+
+
+class StaleWriteError(KuralleError):
+    """Another writer appended to the run first; nothing of this write was stored."""
+
+    def __init__(self, run_id: str, detail: str = "") -> None:
+        self.run_id = run_id
+        super().__init__(
+            f"run {run_id!r} was changed by another writer; nothing of this write was "
+            f"stored. Reload the run and try again{': ' + detail if detail else ''}"
+        )
+
+
+class LeaseHeldError(KuralleError):
+    """Another worker holds a live lease on the run."""
+
+    def __init__(self, run_id: str, holder: str, expires_at: datetime) -> None:
+        self.run_id = run_id
+        self.holder = holder
+        self.expires_at = expires_at
+        super().__init__(
+            f"run {run_id!r} is leased by {holder!r} until {expires_at.isoformat()}; "
+            "wait for that turn to end or for the lease to expire"
+        )
+
+
+class FlowNotFoundError(KuralleError, LookupError):
+    """A flow name no agent of the runtime defines."""
+
+    def __init__(self, flow_name: str, known: list[str]) -> None:
+        self.flow_name = flow_name
+        self.known = known
+        super().__init__(
+            f"unknown flow {flow_name!r}; the runtime's agents define {sorted(known)!r}"
+        )
+
+
+class PayloadTooLargeError(KuralleError, ValueError):
+    """A result or payload over the configured size bound."""
+
+    def __init__(self, what: str, size: int, limit: int) -> None:
+        self.what = what
+        self.size = size
+        self.limit = limit
+        super().__init__(
+            f"{what} is {size} bytes of JSON, over the limit of {limit}; return a smaller "
+            "value (store large data elsewhere and journal a reference) or raise "
+            "KURALLE_MAX_PAYLOAD_BYTES"
+        )
+
+
+def error_fields(exc: BaseException) -> dict[str, Any]:
+    """The public attributes of an error, as JSON-friendly data for the journal."""
+    out: dict[str, Any] = {}
+    for name, value in vars(exc).items():
+        if name.startswith("_"):
+            continue
+        if isinstance(value, str | int | float | bool) or value is None:
+            out[name] = value
+    return out

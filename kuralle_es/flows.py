@@ -1,0 +1,181 @@
+"""Flows: nodes, transitions, and the flow's stable digest.
+
+A node returns a transition; ``to_transition`` turns every accepted form
+(a node, ``goto``/``end``/``handoff``, or their dict forms) into one of three
+small value types, so the driver handles exactly three cases.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .keys import canonical_json, sha256_hex
+
+if TYPE_CHECKING:
+    from .context import RunContext
+
+__all__ = [
+    "ActionNode",
+    "End",
+    "Flow",
+    "Goto",
+    "Handoff",
+    "Node",
+    "Transition",
+    "action",
+    "define_flow",
+    "end",
+    "goto",
+    "handoff",
+    "to_transition",
+]
+
+
+@dataclass(frozen=True)
+class Goto:
+    node: str
+    data: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class End:
+    reason: str | None = None
+
+
+@dataclass(frozen=True)
+class Handoff:
+    to: str
+    reason: str | None = None
+
+
+Transition = Goto | End | Handoff
+
+
+def goto(node_id: str | Node, data: dict[str, Any] | None = None) -> Goto:
+    return Goto(node_id.id if isinstance(node_id, Node) else node_id, data)
+
+
+def end(reason: str | None = None) -> End:
+    return End(reason)
+
+
+def handoff(to: str, reason: str | None = None) -> Handoff:
+    return Handoff(to, reason)
+
+
+@dataclass(frozen=True)
+class Node:
+    """Base of every flow node: an id and a kind."""
+
+    id: str
+
+    @property
+    def kind(self) -> str:
+        raise NotImplementedError
+
+    def describe(self) -> dict[str, Any]:
+        """What of this node enters the flow digest."""
+        return {"id": self.id, "kind": self.kind}
+
+
+ActionRun = Callable[[dict[str, Any], "RunContext"], Awaitable[Any]]
+
+
+@dataclass(frozen=True)
+class ActionNode(Node):
+    """Durable logic: ``async def run(state, ctx)`` returning a transition."""
+
+    run: ActionRun = field(compare=False)
+
+    @property
+    def kind(self) -> str:
+        return "action"
+
+
+def action(id: str, run: ActionRun) -> ActionNode:
+    if not callable(run):
+        msg = f"action {id!r}: run must be an async callable (state, ctx)"
+        raise TypeError(msg)
+    return ActionNode(id=id, run=run)
+
+
+def to_transition(value: Any, flow: Flow, node_id: str) -> Transition:
+    """Normalise what a node returned; anything else is a clear error."""
+    if isinstance(value, Goto | End | Handoff):
+        transition: Transition = value
+    elif isinstance(value, Node):
+        transition = Goto(value.id)
+    elif isinstance(value, str):
+        transition = Goto(value)
+    elif isinstance(value, Mapping):
+        transition = _transition_from_mapping(value, flow, node_id)
+    else:
+        msg = (
+            f"node {node_id!r} of flow {flow.name!r} returned {value!r}; return a node, "
+            "goto(id), end(reason), handoff(to, reason) or their dict forms"
+        )
+        raise TypeError(msg)
+    if isinstance(transition, Goto) and transition.node not in flow.nodes:
+        msg = (
+            f"node {node_id!r} of flow {flow.name!r} goes to unknown node "
+            f"{transition.node!r}; the flow has {sorted(flow.nodes)!r}"
+        )
+        raise ValueError(msg)
+    return transition
+
+
+def _transition_from_mapping(value: Mapping[str, Any], flow: Flow, node_id: str) -> Transition:
+    if "goto" in value:
+        data = value.get("data")
+        return Goto(str(value["goto"]), dict(data) if data else None)
+    if "end" in value:
+        reason = value["end"]
+        return End(None if reason is None else str(reason))
+    if value.get("kind") == "handoff":
+        return Handoff(str(value["to"]), value.get("reason"))
+    msg = (
+        f"node {node_id!r} of flow {flow.name!r} returned {dict(value)!r}; dict transitions "
+        "are {'goto': id, 'data': {...}}, {'end': reason} or "
+        "{'kind': 'handoff', 'to': ..., 'reason': ...}"
+    )
+    raise ValueError(msg)
+
+
+@dataclass(frozen=True)
+class Flow:
+    """A named graph of nodes, entered at ``start``."""
+
+    name: str
+    description: str
+    start: str
+    nodes: dict[str, Node]
+    digest: str
+
+    def node(self, node_id: str) -> Node:
+        return self.nodes[node_id]
+
+
+def define_flow(name: str, description: str, start: Node | str, nodes: Sequence[Node]) -> Flow:
+    """Define a flow; ids are checked and the digest is computed once, here."""
+    by_id: dict[str, Node] = {}
+    for node in nodes:
+        if not isinstance(node, Node):
+            msg = f"flow {name!r}: {node!r} is not a node (use action(...), collect(...), ...)"
+            raise TypeError(msg)
+        if node.id in by_id:
+            msg = f"flow {name!r}: two nodes share the id {node.id!r}"
+            raise ValueError(msg)
+        by_id[node.id] = node
+    start_id = start.id if isinstance(start, Node) else start
+    if start_id not in by_id:
+        msg = f"flow {name!r}: start node {start_id!r} is not one of {sorted(by_id)!r}"
+        raise ValueError(msg)
+    description_of_flow = {
+        "name": name,
+        "start": start_id,
+        "nodes": [by_id[k].describe() for k in sorted(by_id)],
+    }
+    digest = sha256_hex(canonical_json(description_of_flow))
+    return Flow(name=name, description=description, start=start_id, nodes=by_id, digest=digest)

@@ -1,0 +1,114 @@
+"""``RunStore``: the ``eventsourcing`` application that holds runs.
+
+Persistence is chosen the ``eventsourcing`` way (``PERSISTENCE_MODULE`` and
+that module's variables, from the environment or an ``env`` mapping). This is
+the one boundary where the library's ``IntegrityError`` (a version clash on
+append) becomes our ``StaleWriteError``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+from urllib.parse import unquote, urlparse
+from uuid import UUID
+
+from eventsourcing.application import AggregateNotFoundError, Application
+from eventsourcing.persistence import IntegrityError
+
+from .domain import Run
+from .errors import StaleWriteError
+
+__all__ = ["RunStore", "parse_run_id", "postgres_env"]
+
+#: Snapshot every this many events, so loading a long run stays cheap.
+SNAPSHOT_INTERVAL = 100
+
+
+def parse_run_id(run_id: str) -> UUID | None:
+    """The aggregate id behind a public run id, or None if it cannot be one."""
+    try:
+        return UUID(run_id)
+    except (ValueError, AttributeError, TypeError):
+        return None
+
+
+def postgres_env(dsn_or_params: str | Mapping[str, Any]) -> dict[str, str]:
+    """``POSTGRES_*`` variables from a DSN or a mapping of connection params."""
+    if isinstance(dsn_or_params, str):
+        url = urlparse(dsn_or_params)
+        if url.scheme not in ("postgresql", "postgres"):
+            msg = (
+                f"not a PostgreSQL DSN: {dsn_or_params!r}; "
+                "use postgresql://user[:password]@host[:port]/dbname"
+            )
+            raise ValueError(msg)
+        params: dict[str, Any] = {
+            "dbname": url.path.lstrip("/") or None,
+            "host": url.hostname,
+            "port": url.port,
+            "user": unquote(url.username) if url.username else None,
+            "password": unquote(url.password) if url.password else None,
+        }
+    else:
+        params = dict(dsn_or_params)
+    unknown = set(params) - {"dbname", "host", "port", "user", "password"}
+    if unknown:
+        msg = (
+            f"unknown PostgreSQL parameters {sorted(unknown)!r}; "
+            "use dbname, host, port, user, password"
+        )
+        raise ValueError(msg)
+    if not params.get("dbname"):
+        msg = "a PostgreSQL store needs a database name (dbname)"
+        raise ValueError(msg)
+    env = {
+        "PERSISTENCE_MODULE": "eventsourcing.postgres",
+        "POSTGRES_DBNAME": str(params["dbname"]),
+        "POSTGRES_HOST": str(params.get("host") or "127.0.0.1"),
+        "POSTGRES_PORT": str(params.get("port") or 5432),
+        "POSTGRES_USER": str(params.get("user") or "postgres"),
+        "POSTGRES_PASSWORD": str(params.get("password") or ""),
+    }
+    return env
+
+
+class RunStore(Application[UUID]):
+    """Holds runs; appends are compare-and-set on the aggregate version."""
+
+    name = "RunStore"
+    snapshotting_intervals: ClassVar[dict[type[Any], int]] = {Run: SNAPSHOT_INTERVAL}
+
+    # ------------------------------------------------------------ shortcuts
+    @classmethod
+    def memory(cls) -> RunStore:
+        return cls(env={"PERSISTENCE_MODULE": "eventsourcing.popo"})
+
+    @classmethod
+    def sqlite(cls, path: str) -> RunStore:
+        return cls(env={"PERSISTENCE_MODULE": "eventsourcing.sqlite", "SQLITE_DBNAME": path})
+
+    @classmethod
+    def postgres(cls, dsn_or_params: str | Mapping[str, Any]) -> RunStore:
+        return cls(env=postgres_env(dsn_or_params))
+
+    # ---------------------------------------------------------------- runs
+    def load(self, run_id: str) -> Run | None:
+        """The run with this public id, or None if there is none."""
+        aggregate_id = parse_run_id(run_id)
+        if aggregate_id is None:
+            return None
+        try:
+            run: object = self.repository.get(aggregate_id)
+        except AggregateNotFoundError:
+            return None
+        if not isinstance(run, Run):
+            return None
+        return run
+
+    def save_run(self, run: Run) -> None:
+        """Append the run's pending events in one transaction, or nothing at all."""
+        try:
+            self.save(run)
+        except IntegrityError as e:
+            raise StaleWriteError(run.run_id, "another writer appended first") from e

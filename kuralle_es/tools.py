@@ -1,0 +1,190 @@
+"""Tool definitions: what a tool is, how its input is validated and how it is invoked.
+
+A tool knows nothing of journals: the funnel in ``journal`` decides whether
+``invoke`` runs at all.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ValidationError
+
+from .errors import InvalidToolArgsError, PayloadTooLargeError
+from .models import ToolCall
+
+__all__ = ["Tool", "define_tool", "encode_json", "max_payload_bytes"]
+
+PolicyAnswer = Literal["allow", "ask", "deny"]
+Policy = Callable[[str, BaseModel, ToolCall | None], PolicyAnswer]
+InDoubt = Literal["retry", "ask"]
+
+_DEFAULT_MAX_PAYLOAD_BYTES = 1_000_000
+
+
+def max_payload_bytes() -> int:
+    """The size bound of a journaled result or payload (``KURALLE_MAX_PAYLOAD_BYTES``)."""
+    raw = os.environ.get("KURALLE_MAX_PAYLOAD_BYTES")
+    if raw is None:
+        return _DEFAULT_MAX_PAYLOAD_BYTES
+    try:
+        value = int(raw)
+    except ValueError:
+        msg = f"KURALLE_MAX_PAYLOAD_BYTES must be a whole number of bytes, got {raw!r}"
+        raise ValueError(msg) from None
+    if value <= 0:
+        msg = f"KURALLE_MAX_PAYLOAD_BYTES must be positive, got {value}"
+        raise ValueError(msg)
+    return value
+
+
+def _dump_model(value: object) -> object:
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json")
+    msg = f"{type(value).__name__} is not JSON-serialisable"
+    raise TypeError(msg)
+
+
+def encode_json(value: Any, what: str) -> str:
+    """JSON text of ``value`` for the journal (pydantic models dumped), within the bound.
+
+    Raises ``TypeError`` for anything JSON cannot hold exactly (NaN included)
+    and ``PayloadTooLargeError`` over the bound; ``what`` names the culprit.
+    """
+    try:
+        text = json.dumps(value, default=_dump_model, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        msg = f"{what} is not JSON-serialisable: {e}"
+        raise TypeError(msg) from None
+    size = len(text.encode("utf-8"))
+    limit = max_payload_bytes()
+    if size > limit:
+        raise PayloadTooLargeError(what, size, limit)
+    return text
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A named, validated, durable side effect that agents and flows can call."""
+
+    name: str
+    description: str
+    input: type[BaseModel]
+    execute: Callable[..., Any]
+    needs_approval: bool = False
+    policy: Policy | None = None
+    idempotency_key: Callable[[BaseModel], str] | None = None
+    parallel_safe: bool | Callable[[BaseModel], bool] = False
+    replay: bool = True
+    on_in_doubt: InDoubt = "retry"
+
+    def validate(self, args: Any) -> BaseModel:
+        """The tool's input model built from ``args``, or ``InvalidToolArgsError``."""
+        if isinstance(args, self.input):
+            return args
+        if isinstance(args, BaseModel):
+            args = args.model_dump()
+        if args is None:
+            args = {}
+        try:
+            return self.input.model_validate(args)
+        except ValidationError as e:
+            detail = "; ".join(
+                f"{'.'.join(str(p) for p in err['loc']) or '(root)'}: {err['msg']}"
+                for err in e.errors()
+            )
+            raise InvalidToolArgsError(self.name, detail) from None
+
+    def decide(self, args: BaseModel, call: ToolCall | None) -> PolicyAnswer:
+        """The approval policy's answer for this call."""
+        if self.policy is not None:
+            answer = self.policy(self.name, args, call)
+            if answer not in ("allow", "ask", "deny"):
+                msg = (
+                    f"policy of tool {self.name!r} answered {answer!r}; "
+                    "a policy must answer 'allow', 'ask' or 'deny'"
+                )
+                raise ValueError(msg)
+            return answer
+        return "ask" if self.needs_approval else "allow"
+
+    def is_parallel_safe(self, args: BaseModel) -> bool:
+        if callable(self.parallel_safe):
+            return bool(self.parallel_safe(args))
+        return bool(self.parallel_safe)
+
+    async def invoke(self, args: BaseModel, call: ToolCall) -> Any:
+        """Run ``execute`` (sync or async, with or without ``call``)."""
+        outcome = self.execute(args, call) if _wants_call(self.execute) else self.execute(args)
+        if inspect.isawaitable(outcome):
+            outcome = await outcome
+        return outcome
+
+    def json_schema(self) -> dict[str, Any]:
+        """The OpenAI function-tool description of this tool."""
+        return {
+            "type": "function",
+            "function": {
+                "name": self.name,
+                "description": self.description,
+                "parameters": self.input.model_json_schema(),
+            },
+        }
+
+
+def _wants_call(fn: Callable[..., Any]) -> bool:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    positional = [
+        p
+        for p in params
+        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    ]
+    return len(positional) >= 2 or any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params)
+
+
+def define_tool(
+    name: str,
+    description: str,
+    input: type[BaseModel],
+    execute: Callable[..., Any],
+    *,
+    needs_approval: bool = False,
+    policy: Policy | None = None,
+    idempotency_key: Callable[[BaseModel], str] | None = None,
+    parallel_safe: bool | Callable[[BaseModel], bool] = False,
+    replay: bool = True,
+    on_in_doubt: InDoubt = "retry",
+) -> Tool:
+    """Define a tool; every argument is checked here so mistakes surface at import."""
+    if not isinstance(name, str) or not name or name.startswith("__"):
+        msg = f"tool name must be a non-empty string not starting with '__', got {name!r}"
+        raise ValueError(msg)
+    if not (isinstance(input, type) and issubclass(input, BaseModel)):
+        msg = f"tool {name!r}: input must be a pydantic model class, got {input!r}"
+        raise TypeError(msg)
+    if not callable(execute):
+        msg = f"tool {name!r}: execute must be callable"
+        raise TypeError(msg)
+    if on_in_doubt not in ("retry", "ask"):
+        msg = f"tool {name!r}: on_in_doubt must be 'retry' or 'ask', got {on_in_doubt!r}"
+        raise ValueError(msg)
+    return Tool(
+        name=name,
+        description=description,
+        input=input,
+        execute=execute,
+        needs_approval=needs_approval,
+        policy=policy,
+        idempotency_key=idempotency_key,
+        parallel_safe=parallel_safe,
+        replay=replay,
+        on_in_doubt=on_in_doubt,
+    )
