@@ -3,16 +3,26 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 from uuid import uuid4
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
-from .errors import UnknownToolError
-from .journal import Journal, utcnow
-from .models import StreamPart, ToolCall
+from .domain import StepData
+from .errors import InvalidSignalError, ToolApprovalDeniedError, UnknownToolError
+from .journal import Journal, decode, utcnow
+from .models import ApprovalDecision, StreamPart, ToolCall
 from .tools import Tool
+from .waits import (
+    APPROVAL,
+    APPROVAL_LANE,
+    IN_DOUBT,
+    approval_decision,
+    frozen_operation,
+    is_deadline_deny,
+    suspend,
+)
 
 __all__ = ["RunContext"]
 
@@ -61,18 +71,70 @@ class RunContext:
             site = self._journal.reserve(1)[0]
         return self._run_tool(tool, validated, site)
 
-    async def _run_tool(self, tool: Tool, args: BaseModel, callsite: int) -> Any:
-        journal = self._journal
-        args_json = args.model_dump(mode="json")
+    def _call(self, tool: Tool, args: BaseModel, callsite: int) -> ToolCall:
         override = tool.idempotency_key(args) if tool.idempotency_key else None
-        key = journal.key_for(callsite, {"name": tool.name, "args": args_json}, override)
-        call = ToolCall(
-            idempotency_key=key,
+        payload = {"name": tool.name, "args": args.model_dump(mode="json")}
+        return ToolCall(
+            idempotency_key=self._journal.key_for(callsite, payload, override),
             run_id=self.run_id,
             session_id=self.session_id,
             tool_name=tool.name,
             callsite=callsite,
         )
+
+    async def _approved_args(self, tool: Tool, args: BaseModel, callsite: int) -> BaseModel:
+        """The args to execute with, after the tool's policy and any approval.
+
+        Once an approval is journaled, its frozen operation wins over whatever
+        the node computes now: the approver saw those args.
+        """
+        journal = self._journal
+        key = journal.key_for(callsite, APPROVAL)
+        step = journal.recorded(callsite, "approval", APPROVAL, key, APPROVAL_LANE)
+        if step is not None and step["status"] == "finished":
+            decision = approval_decision(decode(step))
+            if not decision.approved:
+                raise ToolApprovalDeniedError(tool.name, decision.by, decision.reason)
+            return tool.validate(step["args"]["operation"]["args"])
+        answer = tool.decide(args, self._call(tool, args, callsite))
+        if answer == "allow":
+            return args
+        if answer == "deny":
+            raise ToolApprovalDeniedError(tool.name, "policy", "denied by the tool's policy")
+        suspend(
+            journal,
+            callsite=callsite,
+            name=APPROVAL,
+            kind="approval",
+            title=f"Approve {tool.name}",
+            description=tool.description,
+            operation=frozen_operation(tool.name, args.model_dump(mode="json")),
+            lane=APPROVAL_LANE,
+        )
+
+    async def _run_tool(self, tool: Tool, args: BaseModel, callsite: int) -> Any:
+        journal = self._journal
+        if tool.policy is not None or tool.needs_approval:
+            args = await self._approved_args(tool, args, callsite)
+        args_json = args.model_dump(mode="json")
+        call = self._call(tool, args, callsite)
+        key = call.idempotency_key
+
+        async def ask_in_doubt(step: StepData) -> None:
+            if tool.on_in_doubt == "ask":
+                suspend(
+                    journal,
+                    callsite=callsite,
+                    name=IN_DOUBT,
+                    kind="signal",
+                    title=f"Did {tool.name} run before the crash?",
+                    description=(
+                        "The process stopped between this call's intent and its result. "
+                        "Answer retry, resolve (with the result) or fail."
+                    ),
+                    operation=frozen_operation(tool.name, step["args"]),
+                    step_index=step["index"],
+                )
 
         async def execute() -> Any:
             self._emit(StreamPart(type="tool-call", tool_name=tool.name, args=args_json))
@@ -89,7 +151,68 @@ class RunContext:
             args=args_json,
             execute=execute,
             replay=tool.replay,
+            on_running=ask_in_doubt,
             on_executed=executed,
+        )
+
+    # ------------------------------------------------------------- waiting
+    async def approve(
+        self,
+        title: str,
+        description: str | None = None,
+        deadline: datetime | timedelta | float | None = None,
+    ) -> ApprovalDecision:
+        """Suspend until an ``__approval`` signal arrives; returns the decision."""
+        callsite = self._journal.reserve(1)[0]
+        payload = await self._wait(
+            callsite, APPROVAL, "approval", title=title, description=description, deadline=deadline
+        )
+        return approval_decision(payload)
+
+    async def signal(
+        self,
+        name: str,
+        deadline: datetime | timedelta | float | None = None,
+        schema: type[BaseModel] | None = None,
+    ) -> Any:
+        """Suspend until signal ``name`` arrives; returns its payload (validated by
+        ``schema`` when given, except the deadline sweeper's deny, returned as is)."""
+        if not isinstance(name, str) or not name or name.startswith("__"):
+            msg = f"signal name must be a non-empty string not starting with '__', got {name!r}"
+            raise ValueError(msg)
+        callsite = self._journal.reserve(1)[0]
+        payload = await self._wait(callsite, name, "signal", deadline=deadline, schema=schema)
+        if schema is None or is_deadline_deny(payload):
+            return payload
+        try:
+            return schema.model_validate(payload)
+        except ValidationError as e:
+            raise InvalidSignalError(name, f"payload of signal {name!r}: {e}") from None
+
+    async def _wait(
+        self,
+        callsite: int,
+        name: str,
+        kind: str,
+        *,
+        title: str | None = None,
+        description: str | None = None,
+        deadline: datetime | timedelta | float | None = None,
+        schema: type[BaseModel] | None = None,
+    ) -> Any:
+        journal = self._journal
+        step = journal.recorded(callsite, kind, name, journal.key_for(callsite, name))
+        if step is not None and step["status"] == "finished":
+            return decode(step)
+        suspend(
+            journal,
+            callsite=callsite,
+            name=name,
+            kind=kind,
+            title=title,
+            description=description,
+            deadline=deadline,
+            schema=schema,
         )
 
     # ---------------------------------------------------------- clock, uuid

@@ -17,7 +17,7 @@ import copy
 import json
 from datetime import datetime, timedelta
 from typing import Any, TypedDict, cast
-from uuid import UUID
+from uuid import UUID, uuid5
 
 from eventsourcing.domain import Aggregate
 
@@ -45,6 +45,7 @@ class StepData(TypedDict):
     error: dict[str, Any] | None
     started_at: datetime
     finished_at: datetime | None
+    retry_allowed: bool
 
 
 def _slot(logical_run: str, callsite: int) -> str:
@@ -160,6 +161,7 @@ class Run(Aggregate):
                     error=None,
                     started_at=self.timestamp,
                     finished_at=None,
+                    retry_allowed=False,
                 )
             )
             run.slots.setdefault(_slot(self.logical_run, self.callsite), []).append(self.index)
@@ -187,6 +189,15 @@ class Run(Aggregate):
             step["error"] = self.error
             step["finished_at"] = self.timestamp
 
+    class StepRetryAllowed(Event):
+        """A human answered an in-doubt step with "retry": execute it again, same key."""
+
+        TOPIC = "kuralle_es:Run.StepRetryAllowed"
+        index: int
+
+        def apply(self, run: Run) -> None:
+            run.steps[self.index]["retry_allowed"] = True
+
     class MessageAppended(Event):
         TOPIC = "kuralle_es:Run.MessageAppended"
         message: dict[str, Any]
@@ -208,6 +219,7 @@ class Run(Aggregate):
         TOPIC = "kuralle_es:Run.SignalAccepted"
         signal_id: str
         name: str
+        payload: Any
         actor: str | None
 
         def apply(self, run: Run) -> None:
@@ -324,12 +336,22 @@ class Run(Aggregate):
     def append_message(self, message: Message) -> None:
         self.trigger_event(self.MessageAppended, message=message.model_dump(exclude_none=True))
 
-    def pause(self, waiting_for: WaitingFor) -> None:
-        self.trigger_event(self.Paused, waiting_for=waiting_for.model_dump(mode="json"))
+    def pause(self, waiting_for: WaitingFor, private: dict[str, Any]) -> None:
+        """Pause on ``waiting_for``; ``private`` holds what only the runtime reads
+        back (the logical run of the wait, an in-doubt step's index, a schema topic)."""
+        self.trigger_event(
+            self.Paused, waiting_for={**waiting_for.model_dump(mode="json"), **private}
+        )
 
-    def accept_signal(self, signal_id: str, name: str, actor: str | None) -> None:
+    def accept_signal(self, signal_id: str, name: str, payload: Any, actor: str | None) -> None:
         self._require_status("paused", "accept a signal")
-        self.trigger_event(self.SignalAccepted, signal_id=signal_id, name=name, actor=actor)
+        self.trigger_event(
+            self.SignalAccepted, signal_id=signal_id, name=name, payload=payload, actor=actor
+        )
+
+    def allow_retry(self, index: int) -> None:
+        self._require_step_running(index)
+        self.trigger_event(self.StepRetryAllowed, index=index)
 
     def finish(
         self, outcome: str | None, output: Any, agent: str | None, state: dict[str, Any]
@@ -439,4 +461,50 @@ def new_run(
         agent=agent,
         flow=flow,
         flow_digest=flow_digest,
+    )
+
+
+#: Namespace of the deterministic ids of per-session aggregates.
+SESSION_NAMESPACE = UUID("0b6f7a52-6c1e-4f0e-9d5e-6b1f0c7d2a41")
+
+
+class SessionRuns(Aggregate):
+    """The runs of one session, so a delivery without ``run_id`` can find its run.
+
+    Its id is derived from the session id, and it is saved in the same
+    transaction as each run it lists: a run is never orphaned from its session.
+    """
+
+    TOPIC = "kuralle_es:SessionRuns"
+
+    class Event(Aggregate.Event):
+        pass
+
+    class Created(Event, Aggregate.Created):
+        TOPIC = "kuralle_es:SessionRuns.Created"
+        session_id: str
+
+    def __init__(self, session_id: str) -> None:
+        self.session_id = session_id
+        self.run_ids: list[str] = []
+
+    class RunAdded(Event):
+        TOPIC = "kuralle_es:SessionRuns.RunAdded"
+        run_id: str
+
+        def apply(self, index: SessionRuns) -> None:
+            index.run_ids.append(self.run_id)
+
+    def add_run(self, run_id: str) -> None:
+        if run_id not in self.run_ids:
+            self.trigger_event(self.RunAdded, run_id=run_id)
+
+
+def session_runs_id(session_id: str) -> UUID:
+    return uuid5(SESSION_NAMESPACE, session_id)
+
+
+def new_session_runs(session_id: str) -> SessionRuns:
+    return SessionRuns._create(
+        SessionRuns.Created, id=session_runs_id(session_id), session_id=session_id
     )

@@ -25,8 +25,10 @@ class SuspendError(KuralleError):
     ``paused`` and ends the turn cleanly. It is never journaled as an error.
     """
 
-    def __init__(self, waiting_for: WaitingFor) -> None:
+    def __init__(self, waiting_for: WaitingFor, private: dict[str, Any] | None = None) -> None:
         self.waiting_for = waiting_for
+        # What the runtime alone reads back on delivery (logical run, lane, ...).
+        self._private = private or {}
         super().__init__(
             f"run suspended waiting for {waiting_for.name!r} "
             f"(request_id={waiting_for.request_id}); deliver it with SignalDelivery"

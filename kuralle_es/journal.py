@@ -37,7 +37,7 @@ from .models import StepError
 from .store import RunStore
 from .tools import encode_json
 
-__all__ = ["Journal", "frozen_error"]
+__all__ = ["Journal", "decode", "frozen_error"]
 
 #: ``StepError.data`` marker of a result the journal could not hold.
 _UNRECORDABLE = "unrecordable_result"
@@ -121,9 +121,15 @@ class Journal:
             self._idle.set()
 
     # ---------------------------------------------------------------- lookup
-    def recorded(self, callsite: int, kind: str, name: str, key: str) -> StepData | None:
-        """The step recorded for this effect, or None; raises on a kind/name mismatch."""
-        steps: list[StepData] = self.run.steps_at(self.logical_run, callsite)
+    def recorded(
+        self, callsite: int, kind: str, name: str, key: str, lane: str = ""
+    ) -> StepData | None:
+        """The step recorded for this effect, or None; raises on a kind/name mismatch.
+
+        A ``lane`` keeps a second journal slot at the same callsite: a tool's
+        approval lives beside the tool's own step, not in place of it.
+        """
+        steps: list[StepData] = self.run.steps_at(self.logical_run + lane, callsite)
         if not steps:
             return None
         latest = steps[-1]
@@ -152,6 +158,7 @@ class Journal:
         args: Any,
         execute: Callable[[], Awaitable[Any]],
         replay: bool = True,
+        lane: str = "",
         on_running: Callable[[StepData], Awaitable[None]] | None = None,
         on_executed: Callable[[Any], None] | None = None,
     ) -> Any:
@@ -163,13 +170,14 @@ class Journal:
         self._enter()
         try:
             async with self._lock:
-                step = self.recorded(callsite, kind, name, key)
+                step = self.recorded(callsite, kind, name, key, lane)
                 if step is not None and replay:
                     if step["status"] == "finished":
-                        return _decode(step)
+                        return decode(step)
                     if step["status"] == "error":
                         raise frozen_error(step)
-                    if on_running is not None:
+                    # Running: the process died between intent and result.
+                    if on_running is not None and not step["retry_allowed"]:
                         await on_running(step)
                     index = step["index"]
                 else:
@@ -178,7 +186,7 @@ class Journal:
                         kind=kind,
                         name=name,
                         callsite=callsite,
-                        logical_run=self.logical_run,
+                        logical_run=self.logical_run + lane,
                         args=args,
                     )
                     await self._persist_locked()
@@ -205,6 +213,62 @@ class Journal:
         finally:
             self._leave()
 
+    async def record_value(
+        self,
+        *,
+        callsite: int,
+        kind: str,
+        name: str,
+        key: str,
+        args: Any,
+        make: Callable[[], Any],
+        lane: str = "",
+    ) -> Any:
+        """Journal an effect with no outside side effect (a clock read, a uuid, a
+        delivered payload) as intent and result in one save.
+
+        Nobody outside can have seen a value that was never saved, so the
+        intent-before-execute window buys nothing here and costs a save.
+        """
+        async with self._lock:
+            step = self.recorded(callsite, kind, name, key, lane)
+            if step is not None:
+                if step["status"] == "finished":
+                    return decode(step)
+                if step["status"] == "error":
+                    raise frozen_error(step)
+            result_json = encode_json(make(), f"the result of {kind} {name!r}")
+            if step is None:
+                index = self.run.start_step(
+                    key=key,
+                    kind=kind,
+                    name=name,
+                    callsite=callsite,
+                    logical_run=self.logical_run + lane,
+                    args=args,
+                )
+            else:
+                index = step["index"]
+            self.run.finish_step(index, result_json)
+            await self._persist_locked()
+            return json.loads(result_json)
+
+    def answer_in_doubt(self, index: int, answer: dict[str, Any]) -> None:
+        """Apply a human's answer to a step left running: retry, resolve or fail.
+
+        Only triggers events; they are saved with the delivery that carried them.
+        """
+        action = answer["action"]
+        step = self.run.steps[index]
+        if action == "retry":
+            self.run.allow_retry(index)
+        elif action == "resolve":
+            what = f"the resolved result of {step['kind']} {step['name']!r}"
+            self.run.finish_step(index, encode_json(answer.get("result"), what))
+        else:
+            message = str(answer.get("message") or "failed by a human after a crash")
+            self.run.fail_step(index, StepError(type="InDoubtFailed", message=message, data={}))
+
     async def _record_failure(self, index: int, error: StepError) -> ToolExecutionError:
         async with self._lock:
             self.run.fail_step(index, error)
@@ -212,6 +276,7 @@ class Journal:
             return frozen_error(self.run.steps[index])
 
 
-def _decode(step: StepData) -> Any:
+def decode(step: StepData) -> Any:
+    """A finished step's recorded result."""
     text = step["result_json"]
     return None if text is None else json.loads(text)

@@ -18,6 +18,7 @@ from types import TracebackType
 from typing import Any
 from uuid import uuid4
 
+from . import signals
 from .agents import Agent
 from .domain import Run, new_run
 from .driver import drive_flow
@@ -27,7 +28,9 @@ from .errors import (
     KuralleError,
     LeaseHeldError,
     RunNotFoundError,
+    SignalMismatchError,
     StaleWriteError,
+    SuspendError,
     error_fields,
 )
 from .flows import End, Flow, Handoff
@@ -56,6 +59,7 @@ class _TurnRequest:
     run_id: str | None
     signal_delivery: SignalDelivery | None
     idempotency_key: str | None
+    from_sweeper: bool = False
 
 
 def _default_holder() -> str:
@@ -167,24 +171,46 @@ class _Turn:
         self.sink = sink
 
     async def drive(self) -> TurnResult:
-        run = await self._address()
         request = self.request
+        run, fresh = await self._address()
         if request.idempotency_key and request.idempotency_key in run.turn_keys:
-            self.sink.opened(run.run_id)
-            return TurnResult.model_validate(run.turn_keys[request.idempotency_key])
-        if run.status in ("finished", "aborted"):
-            self.sink.opened(run.run_id)
-            return _result_of(run)
+            return self._noop(
+                run, TurnResult.model_validate(run.turn_keys[request.idempotency_key])
+            )
+        delivery = request.signal_delivery
+        payload: Any = None
+        if delivery is not None:
+            payload = signals.check(run, delivery, utcnow(), from_sweeper=request.from_sweeper)
+            if payload is signals.Duplicate.DELIVERED:
+                return self._noop(run, _result_of(run))
+        elif run.status in ("finished", "aborted", "paused"):
+            # Nothing to do: a paused run moves only on a delivery.
+            return self._noop(run, _result_of(run))
         agent, flow = self._flow_of(run)
         self._check_lease(run)
         journal = Journal(
             self.runtime.store, run, holder=self.runtime.holder, lease_ttl=self.runtime.lease_ttl
         )
         run.take_lease(self.runtime.holder, utcnow() + journal.lease_ttl)
-        await journal.persist()
+        try:
+            if fresh:
+                await asyncio.to_thread(self.runtime.store.create_run, run)
+            elif delivery is not None:
+                await signals.accept(journal, delivery, payload)
+            else:
+                await journal.persist()
+        except StaleWriteError:
+            if delivery is not None:
+                # Two identical deliveries raced: the winner's is the delivery.
+                latest = await asyncio.to_thread(self.runtime.store.load, run.run_id)
+                if latest is not None and delivery.signal_id in latest.signal_ids:
+                    return self._noop(latest, _result_of(latest))
+            raise
         self.sink.opened(run.run_id)
         try:
             transition, state = await drive_flow(journal, flow, agent, self.sink.emit)
+        except SuspendError as suspended:
+            return await self._close_paused(journal, suspended)
         except StaleWriteError:
             raise
         except Exception as exc:
@@ -192,15 +218,22 @@ class _Turn:
             raise
         return await self._close_finished(journal, transition, state)
 
+    def _noop(self, run: Run, result: TurnResult) -> TurnResult:
+        self.sink.opened(run.run_id)
+        return result
+
     # ------------------------------------------------------------ addressing
-    async def _address(self) -> Run:
+    async def _address(self) -> tuple[Run, bool]:
+        """The run this turn is for, and whether it is new (not yet stored)."""
         request = self.request
         runtime = self.runtime
         if request.run_id is not None:
             run = await runtime._load(request.run_id, request.session_id)
             if run is None:
                 raise RunNotFoundError(request.run_id, request.session_id)
-            return run
+            return run, False
+        if request.signal_delivery is not None:
+            return await self._find_waiting(request.signal_delivery), False
         if request.kind == "flow":
             if not request.flow_name:
                 msg = "kind='flow' needs flow_name, the name of one of the agents' flows"
@@ -210,12 +243,46 @@ class _Turn:
             message = Message(role="user", content=request.input) if request.input else None
             run.start_turn(0, message, request.idempotency_key)
             run.enter_node(flow.name, flow.start, {}, 0)
-            return run
+            return run, True
         msg = (
             "conversation runs (no run_id, kind other than 'flow') need the agent loop, "
             "which this version does not have yet; start a flow run with kind='flow'"
         )
         raise NotImplementedError(msg)
+
+    async def _find_waiting(self, delivery: SignalDelivery) -> Run:
+        """The session's run a delivery without ``run_id`` is for."""
+        store = self.runtime.store
+        session_id = self.request.session_id
+        run_ids = await asyncio.to_thread(store.session_run_ids, session_id)
+        matches: list[Run] = []
+        for run_id in run_ids:
+            run = await asyncio.to_thread(store.load, run_id)
+            if run is None:
+                continue
+            if delivery.signal_id in run.signal_ids:
+                return run  # a retry of a delivery already made: a no-op there
+            waiting = run.waiting_for
+            if (
+                run.status == "paused"
+                and waiting is not None
+                and waiting["name"] == delivery.name
+                and delivery.request_id in (None, waiting["request_id"])
+            ):
+                matches.append(run)
+        if len(matches) == 1:
+            return matches[0]
+        if not matches:
+            msg = (
+                f"no run of session {session_id!r} waits for signal {delivery.name!r}"
+                f"{' with request_id ' + repr(delivery.request_id) if delivery.request_id else ''}"
+            )
+        else:
+            msg = (
+                f"{len(matches)} runs of session {session_id!r} wait for signal "
+                f"{delivery.name!r}; pass run_id to say which"
+            )
+        raise SignalMismatchError("", msg)
 
     def _flow_of(self, run: Run) -> tuple[Agent, Flow]:
         if run.active_flow is None:
@@ -246,6 +313,13 @@ class _Turn:
         outcome = transition.reason
         run.finish(outcome, outcome, agent, state)
         return await self._close(journal, StreamPart(type="finished"))
+
+    async def _close_paused(self, journal: Journal, suspended: SuspendError) -> TurnResult:
+        run = journal.run
+        run.pause(suspended.waiting_for, suspended._private)
+        return await self._close(
+            journal, StreamPart(type="paused", waiting_for=suspended.waiting_for)
+        )
 
     async def _close_errored(self, journal: Journal, exc: Exception) -> None:
         run = journal.run

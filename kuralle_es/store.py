@@ -16,7 +16,7 @@ from uuid import UUID
 from eventsourcing.application import AggregateNotFoundError, Application
 from eventsourcing.persistence import IntegrityError
 
-from .domain import Run
+from .domain import Run, SessionRuns, new_session_runs, session_runs_id
 from .errors import StaleWriteError
 
 __all__ = ["RunStore", "parse_run_id", "postgres_env"]
@@ -77,7 +77,10 @@ class RunStore(Application[UUID]):
     """Holds runs; appends are compare-and-set on the aggregate version."""
 
     name = "RunStore"
-    snapshotting_intervals: ClassVar[dict[type[Any], int]] = {Run: SNAPSHOT_INTERVAL}
+    snapshotting_intervals: ClassVar[dict[type[Any], int]] = {
+        Run: SNAPSHOT_INTERVAL,
+        SessionRuns: SNAPSHOT_INTERVAL,
+    }
 
     # ------------------------------------------------------------ shortcuts
     @classmethod
@@ -105,6 +108,36 @@ class RunStore(Application[UUID]):
         if not isinstance(run, Run):
             return None
         return run
+
+    def create_run(self, run: Run) -> None:
+        """Save a new run together with its entry in its session's index.
+
+        A clash can only be on the session index (a concurrent creation in the
+        same session), since a new run's id is fresh: reload it and try again.
+        """
+        events = run.collect_events()
+        for _ in range(20):
+            index = self._session_runs(run.session_id) or new_session_runs(run.session_id)
+            index.add_run(run.run_id)
+            try:
+                self.save(*events, index)
+                return
+            except IntegrityError:
+                if self.load(run.run_id) is not None:
+                    raise StaleWriteError(run.run_id, "the run already exists") from None
+        raise StaleWriteError(run.run_id, "its session index kept changing")
+
+    def session_run_ids(self, session_id: str) -> list[str]:
+        """Ids of the session's runs, oldest first."""
+        index = self._session_runs(session_id)
+        return list(index.run_ids) if index is not None else []
+
+    def _session_runs(self, session_id: str) -> SessionRuns | None:
+        try:
+            index: object = self.repository.get(session_runs_id(session_id))
+        except AggregateNotFoundError:
+            return None
+        return index if isinstance(index, SessionRuns) else None
 
     def save_run(self, run: Run) -> None:
         """Append the run's pending events in one transaction, or nothing at all."""
