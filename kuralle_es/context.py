@@ -9,20 +9,12 @@ from uuid import uuid4
 
 from pydantic import BaseModel, ValidationError
 
-from .domain import StepData
-from .errors import InvalidSignalError, ToolApprovalDeniedError, UnknownToolError
+from .errors import InvalidSignalError, UnknownToolError
 from .journal import Journal, decode, utcnow
-from .models import ApprovalDecision, StreamPart, ToolCall
+from .models import ApprovalDecision, StreamPart
+from .tool_steps import run_tool
 from .tools import Tool
-from .waits import (
-    APPROVAL,
-    APPROVAL_LANE,
-    IN_DOUBT,
-    approval_decision,
-    frozen_operation,
-    is_deadline_deny,
-    suspend,
-)
+from .waits import APPROVAL, approval_decision, is_deadline_deny, suspend
 
 __all__ = ["RunContext"]
 
@@ -69,91 +61,7 @@ class RunContext:
         site = _explicit_site(callsite, index)
         if site is None:
             site = self._journal.reserve(1)[0]
-        return self._run_tool(tool, validated, site)
-
-    def _call(self, tool: Tool, args: BaseModel, callsite: int) -> ToolCall:
-        override = tool.idempotency_key(args) if tool.idempotency_key else None
-        payload = {"name": tool.name, "args": args.model_dump(mode="json")}
-        return ToolCall(
-            idempotency_key=self._journal.key_for(callsite, payload, override),
-            run_id=self.run_id,
-            session_id=self.session_id,
-            tool_name=tool.name,
-            callsite=callsite,
-        )
-
-    async def _approved_args(self, tool: Tool, args: BaseModel, callsite: int) -> BaseModel:
-        """The args to execute with, after the tool's policy and any approval.
-
-        Once an approval is journaled, its frozen operation wins over whatever
-        the node computes now: the approver saw those args.
-        """
-        journal = self._journal
-        key = journal.key_for(callsite, APPROVAL)
-        step = journal.recorded(callsite, "approval", APPROVAL, key, APPROVAL_LANE)
-        if step is not None and step["status"] == "finished":
-            decision = approval_decision(decode(step))
-            if not decision.approved:
-                raise ToolApprovalDeniedError(tool.name, decision.by, decision.reason)
-            return tool.validate(step["args"]["operation"]["args"])
-        answer = tool.decide(args, self._call(tool, args, callsite))
-        if answer == "allow":
-            return args
-        if answer == "deny":
-            raise ToolApprovalDeniedError(tool.name, "policy", "denied by the tool's policy")
-        suspend(
-            journal,
-            callsite=callsite,
-            name=APPROVAL,
-            kind="approval",
-            title=f"Approve {tool.name}",
-            description=tool.description,
-            operation=frozen_operation(tool.name, args.model_dump(mode="json")),
-            lane=APPROVAL_LANE,
-        )
-
-    async def _run_tool(self, tool: Tool, args: BaseModel, callsite: int) -> Any:
-        journal = self._journal
-        if tool.policy is not None or tool.needs_approval:
-            args = await self._approved_args(tool, args, callsite)
-        args_json = args.model_dump(mode="json")
-        call = self._call(tool, args, callsite)
-        key = call.idempotency_key
-
-        async def ask_in_doubt(step: StepData) -> None:
-            if tool.on_in_doubt == "ask":
-                suspend(
-                    journal,
-                    callsite=callsite,
-                    name=IN_DOUBT,
-                    kind="signal",
-                    title=f"Did {tool.name} run before the crash?",
-                    description=(
-                        "The process stopped between this call's intent and its result. "
-                        "Answer retry, resolve (with the result) or fail."
-                    ),
-                    operation=frozen_operation(tool.name, step["args"]),
-                    step_index=step["index"],
-                )
-
-        async def execute() -> Any:
-            self._emit(StreamPart(type="tool-call", tool_name=tool.name, args=args_json))
-            return await tool.invoke(args, call)
-
-        def executed(result: Any) -> None:
-            self._emit(StreamPart(type="tool-result", tool_name=tool.name, result=result))
-
-        return await journal.effect(
-            callsite=callsite,
-            kind="tool",
-            name=tool.name,
-            key=key,
-            args=args_json,
-            execute=execute,
-            replay=tool.replay,
-            on_running=ask_in_doubt,
-            on_executed=executed,
-        )
+        return run_tool(self._journal, tool, validated, site, self._emit)
 
     # ------------------------------------------------------------- waiting
     async def approve(
@@ -218,27 +126,23 @@ class RunContext:
     # ---------------------------------------------------------- clock, uuid
     async def now(self) -> datetime:
         """The current UTC time, recorded once and replayed identically."""
-        value = await self._simple("now", lambda: utcnow().isoformat())
+        value = await self._value("now", lambda: utcnow().isoformat())
         return datetime.fromisoformat(value)
 
     async def uuid(self) -> str:
         """A uuid4 string, recorded once and replayed identically."""
-        return str(await self._simple("uuid", lambda: str(uuid4())))
+        return str(await self._value("uuid", lambda: str(uuid4())))
 
-    async def _simple(self, kind: str, make: Callable[[], str]) -> Any:
+    async def _value(self, kind: str, make: Callable[[], str]) -> Any:
         journal = self._journal
         callsite = journal.reserve(1)[0]
-
-        async def execute() -> str:
-            return make()
-
-        return await journal.effect(
+        return await journal.record_value(
             callsite=callsite,
             kind=kind,
             name=kind,
             key=journal.key_for(callsite, kind),
             args=None,
-            execute=execute,
+            make=make,
         )
 
     # ---------------------------------------------------------------- misc

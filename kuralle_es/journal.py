@@ -18,6 +18,7 @@ aggregate version (``StaleWriteError`` for a loser).
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
@@ -223,35 +224,50 @@ class Journal:
         args: Any,
         make: Callable[[], Any],
         lane: str = "",
+        on_recorded: Callable[[Any], None] | None = None,
     ) -> Any:
         """Journal an effect with no outside side effect (a clock read, a uuid, a
-        delivered payload) as intent and result in one save.
+        delivered payload, a model turn) as intent and result in one save.
 
         Nobody outside can have seen a value that was never saved, so the
-        intent-before-execute window buys nothing here and costs a save.
+        intent-before-execute window buys nothing here and costs a save. If
+        ``make`` fails, nothing is journaled and the error propagates: the next
+        pass asks again. ``on_recorded`` runs only when the value is new, and
+        whatever events it triggers are saved in the same transaction.
         """
-        async with self._lock:
-            step = self.recorded(callsite, kind, name, key, lane)
-            if step is not None:
-                if step["status"] == "finished":
-                    return decode(step)
-                if step["status"] == "error":
-                    raise frozen_error(step)
-            result_json = encode_json(make(), f"the result of {kind} {name!r}")
-            if step is None:
-                index = self.run.start_step(
-                    key=key,
-                    kind=kind,
-                    name=name,
-                    callsite=callsite,
-                    logical_run=self.logical_run + lane,
-                    args=args,
-                )
-            else:
-                index = step["index"]
-            self.run.finish_step(index, result_json)
-            await self._persist_locked()
-            return json.loads(result_json)
+        self._enter()
+        try:
+            async with self._lock:
+                step = self.recorded(callsite, kind, name, key, lane)
+                if step is not None:
+                    if step["status"] == "finished":
+                        return decode(step)
+                    if step["status"] == "error":
+                        raise frozen_error(step)
+            value = make()
+            if inspect.isawaitable(value):
+                value = await value
+            result_json = encode_json(value, f"the result of {kind} {name!r}")
+            result = json.loads(result_json)
+            async with self._lock:
+                if step is None:
+                    index = self.run.start_step(
+                        key=key,
+                        kind=kind,
+                        name=name,
+                        callsite=callsite,
+                        logical_run=self.logical_run + lane,
+                        args=args,
+                    )
+                else:
+                    index = step["index"]
+                self.run.finish_step(index, result_json)
+                if on_recorded is not None:
+                    on_recorded(result)
+                await self._persist_locked()
+            return result
+        finally:
+            self._leave()
 
     def answer_in_doubt(self, index: int, answer: dict[str, Any]) -> None:
         """Apply a human's answer to a step left running: retry, resolve or fail.

@@ -1,0 +1,132 @@
+"""Running one tool call durably: policy, approval, in-doubt, then the funnel.
+
+Both ``ctx.tool`` (action nodes) and the agent loop (model-requested calls)
+run tools through ``run_tool``, so a tool behaves the same whoever calls it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from pydantic import BaseModel
+
+from .domain import StepData
+from .errors import ToolApprovalDeniedError
+from .journal import Journal, decode
+from .models import StreamPart, ToolCall
+from .tools import Tool
+from .waits import APPROVAL, APPROVAL_LANE, IN_DOUBT, approval_decision, frozen_operation, suspend
+
+__all__ = ["run_tool", "tool_call"]
+
+
+def tool_call(journal: Journal, tool: Tool, args: BaseModel, callsite: int) -> ToolCall:
+    """What the tool (and its policy) learn about this call, its key included."""
+    override = tool.idempotency_key(args) if tool.idempotency_key else None
+    payload = {"name": tool.name, "args": args.model_dump(mode="json")}
+    return ToolCall(
+        idempotency_key=journal.key_for(callsite, payload, override),
+        run_id=journal.run.run_id,
+        session_id=journal.run.session_id,
+        tool_name=tool.name,
+        callsite=callsite,
+    )
+
+
+async def _approved_args(journal: Journal, tool: Tool, args: BaseModel, callsite: int) -> BaseModel:
+    """The args to execute with, after the tool's policy and any approval.
+
+    Once an approval is journaled, its frozen operation wins over whatever the
+    caller computes now: the approver saw those args.
+    """
+    key = journal.key_for(callsite, APPROVAL)
+    step = journal.recorded(callsite, "approval", APPROVAL, key, APPROVAL_LANE)
+    if step is not None and step["status"] == "finished":
+        decision = approval_decision(decode(step))
+        if not decision.approved:
+            raise ToolApprovalDeniedError(tool.name, decision.by, decision.reason)
+        return tool.validate(step["args"]["operation"]["args"])
+    answer = tool.decide(args, tool_call(journal, tool, args, callsite))
+    if answer == "allow":
+        return args
+    if answer == "deny":
+        raise ToolApprovalDeniedError(tool.name, "policy", "denied by the tool's policy")
+    suspend(
+        journal,
+        callsite=callsite,
+        name=APPROVAL,
+        kind="approval",
+        title=f"Approve {tool.name}",
+        description=tool.description,
+        operation=frozen_operation(tool.name, args.model_dump(mode="json")),
+        lane=APPROVAL_LANE,
+    )
+
+
+async def run_tool(
+    journal: Journal,
+    tool: Tool,
+    args: BaseModel,
+    callsite: int,
+    emit: Callable[[StreamPart], None] | None = None,
+    tool_call_id: str | None = None,
+) -> Any:
+    """Run ``tool`` at ``callsite``; returns its (recorded) result.
+
+    Raises ``ToolExecutionError`` (frozen failure), ``ToolApprovalDeniedError``
+    or ``SuspendError`` (approval or in-doubt pending). ``emit`` receives the
+    tool-call and tool-result parts of a call that really executes.
+    """
+    if tool.policy is not None or tool.needs_approval:
+        args = await _approved_args(journal, tool, args, callsite)
+    args_json = args.model_dump(mode="json")
+    call = tool_call(journal, tool, args, callsite)
+
+    async def ask_in_doubt(step: StepData) -> None:
+        if tool.on_in_doubt == "ask":
+            suspend(
+                journal,
+                callsite=callsite,
+                name=IN_DOUBT,
+                kind="signal",
+                title=f"Did {tool.name} run before the crash?",
+                description=(
+                    "The process stopped between this call's intent and its result. "
+                    "Answer retry, resolve (with the result) or fail."
+                ),
+                operation=frozen_operation(tool.name, step["args"]),
+                step_index=step["index"],
+            )
+
+    async def execute() -> Any:
+        if emit is not None:
+            emit(
+                StreamPart(
+                    type="tool-call", tool_name=tool.name, tool_call_id=tool_call_id, args=args_json
+                )
+            )
+        return await tool.invoke(args, call)
+
+    def executed(result: Any) -> None:
+        if emit is not None:
+            emit(
+                StreamPart(
+                    type="tool-result",
+                    tool_name=tool.name,
+                    tool_call_id=tool_call_id,
+                    result=result,
+                )
+            )
+
+    return await journal.effect(
+        callsite=callsite,
+        kind="tool",
+        name=tool.name,
+        key=call.idempotency_key,
+        args=args_json,
+        execute=execute,
+        replay=tool.replay,
+        on_running=ask_in_doubt,
+        on_executed=executed,
+    )
