@@ -116,6 +116,7 @@ class Run(Aggregate):
             run.epoch = self.epoch
             run.status = "running"
             run.error = None
+            run.callsite_base = 0
             if self.message is not None:
                 run.messages.append(self.message)
 
@@ -213,6 +214,35 @@ class Run(Aggregate):
             run.status = "paused"
             run.waiting_for = self.waiting_for
 
+    class InputAccepted(Event):
+        """New user input for a run that waited for it (a ``collect`` node)."""
+
+        TOPIC = "kuralle_es:Run.InputAccepted"
+        message: dict[str, Any]
+
+        def apply(self, run: Run) -> None:
+            run.messages.append(self.message)
+            run.waiting_for = None
+            run.status = "running"
+
+    class FlowPinned(Event):
+        """The run's flow restarts from ``node`` under a new definition."""
+
+        TOPIC = "kuralle_es:Run.FlowPinned"
+        flow: str
+        flow_digest: str
+        node: str
+
+        def apply(self, run: Run) -> None:
+            run.active_flow = self.flow
+            run.flow_digest = self.flow_digest
+            run.active_node = self.node
+            run.state = {}
+            run.callsite_base = 0
+            run.status = "running"
+            run.waiting_for = None
+            run.error = None
+
     class SignalAccepted(Event):
         """A delivered signal passed every check; the run may re-execute."""
 
@@ -251,6 +281,15 @@ class Run(Aggregate):
         def apply(self, run: Run) -> None:
             run.status = "error"
             run.error = self.error
+
+    class Resumed(Event):
+        """A run that had failed is driven again (after a fix or a transient fault)."""
+
+        TOPIC = "kuralle_es:Run.Resumed"
+
+        def apply(self, run: Run) -> None:
+            run.status = "running"
+            run.error = None
 
     class Aborted(Event):
         TOPIC = "kuralle_es:Run.Aborted"
@@ -349,6 +388,13 @@ class Run(Aggregate):
             self.SignalAccepted, signal_id=signal_id, name=name, payload=payload, actor=actor
         )
 
+    def accept_input(self, message: Message) -> None:
+        self._require_status("paused", "accept input")
+        self.trigger_event(self.InputAccepted, message=message.model_dump(exclude_none=True))
+
+    def repin_flow(self, flow: str, flow_digest: str, node: str) -> None:
+        self.trigger_event(self.FlowPinned, flow=flow, flow_digest=flow_digest, node=node)
+
     def allow_retry(self, index: int) -> None:
         self._require_step_running(index)
         self.trigger_event(self.StepRetryAllowed, index=index)
@@ -366,6 +412,10 @@ class Run(Aggregate):
 
     def fail(self, error: StepError) -> None:
         self.trigger_event(self.Errored, error=error.model_dump())
+
+    def resume(self) -> None:
+        if self.status == "error":
+            self.trigger_event(self.Resumed)
 
     def abort(self, reason: str) -> None:
         self.trigger_event(self.Aborted, reason=reason)

@@ -7,9 +7,12 @@ small value types, so the driver handles exactly three cases.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel
 
 from .keys import canonical_json, sha256_hex
 
@@ -18,17 +21,21 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ActionNode",
+    "CollectNode",
     "End",
     "Flow",
     "Goto",
     "Handoff",
     "Node",
+    "ReplyNode",
     "Transition",
     "action",
+    "collect",
     "define_flow",
     "end",
     "goto",
     "handoff",
+    "reply",
     "to_transition",
 ]
 
@@ -99,6 +106,97 @@ def action(id: str, run: ActionRun) -> ActionNode:
         msg = f"action {id!r}: run must be an async callable (state, ctx)"
         raise TypeError(msg)
     return ActionNode(id=id, run=run)
+
+
+@dataclass(frozen=True)
+class CollectNode(Node):
+    """Gathers ``schema`` fields from the conversation, asking for what is missing."""
+
+    schema: type[BaseModel] = field(compare=False)
+    required: tuple[str, ...] = ()
+    ask: Callable[[list[str]], str] = field(compare=False, default=lambda missing: "")
+    on_complete: Callable[[dict[str, Any]], Any] = field(compare=False, default=lambda d: None)
+
+    @property
+    def kind(self) -> str:
+        return "collect"
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            **super().describe(),
+            "schema": self.schema.model_json_schema(),
+            "required": list(self.required),
+        }
+
+
+@dataclass(frozen=True)
+class ReplyNode(Node):
+    """One model turn with ``instructions``, then ``next``."""
+
+    instructions: str = ""
+    next: Any = field(compare=False, default=None)
+
+    @property
+    def kind(self) -> str:
+        return "reply"
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "instructions": self.instructions, "next": _edge(self.next)}
+
+    def next_transition(self, state: dict[str, Any]) -> Any:
+        if callable(self.next) and not isinstance(self.next, Node):
+            return self.next(state) if _arity(self.next) else self.next()
+        return self.next
+
+
+def _arity(fn: Callable[..., Any]) -> int:
+    try:
+        return len(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return 1
+
+
+def _edge(value: Any) -> Any:
+    """A static transition as digest data; a callable edge is only known at run time."""
+    if isinstance(value, Node):
+        return {"goto": value.id}
+    if isinstance(value, str):
+        return {"goto": value}
+    if isinstance(value, Goto):
+        return {"goto": value.node, "data": value.data}
+    if isinstance(value, End):
+        return {"end": value.reason}
+    if isinstance(value, Handoff):
+        return {"handoff": value.to, "reason": value.reason}
+    if isinstance(value, Mapping):
+        return dict(value)
+    return "<dynamic>"
+
+
+def collect(
+    id: str,
+    schema: type[BaseModel],
+    required: Sequence[str],
+    ask: Callable[[list[str]], str],
+    on_complete: Callable[[dict[str, Any]], Any],
+) -> CollectNode:
+    if not (isinstance(schema, type) and issubclass(schema, BaseModel)):
+        msg = f"collect {id!r}: schema must be a pydantic model class, got {schema!r}"
+        raise TypeError(msg)
+    unknown = [f for f in required if f not in schema.model_fields]
+    if unknown:
+        msg = (
+            f"collect {id!r}: required fields {unknown!r} are not fields of "
+            f"{schema.__name__} ({sorted(schema.model_fields)!r})"
+        )
+        raise ValueError(msg)
+    return CollectNode(
+        id=id, schema=schema, required=tuple(required), ask=ask, on_complete=on_complete
+    )
+
+
+def reply(id: str, instructions: str, next: Any) -> ReplyNode:
+    return ReplyNode(id=id, instructions=instructions, next=next)
 
 
 def to_transition(value: Any, flow: Flow, node_id: str) -> Transition:

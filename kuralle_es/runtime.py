@@ -9,57 +9,32 @@ the lease released, in one more save.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import socket
 from collections.abc import Sequence
-from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
 from uuid import uuid4
 
-from . import signals
 from .agents import Agent
-from .domain import Run, new_run
-from .driver import drive_flow
+from .domain import Run
 from .errors import (
-    FlowDriftError,
     FlowNotFoundError,
     KuralleError,
     LeaseHeldError,
     RunNotFoundError,
-    SignalMismatchError,
-    StaleWriteError,
-    SuspendError,
-    error_fields,
 )
-from .flows import End, Flow, Handoff
-from .handle import TurnHandle, TurnSink
-from .journal import Journal, utcnow
+from .flows import Flow
+from .handle import TurnHandle
+from .journal import utcnow
 from .models import (
-    Message,
     RunState,
     SignalDelivery,
-    StepError,
     StepRecord,
-    StreamPart,
-    TurnResult,
 )
 from .store import RunStore
+from .turn import TurnRequest, drive_turn
 
 __all__ = ["Runtime"]
-
-
-@dataclass(frozen=True)
-class _TurnRequest:
-    session_id: str
-    input: str | None
-    kind: str | None
-    flow_name: str | None
-    run_id: str | None
-    signal_delivery: SignalDelivery | None
-    idempotency_key: str | None
-    from_sweeper: bool = False
 
 
 def _default_holder() -> str:
@@ -124,7 +99,7 @@ class Runtime:
         idempotency_key: str | None = None,
     ) -> TurnHandle:
         """Start a turn; returns its handle at once (errors surface through it)."""
-        request = _TurnRequest(
+        request = TurnRequest(
             session_id=session_id,
             input=input,
             kind=kind,
@@ -133,7 +108,7 @@ class Runtime:
             signal_delivery=signal_delivery,
             idempotency_key=idempotency_key,
         )
-        return TurnHandle(lambda sink: _Turn(self, request, sink).drive())
+        return TurnHandle(lambda sink: drive_turn(self, request, sink))
 
     # ----------------------------------------------------------------- reads
     async def get_run(self, run_id: str, session_id: str) -> RunState | None:
@@ -154,197 +129,46 @@ class Runtime:
             return None
         return run
 
+    async def resolve_drift(self, run_id: str, session_id: str, recovery: str) -> RunState:
+        """Settle a run whose flow changed: ``restart`` re-pins the flow's current
+        definition and restarts it from its start node (the next ``run`` drives
+        it), ``abandon`` marks the run ``aborted``."""
+        if recovery not in ("restart", "abandon"):
+            msg = f"recovery must be 'restart' or 'abandon', got {recovery!r}"
+            raise ValueError(msg)
+        run = await self._load(run_id, session_id)
+        if run is None or run.active_flow is None:
+            raise RunNotFoundError(run_id, session_id)
+        holder, expires = run.lease_holder, run.lease_expires_at
+        if holder and expires and holder != self.holder and run.lease_is_live(utcnow()):
+            raise LeaseHeldError(run_id, holder, expires)
+        if recovery == "restart":
+            _, flow = self.flow(run.active_flow)
+            run.repin_flow(flow.name, flow.digest, flow.start)
+        else:
+            run.abort("flow-drift: abandoned")
+        await asyncio.to_thread(self.store.save_run, run)
+        return run.to_state()
+
     # ----------------------------------------------------------- definitions
+    def default_agent(self) -> Agent:
+        """The agent a new conversation starts with: the first one given."""
+        if not self.agents:
+            msg = "this runtime has no agents; pass agents=[define_agent(...)] to Runtime"
+            raise KuralleError(msg)
+        return next(iter(self.agents.values()))
+
+    def agent(self, agent_id: str | None) -> Agent:
+        if agent_id is None or agent_id not in self.agents:
+            msg = (
+                f"unknown agent {agent_id!r}; the runtime has {sorted(self.agents)!r}. "
+                "Pass every agent a run may hand off to in Runtime(agents=[...])"
+            )
+            raise KuralleError(msg)
+        return self.agents[agent_id]
+
     def flow(self, name: str) -> tuple[Agent, Flow]:
         try:
             return self._flows[name]
         except KeyError:
             raise FlowNotFoundError(name, list(self._flows)) from None
-
-
-class _Turn:
-    """One turn: open (address, lease) -> drive -> close."""
-
-    def __init__(self, runtime: Runtime, request: _TurnRequest, sink: TurnSink) -> None:
-        self.runtime = runtime
-        self.request = request
-        self.sink = sink
-
-    async def drive(self) -> TurnResult:
-        request = self.request
-        run, fresh = await self._address()
-        if request.idempotency_key and request.idempotency_key in run.turn_keys:
-            return self._noop(
-                run, TurnResult.model_validate(run.turn_keys[request.idempotency_key])
-            )
-        delivery = request.signal_delivery
-        payload: Any = None
-        if delivery is not None:
-            payload = signals.check(run, delivery, utcnow(), from_sweeper=request.from_sweeper)
-            if payload is signals.Duplicate.DELIVERED:
-                return self._noop(run, _result_of(run))
-        elif run.status in ("finished", "aborted", "paused"):
-            # Nothing to do: a paused run moves only on a delivery.
-            return self._noop(run, _result_of(run))
-        agent, flow = self._flow_of(run)
-        self._check_lease(run)
-        journal = Journal(
-            self.runtime.store, run, holder=self.runtime.holder, lease_ttl=self.runtime.lease_ttl
-        )
-        run.take_lease(self.runtime.holder, utcnow() + journal.lease_ttl)
-        try:
-            if fresh:
-                await asyncio.to_thread(self.runtime.store.create_run, run)
-            elif delivery is not None:
-                await signals.accept(journal, delivery, payload)
-            else:
-                await journal.persist()
-        except StaleWriteError:
-            if delivery is not None:
-                # Two identical deliveries raced: the winner's is the delivery.
-                latest = await asyncio.to_thread(self.runtime.store.load, run.run_id)
-                if latest is not None and delivery.signal_id in latest.signal_ids:
-                    return self._noop(latest, _result_of(latest))
-            raise
-        self.sink.opened(run.run_id)
-        try:
-            transition, state = await drive_flow(journal, flow, agent, self.sink.emit)
-        except SuspendError as suspended:
-            return await self._close_paused(journal, suspended)
-        except StaleWriteError:
-            raise
-        except Exception as exc:
-            await self._close_errored(journal, exc)
-            raise
-        return await self._close_finished(journal, transition, state)
-
-    def _noop(self, run: Run, result: TurnResult) -> TurnResult:
-        self.sink.opened(run.run_id)
-        return result
-
-    # ------------------------------------------------------------ addressing
-    async def _address(self) -> tuple[Run, bool]:
-        """The run this turn is for, and whether it is new (not yet stored)."""
-        request = self.request
-        runtime = self.runtime
-        if request.run_id is not None:
-            run = await runtime._load(request.run_id, request.session_id)
-            if run is None:
-                raise RunNotFoundError(request.run_id, request.session_id)
-            return run, False
-        if request.signal_delivery is not None:
-            return await self._find_waiting(request.signal_delivery), False
-        if request.kind == "flow":
-            if not request.flow_name:
-                msg = "kind='flow' needs flow_name, the name of one of the agents' flows"
-                raise ValueError(msg)
-            agent, flow = runtime.flow(request.flow_name)
-            run = new_run(uuid4(), request.session_id, "flow", agent.id, flow.name, flow.digest)
-            message = Message(role="user", content=request.input) if request.input else None
-            run.start_turn(0, message, request.idempotency_key)
-            run.enter_node(flow.name, flow.start, {}, 0)
-            return run, True
-        msg = (
-            "conversation runs (no run_id, kind other than 'flow') need the agent loop, "
-            "which this version does not have yet; start a flow run with kind='flow'"
-        )
-        raise NotImplementedError(msg)
-
-    async def _find_waiting(self, delivery: SignalDelivery) -> Run:
-        """The session's run a delivery without ``run_id`` is for."""
-        store = self.runtime.store
-        session_id = self.request.session_id
-        run_ids = await asyncio.to_thread(store.session_run_ids, session_id)
-        matches: list[Run] = []
-        for run_id in run_ids:
-            run = await asyncio.to_thread(store.load, run_id)
-            if run is None:
-                continue
-            if delivery.signal_id in run.signal_ids:
-                return run  # a retry of a delivery already made: a no-op there
-            waiting = run.waiting_for
-            if (
-                run.status == "paused"
-                and waiting is not None
-                and waiting["name"] == delivery.name
-                and delivery.request_id in (None, waiting["request_id"])
-            ):
-                matches.append(run)
-        if len(matches) == 1:
-            return matches[0]
-        if not matches:
-            msg = (
-                f"no run of session {session_id!r} waits for signal {delivery.name!r}"
-                f"{' with request_id ' + repr(delivery.request_id) if delivery.request_id else ''}"
-            )
-        else:
-            msg = (
-                f"{len(matches)} runs of session {session_id!r} wait for signal "
-                f"{delivery.name!r}; pass run_id to say which"
-            )
-        raise SignalMismatchError("", msg)
-
-    def _flow_of(self, run: Run) -> tuple[Agent, Flow]:
-        if run.active_flow is None:
-            msg = f"run {run.run_id} has no active flow to drive"
-            raise KuralleError(msg)
-        agent, flow = self.runtime.flow(run.active_flow)
-        if run.flow_digest != flow.digest:
-            raise FlowDriftError(run.run_id, run.flow_digest, flow.digest)
-        return agent, flow
-
-    def _check_lease(self, run: Run) -> None:
-        holder = run.lease_holder
-        expires = run.lease_expires_at
-        if (
-            holder is not None
-            and expires is not None
-            and holder != self.runtime.holder
-            and run.lease_is_live(utcnow())
-        ):
-            raise LeaseHeldError(run.run_id, holder, expires)
-
-    # --------------------------------------------------------------- closing
-    async def _close_finished(
-        self, journal: Journal, transition: End | Handoff, state: dict[str, Any]
-    ) -> TurnResult:
-        run = journal.run
-        agent = transition.to if isinstance(transition, Handoff) else run.active_agent
-        outcome = transition.reason
-        run.finish(outcome, outcome, agent, state)
-        return await self._close(journal, StreamPart(type="finished"))
-
-    async def _close_paused(self, journal: Journal, suspended: SuspendError) -> TurnResult:
-        run = journal.run
-        run.pause(suspended.waiting_for, suspended._private)
-        return await self._close(
-            journal, StreamPart(type="paused", waiting_for=suspended.waiting_for)
-        )
-
-    async def _close_errored(self, journal: Journal, exc: Exception) -> None:
-        run = journal.run
-        error = StepError(type=type(exc).__name__, message=str(exc), data=error_fields(exc))
-        run.fail(error)
-        # The node's error is what the caller needs to see, even if this close loses a race.
-        with contextlib.suppress(StaleWriteError):
-            await self._close(journal, StreamPart(type="error", error=error))
-
-    async def _close(self, journal: Journal, part: StreamPart) -> TurnResult:
-        run = journal.run
-        run.release_lease()
-        result = _result_of(run)
-        if self.request.idempotency_key:
-            run.record_turn(self.request.idempotency_key, result.model_dump(mode="json"))
-        await journal.persist()
-        self.sink.emit(part.model_copy(update={"data": result.model_dump(mode="json")}))
-        return result
-
-
-def _result_of(run: Run) -> TurnResult:
-    state = run.to_state()
-    return TurnResult(
-        run_id=run.run_id,
-        status=state.status,
-        output=run.output,
-        waiting_for=state.waiting_for,
-    )

@@ -1,0 +1,77 @@
+"""Model turns as journaled ``model`` steps, and the chat messages they make."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from .errors import KuralleError
+from .journal import Journal
+from .llm import Model, ModelRequest, ModelResponse, as_response
+from .models import Message
+
+__all__ = ["assistant_message", "model_turn", "tool_message"]
+
+
+async def model_turn(
+    journal: Journal,
+    model: Model | None,
+    request: ModelRequest,
+    on_new: Callable[[ModelResponse], None] | None = None,
+) -> ModelResponse:
+    """Ask ``model`` once, journaled: a replay returns the recorded response.
+
+    The response (content, tool calls, usage) is saved in one step after the
+    model answers; ``on_new`` runs only for a fresh answer, and the events it
+    triggers (the assistant message) are saved with it.
+    """
+    if model is None:
+        msg = (
+            f"run {journal.run.run_id} needs a model for a {request.purpose!r} turn, but its "
+            "agent has none; pass model= to define_agent (openai_model(...) or ScriptedModel)"
+        )
+        raise KuralleError(msg)
+    callsite = journal.reserve(1)[0]
+    model_id = model.id
+
+    async def ask() -> dict[str, Any]:
+        answer = as_response(model_id, await model.respond(request))
+        return answer.model_dump(mode="json")
+
+    def recorded(value: Any) -> None:
+        if on_new is not None:
+            on_new(ModelResponse.model_validate(value))
+
+    value = await journal.record_value(
+        callsite=callsite,
+        kind="model",
+        name=model_id,
+        key=journal.key_for(callsite, {"model": model_id, "purpose": request.purpose}),
+        args={"purpose": request.purpose},
+        make=ask,
+        on_recorded=recorded,
+    )
+    return ModelResponse.model_validate(value)
+
+
+def assistant_message(response: ModelResponse) -> Message:
+    """The OpenAI chat message of an assistant response (with its tool calls)."""
+    tool_calls = [
+        {
+            "id": call.id,
+            "type": "function",
+            "function": {"name": call.name, "arguments": json.dumps(call.args)},
+        }
+        for call in response.tool_calls
+    ]
+    return Message(role="assistant", content=response.content, tool_calls=tool_calls or None)
+
+
+def tool_message(tool_call_id: str, name: str, result: Any) -> Message:
+    return Message(
+        role="tool",
+        tool_call_id=tool_call_id,
+        name=name,
+        content=json.dumps(result, ensure_ascii=False),
+    )

@@ -1,0 +1,237 @@
+"""Shared fixtures: a real PostgreSQL server, and one store factory per backend.
+
+PostgreSQL comes from ``KURALLE_TEST_POSTGRES_DSN`` (an admin connection,
+default ``postgresql://postgres@127.0.0.1:5432/postgres``). If nothing answers
+there and ``initdb``/``pg_ctl`` are installed, a throwaway cluster is started
+on a free loopback port for the session. With neither, the postgres tests are
+skipped, unless ``KURALLE_REQUIRE_POSTGRES=1`` (CI), where they fail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+from uuid import uuid4
+
+import psycopg
+import pytest
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict
+
+from kuralle_es import RunStore
+
+ADMIN_DSN_ENV = "KURALLE_TEST_POSTGRES_DSN"
+REQUIRE_ENV = "KURALLE_REQUIRE_POSTGRES"
+DEFAULT_ADMIN_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
+
+
+# --------------------------------------------------------------- postgres
+def _answers(dsn: str) -> str | None:
+    """None if the server at ``dsn`` answers a query, else why not."""
+    try:
+        with psycopg.connect(dsn, connect_timeout=3, autocommit=True) as conn:
+            conn.execute("SELECT 1")
+    except psycopg.Error as e:
+        return f"{type(e).__name__}: {e}".strip()
+    return None
+
+
+def dsn_for(admin_dsn: str, dbname: str) -> str:
+    """A ``postgresql://user[:pw]@host:port/dbname`` DSN on the admin DSN's server."""
+    params: dict[str, Any] = conninfo_to_dict(admin_dsn)
+    user = quote(str(params.get("user") or "postgres"), safe="")
+    password = params.get("password")
+    auth = f"{user}:{quote(str(password), safe='')}" if password else user
+    host = str(params.get("host") or "127.0.0.1")
+    port = str(params.get("port") or 5432)
+    return f"postgresql://{auth}@{host}:{port}/{dbname}"
+
+
+def _pg_binary(name: str) -> str | None:
+    found = shutil.which(name)
+    if found:
+        return found
+    candidates = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"), reverse=True)
+    return candidates[0] if candidates else None
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class _ThrowawayCluster:
+    """A private PostgreSQL cluster in a temp dir, trust auth, loopback only."""
+
+    def __init__(self, initdb: str, pg_ctl: str) -> None:
+        self.initdb = initdb
+        self.pg_ctl = pg_ctl
+        self.port = _free_port()
+        self.dir = Path(tempfile.mkdtemp(prefix="kuralle-pg-"))
+        self.data = self.dir / "data"
+        self.prefix: list[str] = []
+        if os.geteuid() == 0:
+            # PostgreSQL refuses to run as root: run it as an unprivileged user.
+            user = _unprivileged_user()
+            entry = pwd.getpwnam(user)
+            os.chown(self.dir, entry.pw_uid, entry.pw_gid)
+            self.prefix = ["runuser", "-u", user, "--"]
+
+    @property
+    def admin_dsn(self) -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+
+    def _run(self, *args: str) -> None:
+        subprocess.run(
+            [*self.prefix, *args], check=True, capture_output=True, text=True, timeout=120
+        )
+
+    def start(self) -> None:
+        self._run(
+            self.initdb, "-D", str(self.data), "--auth=trust", "--username=postgres",
+            "--encoding=UTF8", "--no-sync",
+        )  # fmt: skip
+        options = (
+            f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.dir} "
+            "-c fsync=off -c synchronous_commit=off -c max_connections=200"
+        )
+        self._run(
+            self.pg_ctl, "-D", str(self.data), "-l", str(self.dir / "server.log"),
+            "-w", "-t", "60", "-o", options, "start",
+        )  # fmt: skip
+
+    def stop(self) -> None:
+        with contextlib.suppress(subprocess.SubprocessError, OSError):
+            self._run(self.pg_ctl, "-D", str(self.data), "-m", "immediate", "-w", "stop")
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _unprivileged_user() -> str:
+    for name in ("postgres", "nobody"):
+        with contextlib.suppress(KeyError):
+            pwd.getpwnam(name)
+            return name
+    msg = "running as root and no 'postgres' or 'nobody' user to run PostgreSQL as"
+    raise RuntimeError(msg)
+
+
+@pytest.fixture(scope="session")
+def postgres_admin_dsn() -> Iterator[str]:
+    """An admin DSN of a live PostgreSQL server (skip, or fail in CI, without one)."""
+    admin = os.environ.get(ADMIN_DSN_ENV) or DEFAULT_ADMIN_DSN
+    why = _answers(admin)
+    if why is None:
+        yield admin
+        return
+    reasons = [f"{admin} did not answer ({why})"]
+    initdb, pg_ctl = _pg_binary("initdb"), _pg_binary("pg_ctl")
+    if initdb and pg_ctl:
+        cluster = _ThrowawayCluster(initdb, pg_ctl)
+        try:
+            cluster.start()
+            why = _answers(cluster.admin_dsn)
+            if why is None:
+                try:
+                    yield cluster.admin_dsn
+                finally:
+                    cluster.stop()
+                return
+            reasons.append(f"throwaway cluster did not answer ({why})")
+        except (subprocess.SubprocessError, OSError, RuntimeError) as e:
+            detail = getattr(e, "stderr", None) or e
+            reasons.append(f"could not start a throwaway cluster: {detail}")
+        cluster.stop()
+    else:
+        reasons.append("initdb/pg_ctl not found on PATH or in /usr/lib/postgresql/*/bin")
+    message = (
+        "no PostgreSQL server for the postgres tests: " + "; ".join(reasons) + ". "
+        f"Set {ADMIN_DSN_ENV} to an admin DSN of a running server, or install PostgreSQL."
+    )
+    if os.environ.get(REQUIRE_ENV) == "1":
+        pytest.fail(f"{REQUIRE_ENV}=1 and {message}", pytrace=False)
+    pytest.skip(message)
+
+
+@pytest.fixture
+def pg_dsn(postgres_admin_dsn: str) -> Iterator[str]:
+    """A fresh, uniquely named database; dropped (connections and all) afterwards."""
+    name = f"kuralle_test_{uuid4().hex[:16]}"
+    with psycopg.connect(postgres_admin_dsn, autocommit=True, connect_timeout=10) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    try:
+        yield dsn_for(postgres_admin_dsn, name)
+    finally:
+        with psycopg.connect(postgres_admin_dsn, autocommit=True, connect_timeout=10) as conn:
+            conn.execute(
+                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+            )
+
+
+# ----------------------------------------------------------------- stores
+class StoreFactory:
+    """Zero-arg callable: a NEW ``RunStore`` over the same database on each call.
+
+    ``memory`` is the exception: a POPO store cannot be shared, so every call
+    returns the one store instance. ``target`` is the SQLite path or the
+    PostgreSQL DSN (None for memory), for handing the database to another process.
+    """
+
+    def __init__(self, backend: str, target: str | None) -> None:
+        self.backend = backend
+        self.target = target
+        self.stores: list[RunStore] = []
+
+    def __call__(self) -> RunStore:
+        if self.backend == "memory":
+            if not self.stores:
+                self.stores.append(RunStore.memory())
+            return self.stores[0]
+        assert self.target is not None
+        if self.backend == "sqlite":
+            store = RunStore.sqlite(self.target)
+        else:
+            store = RunStore.postgres(self.target)
+        self.stores.append(store)
+        return store
+
+    def close_all(self) -> None:
+        for store in self.stores:
+            with contextlib.suppress(Exception):
+                store.close()
+        self.stores.clear()
+
+
+BACKENDS = ["memory", "sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def open_store(
+    backend: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[StoreFactory]:
+    if backend == "memory":
+        target = None
+    elif backend == "sqlite":
+        target = str(tmp_path / "runs.db")
+    else:
+        target = request.getfixturevalue("pg_dsn")
+    factory = StoreFactory(backend, target)
+    try:
+        yield factory
+    finally:
+        factory.close_all()
