@@ -93,7 +93,24 @@ def _approval(args: argparse.Namespace, approved: bool) -> SignalDelivery:
 
 
 def _run_process(command: list[str]) -> None:
-    subprocess.run(command, check=True, env=os.environ.copy(), stdout=subprocess.DEVNULL)
+    done = subprocess.run(
+        command, check=True, env=os.environ.copy(), capture_output=True, text=True
+    )
+    result = TurnResult.model_validate_json(done.stdout)
+    print(f"   that process's turn: status={result.status} output={result.output!r}")
+
+
+async def _turn(runtime: Runtime, handle_args: dict[str, Any]) -> TurnResult:
+    handle = runtime.run(**handle_args)
+    async for part in handle:
+        if part.type == "text":
+            print(f"   assistant: {part.text}")
+        elif part.type in ("tool-call", "tool-result"):
+            detail = part.args if part.type == "tool-call" else part.result
+            print(f"   {part.type}: {part.tool_name} {json.dumps(detail)}")
+        elif part.type == "paused" and part.waiting_for is not None:
+            print(f"   paused: waiting for {part.waiting_for.kind} ({part.waiting_for.title})")
+    return await handle.result()
 
 
 async def _demo(args: argparse.Namespace) -> int:
@@ -105,29 +122,33 @@ async def _demo(args: argparse.Namespace) -> int:
     for path in (db, ledger):
         path.unlink(missing_ok=True)
     os.environ[refund.LEDGER_ENV] = str(ledger)
+    if args.model:
+        os.environ[refund.MODEL_ENV] = args.model
 
-    print(f"== 1. process {os.getpid()}: start the refund flow on SQLite ({db})")
+    print(f"== process {os.getpid()}: a customer asks for a refund (SQLite: {db})")
     store = RunStore.sqlite(str(db))
     try:
         runtime = Runtime([refund.build_agent()], store=store)
-        handle = runtime.run(
-            "demo-session", input="refund order A-1001", kind="flow", flow_name="refund"
+        print("   user: Hi, I'd like a refund for my order.")
+        first = await _turn(
+            runtime,
+            {
+                "session_id": "demo-session",
+                "input": "Hi, I'd like a refund for my order.",
+                "kind": "flow",
+                "flow_name": "refund",
+            },
         )
-        async for part in handle:
-            if part.type in ("tool-call", "tool-result", "paused"):
-                detail = part.args if part.type == "tool-call" else part.result
-                if part.type == "paused" and part.waiting_for is not None:
-                    detail = part.waiting_for.title
-                print(f"   stream: {part.type:<11} {part.tool_name or ''} {json.dumps(detail)}")
-        result = await handle.result()
-        print(
-            f"   the turn ended cleanly: status={result.status}, waiting for "
-            f"{result.waiting_for.name if result.waiting_for else None}"
+        print("   user: It was $42.50.")
+        second = await _turn(
+            runtime,
+            {"session_id": "demo-session", "run_id": first.run_id, "input": "It was $42.50."},
         )
+        print(f"   the turn ended cleanly: status={second.status}")
     finally:
         store.close()
 
-    print("== 2. a NEW process resumes the run by id and delivers the approval")
+    print("== a NEW process resumes the run by id and delivers the supervisor's approval")
     command = [
         sys.executable,
         "-m",
@@ -135,35 +156,31 @@ async def _demo(args: argparse.Namespace) -> int:
         "--sqlite",
         str(db),
         "approve",
-        result.run_id,
+        second.run_id,
         "--by",
         "supervisor",
         "--signal-id",
         "approval-1",
     ]
     await asyncio.to_thread(_run_process, command)
-    print("== 3. the approval is delivered again (a webhook retry): a no-op")
+    print("== the approval webhook is retried from a third process: a no-op")
     await asyncio.to_thread(_run_process, command)
 
-    counts: dict[str, int] = {}
-    for entry in refund.ledger_entries():
-        counts[entry["tool"]] = counts.get(entry["tool"], 0) + 1
-    print("== 4. what really executed (the tools' own ledger):")
-    for tool, count in sorted(counts.items()):
-        print(f"   {tool}: executed {count} time(s)")
-    print("   process 2 re-ran the paused node from its top: lookup_order came back from")
-    print("   the journal instead of executing again, and processRefund ran exactly once.")
+    refunds = [e for e in refund.ledger_entries() if e["tool"] == "processRefund"]
+    print(f"== processRefund executed {len(refunds)} time(s) (the payment's own ledger)")
 
-    print("== 5. the run's journal")
+    print("== the run's journal")
     store = RunStore.sqlite(str(db))
     try:
-        run = store.load(result.run_id)
+        run = store.load(second.run_id)
         assert run is not None
-        print(format_timeline(run.to_state(), run.step_records()))
+        state = run.to_state()
+        print(format_timeline(state, run.step_records()))
+        for message in state.messages:
+            print(f"   {message.role}: {message.content}")
     finally:
         store.close()
-    ok = counts == {"lookup_order": 1, "processRefund": 1}
-    return 0 if ok else 1
+    return 0 if len(refunds) == 1 and state.status == "finished" else 1
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -178,6 +195,7 @@ def _parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="the durable refund flow on SQLite, offline")
     demo.add_argument("--dir", default=os.environ.get("KURALLE_DEMO_DIR", ".demo"))
+    demo.add_argument("--model", help="'openai:gpt-4o-mini' for a real model (OPENAI_API_KEY)")
 
     runs = sub.add_parser("runs", help="inspect runs")
     runs_sub = runs.add_subparsers(dest="runs_command", required=True)

@@ -1,13 +1,16 @@
-"""The refund flow: look the order up, ask a supervisor, refund exactly once.
+"""The refund flow: collect the amount, ask a supervisor, refund exactly once, reply.
 
-The tools append to a ledger file (``REFUND_LEDGER``) so the demo can show
-that a replayed tool did not run again and the refund ran exactly once.
+Offline it runs on a ``ScriptedModel`` that reads amounts out of the user's
+words; ``KURALLE_MODEL=openai:gpt-4o-mini`` (with ``OPENAI_API_KEY``) uses a
+real model instead. ``processRefund`` appends to a ledger file
+(``REFUND_LEDGER``) so the demo can show it ran exactly once.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -15,96 +18,103 @@ from pydantic import BaseModel, Field
 
 from ..agents import Agent, define_agent
 from ..context import RunContext
-from ..flows import End, Flow, Goto, action, define_flow, end, goto
+from ..flows import Flow, Goto, action, collect, define_flow, end, goto, reply
+from ..llm import Model, ModelRequest, ModelResponse, openai_model
 from ..models import ToolCall
+from ..testing import ScriptedModel
 from ..tools import define_tool
 
-__all__ = ["LEDGER_ENV", "build_agent", "ledger_entries", "refund_flow"]
+__all__ = ["LEDGER_ENV", "MODEL_ENV", "build_agent", "demo_model", "ledger_entries", "refund_flow"]
 
 LEDGER_ENV = "REFUND_LEDGER"
+MODEL_ENV = "KURALLE_MODEL"
 
 
-class OrderLookup(BaseModel):
-    order_id: str = Field(min_length=1)
+class RefundDetails(BaseModel):
+    """What the collect node gathers from the conversation."""
+
+    amount: float | None = Field(default=None, gt=0, description="refund amount in dollars")
 
 
 class RefundRequest(BaseModel):
-    order_id: str = Field(min_length=1)
     amount_cents: int = Field(gt=0)
 
 
-def _ledger() -> Path | None:
-    path = os.environ.get(LEDGER_ENV)
-    return Path(path) if path else None
-
-
-def _record(tool: str, call: ToolCall, detail: dict[str, Any]) -> None:
-    path = _ledger()
-    if path is not None:
-        with path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps({"tool": tool, "key": call.idempotency_key, **detail}) + "\n")
-
-
 def ledger_entries() -> list[dict[str, Any]]:
-    path = _ledger()
-    if path is None or not path.exists():
+    path = os.environ.get(LEDGER_ENV)
+    if not path or not Path(path).exists():
         return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
-
-
-def lookup_order(args: OrderLookup, call: ToolCall) -> dict[str, Any]:
-    _record("lookup_order", call, {"order_id": args.order_id})
-    return {"order_id": args.order_id, "paid_cents": 4200, "customer": "Ada"}
+    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines()]
 
 
 def process_refund(args: RefundRequest, call: ToolCall) -> dict[str, Any]:
-    _record("processRefund", call, {"amount_cents": args.amount_cents})
+    """The payment side effect; the idempotency key is what a payment API dedups on."""
+    path = os.environ.get(LEDGER_ENV)
+    if path:
+        with Path(path).open("a", encoding="utf-8") as f:
+            entry = {"tool": "processRefund", "key": call.idempotency_key, **args.model_dump()}
+            f.write(json.dumps(entry) + "\n")
     return {"refund_id": f"rf_{call.idempotency_key[:10]}", "amount_cents": args.amount_cents}
 
 
-async def check_and_approve(state: dict[str, Any], ctx: RunContext) -> Goto | End:
-    # On resume this node runs again from the top: the lookup replays from the
-    # journal and the approval returns the delivered decision.
-    order = await ctx.tool("lookup_order", {"order_id": state.get("order_id", "A-1001")})
+async def ask_supervisor(state: dict[str, Any], ctx: RunContext) -> Goto:
+    amount = float(state["amount"])
     decision = await ctx.approve(
-        f"Refund {order['paid_cents'] / 100:.2f} to {order['customer']}?",
-        description=f"order {order['order_id']}",
+        f"Refund ${amount:.2f}?", description="a customer asked for a refund"
     )
     if not decision.approved:
-        return end("declined")
-    return goto(
-        "refund", {"order": order, "amount_cents": order["paid_cents"], "approved_by": decision.by}
-    )
-
-
-async def refund(state: dict[str, Any], ctx: RunContext) -> End:
-    receipt = await ctx.tool(
-        "processRefund",
-        {"order_id": state["order"]["order_id"], "amount_cents": state["amount_cents"]},
-    )
-    state["receipt"] = receipt
-    return end("approved")
+        return goto("declined", {"declined_by": decision.by, "reason": decision.reason})
+    receipt = await ctx.tool("processRefund", {"amount_cents": round(amount * 100)})
+    return goto("approved", {"receipt": receipt, "approved_by": decision.by})
 
 
 refund_flow: Flow = define_flow(
     "refund",
-    "Refund an order after a supervisor approves it",
-    "check",
+    "Refund a customer after a supervisor approves it",
+    "amount",
     [
-        action("check", check_and_approve),
-        action("refund", refund),
+        collect(
+            "amount",
+            RefundDetails,
+            ["amount"],
+            ask=lambda missing: "How much should be refunded, in dollars?",
+            on_complete=lambda data: goto("approve"),
+        ),
+        action("approve", ask_supervisor),
+        reply("approved", "Tell the customer the refund was approved.", end("approved")),
+        reply("declined", "Tell the customer the refund was declined.", end("declined")),
     ],
 )
 
 
-def build_agent(model: Any = None) -> Agent:
+def _scripted(request: ModelRequest) -> ModelResponse | str:
+    """Offline stand-in for a model: deterministic, so every process agrees."""
+    if request.purpose == "extract":
+        said = " ".join(m.content or "" for m in request.messages if m.role == "user")
+        found = re.search(r"\$?\s*(\d+(?:\.\d+)?)", said)
+        return ModelResponse(data={"amount": float(found.group(1))} if found else {})
+    if "approved" in (request.instructions or ""):
+        return "Good news: your refund was approved and is on its way."
+    return "Sorry, your refund was declined."
+
+
+def demo_model() -> Model:
+    """The model named by ``KURALLE_MODEL``: ``scripted`` (default) or ``openai:<model>``."""
+    name = os.environ.get(MODEL_ENV, "scripted")
+    if name == "scripted":
+        return ScriptedModel(_scripted)
+    provider, _, model = name.partition(":")
+    if provider != "openai" or not model:
+        msg = f"{MODEL_ENV} must be 'scripted' or 'openai:<model>', got {name!r}"
+        raise ValueError(msg)
+    return openai_model(model)
+
+
+def build_agent(model: Model | None = None) -> Agent:
     return define_agent(
         "support",
-        "You help customers with refunds.",
-        model,
-        [
-            define_tool("lookup_order", "Look an order up", OrderLookup, lookup_order),
-            define_tool("processRefund", "Refund an order", RefundRequest, process_refund),
-        ],
+        "You help customers with refunds. Be brief and kind.",
+        model if model is not None else demo_model(),
+        [define_tool("processRefund", "Refund the customer", RefundRequest, process_refund)],
         [refund_flow],
     )
