@@ -26,9 +26,18 @@ from .errors import (
     ToolResultTypeError,
     UnknownToolError,
 )
-from .flows import Flow, action, define_flow, end, goto, handoff
+from .flows import Flow, action, collect, define_flow, end, goto, handoff, reply
 from .handle import TurnHandle
 from .keys import idempotency_key
+from .llm import (
+    Model,
+    ModelRequest,
+    ModelResponse,
+    ModelResponseError,
+    OpenAIModel,
+    ToolCallRequest,
+    openai_model,
+)
 from .models import (
     ApprovalDecision,
     FrozenOperation,
@@ -58,7 +67,12 @@ __all__ = [
     "KuralleError",
     "LeaseHeldError",
     "Message",
+    "Model",
+    "ModelRequest",
+    "ModelResponse",
+    "ModelResponseError",
     "NonDeterminismError",
+    "OpenAIModel",
     "PayloadTooLargeError",
     "RunContext",
     "RunNotFoundError",
@@ -75,6 +89,7 @@ __all__ = [
     "Tool",
     "ToolApprovalDeniedError",
     "ToolCall",
+    "ToolCallRequest",
     "ToolExecutionError",
     "ToolResultTypeError",
     "TurnHandle",
@@ -82,6 +97,7 @@ __all__ = [
     "UnknownToolError",
     "WaitingFor",
     "action",
+    "collect",
     "define_agent",
     "define_flow",
     "define_tool",
@@ -89,4 +105,6 @@ __all__ = [
     "goto",
     "handoff",
     "idempotency_key",
+    "openai_model",
+    "reply",
 ]
