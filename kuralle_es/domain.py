@@ -46,6 +46,7 @@ class StepData(TypedDict):
     started_at: datetime
     finished_at: datetime | None
     retry_allowed: bool
+    attempts: int
 
 
 def _slot(logical_run: str, callsite: int) -> str:
@@ -163,6 +164,7 @@ class Run(Aggregate):
                     started_at=self.timestamp,
                     finished_at=None,
                     retry_allowed=False,
+                    attempts=1,
                 )
             )
             run.slots.setdefault(_slot(self.logical_run, self.callsite), []).append(self.index)
@@ -198,6 +200,21 @@ class Run(Aggregate):
 
         def apply(self, run: Run) -> None:
             run.steps[self.index]["retry_allowed"] = True
+
+    class StepRetried(Event):
+        """A step left running by a crash is executed again (same key).
+
+        Saved before the new attempt, it uses up a human's "retry" answer: if
+        this attempt dies too, the next resume asks again.
+        """
+
+        TOPIC = "kuralle_es:Run.StepRetried"
+        index: int
+
+        def apply(self, run: Run) -> None:
+            step = run.steps[self.index]
+            step["retry_allowed"] = False
+            step["attempts"] += 1
 
     class MessageAppended(Event):
         TOPIC = "kuralle_es:Run.MessageAppended"
@@ -394,6 +411,10 @@ class Run(Aggregate):
 
     def repin_flow(self, flow: str, flow_digest: str, node: str) -> None:
         self.trigger_event(self.FlowPinned, flow=flow, flow_digest=flow_digest, node=node)
+
+    def retry_step(self, index: int) -> None:
+        self._require_step_running(index)
+        self.trigger_event(self.StepRetried, index=index)
 
     def allow_retry(self, index: int) -> None:
         self._require_step_running(index)

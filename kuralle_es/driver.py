@@ -21,6 +21,7 @@ from .keys import logical_run_id
 from .llm import ModelRequest, ModelResponse
 from .model_steps import model_turn
 from .models import Message, StreamPart
+from .tools import encode_json
 from .waits import INPUT, suspend
 
 __all__ = ["drive_flow"]
@@ -57,9 +58,11 @@ async def drive_flow(
             # one of them suspended or failed, before the turn moves on.
             await journal.settle()
         transition = to_transition(returned, flow, node_id)
+        if isinstance(transition, Goto) and transition.data:
+            state.update(transition.data)
+        # The state bag is journaled: refuse what JSON cannot hold before any event.
+        encode_json(state, f"the state bag left by node {node_id!r} of flow {flow.name!r}")
         if isinstance(transition, Goto):
-            if transition.data:
-                state.update(transition.data)
             run.enter_node(flow.name, transition.node, state, journal.next_callsite)
             continue
         return transition, state

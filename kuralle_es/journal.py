@@ -28,6 +28,7 @@ from .domain import Run, StepData
 from .errors import (
     KuralleError,
     NonDeterminismError,
+    StaleWriteError,
     SuspendError,
     ToolExecutionError,
     ToolResultTypeError,
@@ -73,6 +74,7 @@ class Journal:
         self._inflight = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        self.broken: StaleWriteError | None = None
 
     # ------------------------------------------------------------ callsites
     def begin_visit(self, logical_run: str, callsite_base: int) -> None:
@@ -104,8 +106,16 @@ class Journal:
         now = utcnow()
         if run.lease_holder == self.holder and run.lease_needs_renewal(now, self.lease_ttl):
             run.take_lease(self.holder, now + self.lease_ttl)
+        if self.broken is not None:
+            raise self.broken
         if run.pending_events:
-            await asyncio.to_thread(self.store.save_run, run)
+            try:
+                await asyncio.to_thread(self.store.save_run, run)
+            except BaseException as exc:
+                # The unsaved events are gone from the aggregate, which is now
+                # ahead of the store: no later save of this turn may follow.
+                self.broken = StaleWriteError(run.run_id, f"a save of this turn failed: {exc!r}")
+                raise
 
     # ------------------------------------------------------------ in flight
     async def settle(self) -> None:
@@ -181,6 +191,8 @@ class Journal:
                     if on_running is not None and not step["retry_allowed"]:
                         await on_running(step)
                     index = step["index"]
+                    self.run.retry_step(index)
+                    await self._persist_locked()
                 else:
                     index = self.run.start_step(
                         key=key,

@@ -47,7 +47,10 @@ async def _approved_args(journal: Journal, tool: Tool, args: BaseModel, callsite
         if not decision.approved:
             raise ToolApprovalDeniedError(tool.name, decision.by, decision.reason)
         return tool.validate(step["args"]["operation"]["args"])
-    answer = tool.decide(args, tool_call(journal, tool, args, callsite))
+    call = tool_call(journal, tool, args, callsite)
+    if journal.recorded(callsite, "tool", tool.name, call.idempotency_key) is not None:
+        return args  # decided on an earlier pass: replay, never ask the policy again
+    answer = tool.decide(args, call)
     if answer == "allow":
         return args
     if answer == "deny":
