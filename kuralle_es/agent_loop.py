@@ -114,7 +114,13 @@ async def run_tool_calls(
     """Run one model turn's tool calls and append their tool messages in order."""
     run = journal.run
     sites = journal.reserve(len(requests))
-    answered = {m.get("tool_call_id") for m in run.messages if m.get("role") == "tool"}
+    # Only this model turn's answers count: tool-call ids repeat across turns
+    # (servers number them per response). This turn's assistant message is the
+    # last one, on a fresh pass and on a resume alike.
+    last = max(i for i, m in enumerate(run.messages) if m.get("role") == "assistant")
+    answered = {
+        m.get("tool_call_id") for m in run.messages[last + 1 :] if m.get("role") == "tool"
+    }
     pending = [
         _plan(agent, request, site)
         for request, site in zip(requests, sites, strict=True)

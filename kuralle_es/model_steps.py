@@ -61,11 +61,17 @@ def assistant_message(response: ModelResponse) -> Message:
         {
             "id": call.id,
             "type": "function",
-            "function": {"name": call.name, "arguments": json.dumps(call.args)},
+            "function": {"name": call.name, "arguments": _arguments_text(call.args)},
         }
         for call in response.tool_calls
     ]
     return Message(role="assistant", content=response.content, tool_calls=tool_calls or None)
+
+
+def _arguments_text(args: dict[str, Any]) -> str:
+    """The arguments as the model sent them (its own text when it was not JSON)."""
+    raw = args.get("__malformed_arguments__")
+    return str(raw) if raw is not None else json.dumps(args)
 
 
 def tool_message(tool_call_id: str, name: str, result: Any) -> Message:
