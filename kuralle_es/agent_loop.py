@@ -118,9 +118,7 @@ async def run_tool_calls(
     # (servers number them per response). This turn's assistant message is the
     # last one, on a fresh pass and on a resume alike.
     last = max(i for i, m in enumerate(run.messages) if m.get("role") == "assistant")
-    answered = {
-        m.get("tool_call_id") for m in run.messages[last + 1 :] if m.get("role") == "tool"
-    }
+    answered = {m.get("tool_call_id") for m in run.messages[last + 1 :] if m.get("role") == "tool"}
     pending = [
         _plan(agent, request, site)
         for request, site in zip(requests, sites, strict=True)

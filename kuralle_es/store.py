@@ -14,10 +14,11 @@ from urllib.parse import unquote, urlparse
 from uuid import UUID
 
 from eventsourcing.application import AggregateNotFoundError, Application
-from eventsourcing.persistence import IntegrityError
+from eventsourcing.persistence import IntegrityError, Transcoder
 
 from .domain import Run, SessionRuns, new_session_runs, session_runs_id
 from .errors import StaleWriteError
+from .transcoding import EscapingJSONTranscoder
 
 __all__ = ["RunStore", "parse_run_id", "postgres_env"]
 
@@ -81,6 +82,12 @@ class RunStore(Application[UUID]):
         Run: SNAPSHOT_INTERVAL,
         SessionRuns: SNAPSHOT_INTERVAL,
     }
+
+    def construct_transcoder(self) -> Transcoder:
+        """Our transcoder: stores user JSON exactly, whatever keys it uses."""
+        transcoder = EscapingJSONTranscoder()
+        self.register_transcodings(transcoder)
+        return transcoder
 
     # ------------------------------------------------------------ shortcuts
     @classmethod
