@@ -21,6 +21,7 @@ from uuid import UUID, uuid5
 
 from eventsourcing.domain import Aggregate
 
+from .errors import LeaseHeldError
 from .models import (
     Message,
     RunState,
@@ -458,6 +459,16 @@ class Run(Aggregate):
 
     def lease_is_live(self, now: datetime) -> bool:
         return self.lease_expires_at is not None and self.lease_expires_at > now
+
+    def require_lease_free(self, holder: str, now: datetime) -> None:
+        """Refuse a worker other than the holder of a live lease (``LeaseHeldError``)."""
+        if (
+            self.lease_holder is not None
+            and self.lease_expires_at is not None
+            and self.lease_holder != holder
+            and self.lease_is_live(now)
+        ):
+            raise LeaseHeldError(self.run_id, self.lease_holder, self.lease_expires_at)
 
     def lease_needs_renewal(self, now: datetime, ttl: timedelta) -> bool:
         return self.lease_expires_at is None or self.lease_expires_at - now < ttl / 2

@@ -151,6 +151,16 @@ class Journal:
         matching = [step for step in steps if step["key"] == key]
         return matching[-1] if matching else None
 
+    def _start(self, callsite: int, kind: str, name: str, key: str, args: Any, lane: str) -> int:
+        return self.run.start_step(
+            key=key,
+            kind=kind,
+            name=name,
+            callsite=callsite,
+            logical_run=self.logical_run + lane,
+            args=args,
+        )
+
     def key_for(self, callsite: int, payload: Any, override: str | None = None) -> str:
         return (
             override
@@ -194,14 +204,7 @@ class Journal:
                     self.run.retry_step(index)
                     await self._persist_locked()
                 else:
-                    index = self.run.start_step(
-                        key=key,
-                        kind=kind,
-                        name=name,
-                        callsite=callsite,
-                        logical_run=self.logical_run + lane,
-                        args=args,
-                    )
+                    index = self._start(callsite, kind, name, key, args, lane)
                     await self._persist_locked()
             try:
                 value = await execute()
@@ -262,17 +265,11 @@ class Journal:
             result_json = encode_json(value, f"the result of {kind} {name!r}")
             result = json.loads(result_json)
             async with self._lock:
-                if step is None:
-                    index = self.run.start_step(
-                        key=key,
-                        kind=kind,
-                        name=name,
-                        callsite=callsite,
-                        logical_run=self.logical_run + lane,
-                        args=args,
-                    )
-                else:
-                    index = step["index"]
+                index = (
+                    self._start(callsite, kind, name, key, args, lane)
+                    if step is None
+                    else step["index"]
+                )
                 self.run.finish_step(index, result_json)
                 if on_recorded is not None:
                     on_recorded(result)

@@ -20,7 +20,6 @@ from .domain import Run
 from .errors import (
     FlowNotFoundError,
     KuralleError,
-    LeaseHeldError,
     RunNotFoundError,
 )
 from .flows import Flow
@@ -139,9 +138,7 @@ class Runtime:
         run = await self._load(run_id, session_id)
         if run is None or run.active_flow is None:
             raise RunNotFoundError(run_id, session_id)
-        holder, expires = run.lease_holder, run.lease_expires_at
-        if holder and expires and holder != self.holder and run.lease_is_live(utcnow()):
-            raise LeaseHeldError(run_id, holder, expires)
+        run.require_lease_free(self.holder, utcnow())
         if recovery == "restart":
             _, flow = self.flow(run.active_flow)
             run.repin_flow(flow.name, flow.digest, flow.start)

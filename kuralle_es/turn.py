@@ -22,7 +22,6 @@ from .domain import Run, new_run
 from .driver import drive_flow
 from .errors import (
     FlowDriftError,
-    LeaseHeldError,
     RunNotFoundError,
     SignalMismatchError,
     StaleWriteError,
@@ -107,7 +106,7 @@ class _Turn:
         if opening is None:
             return self._noop(run, result_of(run))
         agent, flow = self._definitions(run)
-        self._check_lease(run)
+        run.require_lease_free(self.runtime.holder, utcnow())
         journal = Journal(
             self.runtime.store, run, holder=self.runtime.holder, lease_ttl=self.runtime.lease_ttl
         )
@@ -259,17 +258,6 @@ class _Turn:
         if run.flow_digest != flow.digest:
             raise FlowDriftError(run.run_id, run.flow_digest, flow.digest)
         return agent, flow
-
-    def _check_lease(self, run: Run) -> None:
-        holder = run.lease_holder
-        expires = run.lease_expires_at
-        if (
-            holder is not None
-            and expires is not None
-            and holder != self.runtime.holder
-            and run.lease_is_live(utcnow())
-        ):
-            raise LeaseHeldError(run.run_id, holder, expires)
 
     # --------------------------------------------------------------- opening
     async def _open(self, journal: Journal, opening: _Opening, payload: Any) -> None:
