@@ -66,6 +66,7 @@ class _Opening(Enum):
     NEW_EPOCH = "new user turn"
     INPUT = "input for a collect node"
     DELIVERY = "signal delivery"
+    MESSAGE = "user message to a conversation inside a flow"
     RESUME = "resume"
 
 
@@ -105,13 +106,14 @@ class _Turn:
         opening, payload = self._prepare(run, fresh)
         if opening is None:
             return self._noop(run, result_of(run))
-        agent, flow = self._definitions(run)
+        pinned = self._flow_to_enter(run, opening)
+        agent, flow = self._definitions(run) if pinned is None else pinned
         run.require_lease_free(self.runtime.holder, utcnow())
         journal = Journal(
             self.runtime.store, run, holder=self.runtime.holder, lease_ttl=self.runtime.lease_ttl
         )
         try:
-            await self._open(journal, opening, payload)
+            await self._open(journal, opening, payload, pinned[1] if pinned else None)
         except StaleWriteError:
             if request.signal_delivery is not None:
                 # Two identical deliveries raced: the winner's is the delivery.
@@ -239,7 +241,11 @@ class _Turn:
                     f"run {run.run_id} waits for {waiting['name']!r}, not for input; "
                     "deliver that signal first",
                 )
-            if run.kind == "conversation" and run.status != "running":
+            if run.kind == "conversation" and run.status != "aborted":
+                # A conversation inside a flow keeps the flow's epoch (its keys);
+                # outside one, a fresh user turn is a fresh epoch.
+                if run.active_flow is not None:
+                    return _Opening.MESSAGE, None
                 return _Opening.NEW_EPOCH, None
             if run.status in ("finished", "aborted"):
                 return None, None
@@ -249,6 +255,18 @@ class _Turn:
         if run.status in ("finished", "aborted", "paused"):
             return None, None  # a paused run moves only on a delivery or input
         return _Opening.RESUME, None
+
+    def _flow_to_enter(self, run: Run, opening: _Opening) -> tuple[Agent, Flow] | None:
+        """The flow a conversation's new turn enters (``flow_name`` without a run id)."""
+        request = self.request
+        if (
+            run.kind == "conversation"
+            and request.flow_name
+            and request.run_id is None
+            and opening in (_Opening.NEW_RUN, _Opening.NEW_EPOCH)
+        ):
+            return self.runtime.flow(request.flow_name)
+        return None
 
     def _definitions(self, run: Run) -> tuple[Agent, Flow | None]:
         """The agent (and flow, for a run in a flow) that drive this run."""
@@ -260,7 +278,9 @@ class _Turn:
         return agent, flow
 
     # --------------------------------------------------------------- opening
-    async def _open(self, journal: Journal, opening: _Opening, payload: Any) -> None:
+    async def _open(
+        self, journal: Journal, opening: _Opening, payload: Any, enter: Flow | None
+    ) -> None:
         """The turn's first save: the lease, with what opens the turn."""
         request = self.request
         run = journal.run
@@ -271,9 +291,18 @@ class _Turn:
             if run.active_flow is not None:
                 _, flow = self.runtime.flow(run.active_flow)
                 run.enter_node(flow.name, flow.start, {}, 0)
+            if enter is not None:
+                run.repin_flow(enter.name, enter.digest, enter.start)
             await asyncio.to_thread(self.runtime.store.create_run, run)
         elif opening is _Opening.NEW_EPOCH:
             run.start_turn(run.epoch + 1, message, request.idempotency_key)
+            if enter is not None:
+                run.repin_flow(enter.name, enter.digest, enter.start)
+            await journal.persist()
+        elif opening is _Opening.MESSAGE:
+            assert message is not None
+            run.append_message(message)
+            run.resume()
             await journal.persist()
         elif opening is _Opening.INPUT:
             assert message is not None
@@ -295,7 +324,7 @@ class _Turn:
         outcome = transition.reason
         output = self.last_text if self.last_text is not None else outcome
         run.finish(
-            outcome if run.kind == "flow" or isinstance(transition, Handoff) else None,
+            outcome,
             output,
             agent,
             state,
