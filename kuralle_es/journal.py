@@ -110,7 +110,10 @@ class Journal:
             raise self.broken
         if run.pending_events:
             try:
-                await asyncio.to_thread(self.store.save_run, run)
+                if self.store.saves_block:
+                    await asyncio.to_thread(self.store.save_run, run)
+                else:
+                    self.store.save_run(run)
             except BaseException as exc:
                 # The unsaved events are gone from the aggregate, which is now
                 # ahead of the store: no later save of this turn may follow.

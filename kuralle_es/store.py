@@ -15,6 +15,7 @@ from uuid import UUID
 
 from eventsourcing.application import AggregateNotFoundError, Application
 from eventsourcing.persistence import IntegrityError, Transcoder
+from eventsourcing.popo import POPOAggregateRecorder
 
 from .domain import Run, SessionRuns, new_session_runs, session_runs_id
 from .errors import StaleWriteError
@@ -82,6 +83,12 @@ class RunStore(Application[UUID]):
         Run: SNAPSHOT_INTERVAL,
         SessionRuns: SNAPSHOT_INTERVAL,
     }
+
+    @property
+    def saves_block(self) -> bool:
+        """Whether a save waits on I/O (SQLite, Postgres) and so belongs off the event
+        loop; an in-memory save is pure CPU, cheaper inline than a thread hop."""
+        return not isinstance(self.recorder, POPOAggregateRecorder)
 
     def construct_transcoder(self) -> Transcoder:
         """Our transcoder: stores user JSON exactly, whatever keys it uses."""

@@ -82,6 +82,8 @@ class Tool:
     parallel_safe: bool | Callable[[BaseModel], bool] = False
     replay: bool = True
     on_in_doubt: InDoubt = "retry"
+    #: Whether ``execute`` takes the ``ToolCall`` too (decided once, not per call).
+    wants_call: bool = False
 
     def validate(self, args: Any) -> BaseModel:
         """The tool's input model built from ``args``, or ``InvalidToolArgsError``."""
@@ -120,7 +122,7 @@ class Tool:
 
     async def invoke(self, args: BaseModel, call: ToolCall) -> Any:
         """Run ``execute`` (sync or async, with or without ``call``)."""
-        outcome = self.execute(args, call) if _wants_call(self.execute) else self.execute(args)
+        outcome = self.execute(args, call) if self.wants_call else self.execute(args)
         if inspect.isawaitable(outcome):
             outcome = await outcome
         return outcome
@@ -187,4 +189,5 @@ def define_tool(
         parallel_safe=parallel_safe,
         replay=replay,
         on_in_doubt=on_in_doubt,
+        wants_call=_wants_call(execute),
     )
