@@ -13,7 +13,8 @@ from typing import Any, ClassVar
 from urllib.parse import unquote, urlparse
 from uuid import UUID
 
-from eventsourcing.application import AggregateNotFoundError, Application
+from eventsourcing.application import AggregateNotFoundError, Application, ProcessingEvent
+from eventsourcing.domain import Snapshot
 from eventsourcing.persistence import IntegrityError, Transcoder
 from eventsourcing.popo import POPOAggregateRecorder
 
@@ -83,6 +84,28 @@ class RunStore(Application[UUID]):
         Run: SNAPSHOT_INTERVAL,
         SessionRuns: SNAPSHOT_INTERVAL,
     }
+
+    def _take_snapshots(self, processing_event: ProcessingEvent[UUID]) -> None:
+        """Snapshot from the aggregate just saved, not from a reload of it.
+
+        The library's default reloads the aggregate from the store at the
+        snapshot's version; the saved aggregate is already that state, so this
+        hook saves the reload (the larger share of a snapshot's cost).
+        """
+        for event in processing_event.events:
+            aggregate = processing_event.aggregates.get(event.originator_id)
+            interval = self.snapshotting_intervals.get(type(aggregate))
+            if (
+                aggregate is None
+                or interval is None
+                or self.snapshots is None
+                or event.originator_version % interval
+            ):
+                continue
+            if aggregate.version == event.originator_version:
+                self.snapshots.put([Snapshot.take(aggregate)])
+            else:  # a batch that crossed the interval mid-way: the library's way
+                self.take_snapshot(event.originator_id, version=event.originator_version)
 
     @property
     def saves_block(self) -> bool:
