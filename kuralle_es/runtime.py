@@ -116,11 +116,10 @@ class Runtime:
         return run.to_state() if run is not None else None
 
     async def get_steps(self, run_id: str, session_id: str) -> list[StepRecord]:
-        """The run's journal; ``RunNotFoundError`` when unknown or of another session."""
+        """The run's journal; empty when the run is unknown or of another session
+        (like ``get_run``'s None: a read never says whether a foreign run exists)."""
         run = await self._load(run_id, session_id)
-        if run is None:
-            raise RunNotFoundError(run_id, session_id)
-        return run.step_records()
+        return run.step_records() if run is not None else []
 
     async def _load(self, run_id: str, session_id: str) -> Run | None:
         run = await asyncio.to_thread(self.store.load, run_id)
