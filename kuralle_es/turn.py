@@ -123,18 +123,7 @@ class _Turn:
             raise
         self.sink.opened(run.run_id)
         try:
-            if flow is not None:
-                transition, state = await drive_flow(journal, flow, agent, self.emit)
-            else:
-                journal.begin_visit(logical_run_id(run.run_id, run.epoch), run.callsite_base)
-                try:
-                    text = await agent_turn(
-                        journal, agent, self.emit, self.runtime.max_tool_concurrency
-                    )
-                finally:
-                    await journal.settle()
-                transition, state = End(None), dict(run.state)
-                self.last_text = text
+            transition, state = await self._run(journal, agent, flow)
         except SuspendError as suspended:
             return await self._close_paused(journal, suspended)
         except StaleWriteError:
@@ -143,6 +132,22 @@ class _Turn:
             await self._close_errored(journal, exc)
             raise
         return await self._close_finished(journal, transition, state)
+
+    async def _run(
+        self, journal: Journal, agent: Agent, flow: Flow | None
+    ) -> tuple[End | Handoff, dict[str, Any]]:
+        """Drive the run: its flow's nodes, or else its agent's loop."""
+        if flow is not None:
+            return await drive_flow(journal, flow, agent, self.emit)
+        run = journal.run
+        journal.begin_visit(logical_run_id(run.run_id, run.epoch), run.callsite_base)
+        try:
+            self.last_text = await agent_turn(
+                journal, agent, self.emit, self.runtime.max_tool_concurrency
+            )
+        finally:
+            await journal.settle()
+        return End(None), dict(run.state)
 
     def _noop(self, run: Run, result: TurnResult) -> TurnResult:
         self.sink.opened(run.run_id)
