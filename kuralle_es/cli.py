@@ -22,6 +22,7 @@ from typing import Any
 from uuid import uuid4
 
 from .agents import Agent
+from .errors import KuralleError
 from .examples import refund
 from .models import SignalDelivery, TurnResult
 from .runtime import Runtime
@@ -251,7 +252,12 @@ async def _main(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    return asyncio.run(_main(args))
+    try:
+        return asyncio.run(_main(args))
+    except KuralleError as e:
+        # A refusal is an answer, not a crash: say what and what to do, no traceback.
+        print(f"kuralle-es: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
