@@ -152,7 +152,7 @@ class OpenAIModel:
         messages: list[dict[str, Any]] = []
         if request.instructions:
             messages.append({"role": "system", "content": request.instructions})
-        messages.extend(m.model_dump(exclude_none=True) for m in request.messages)
+        messages.extend(_chat_message(m) for m in request.messages)
         kwargs: dict[str, Any] = {"model": self.model, "messages": messages}
         if request.tools:
             kwargs["tools"] = request.tools
@@ -200,6 +200,15 @@ class OpenAIModel:
             data=data,
             usage=usage,
         )
+
+
+def _chat_message(message: Message) -> dict[str, Any]:
+    """A message in the Chat Completions shape (a tool message has no ``name`` there)."""
+    data = message.model_dump(exclude_none=True)
+    if message.role == "tool":
+        data.pop("name", None)
+        data.setdefault("content", "")
+    return data
 
 
 def openai_model(
