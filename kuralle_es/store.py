@@ -8,15 +8,26 @@ append) becomes our ``StaleWriteError``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, ClassVar
+import random
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar, TypeVar
 from urllib.parse import unquote, urlparse
 from uuid import UUID
 
 from eventsourcing.application import AggregateNotFoundError, Application, ProcessingEvent
 from eventsourcing.domain import Snapshot
-from eventsourcing.persistence import IntegrityError, Transcoder
+from eventsourcing.persistence import (
+    ApplicationRecorder,
+    EventStore,
+    IntegrityError,
+    InternalError,
+    ProgrammingError,
+    Transcoder,
+)
 from eventsourcing.popo import POPOAggregateRecorder
+from psycopg.errors import DuplicateObject, DuplicateTable, UniqueViolation
+from psycopg.errors import InternalError as PsycopgInternalError
 
 from .domain import Run, SessionRuns, new_session_runs, session_runs_id
 from .errors import StaleWriteError
@@ -76,6 +87,38 @@ def postgres_env(dsn_or_params: str | Mapping[str, Any]) -> dict[str, str]:
     return env
 
 
+_T = TypeVar("_T")
+
+
+def _retry_schema_setup(construct: Callable[[], _T]) -> _T:
+    """Construct a recorder, retrying its (idempotent) schema setup.
+
+    Workers starting together race on ``eventsourcing``'s ``CREATE TABLE IF NOT
+    EXISTS`` / ``CREATE OR REPLACE FUNCTION`` on PostgreSQL, which fail with
+    "tuple concurrently updated" or a duplicate catalog key for all but one of
+    them. The statements are idempotent, so trying again is safe.
+    """
+    for attempt in range(_SCHEMA_SETUP_ATTEMPTS):
+        try:
+            return construct()
+        except (InternalError, IntegrityError, ProgrammingError) as e:
+            if attempt == _SCHEMA_SETUP_ATTEMPTS - 1 or not _is_setup_race(e):
+                raise
+            time.sleep(random.uniform(0.01, 0.05) * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
+def _is_setup_race(error: Exception) -> bool:
+    """Whether a schema-setup failure is another worker's setup winning the race."""
+    cause = error.__cause__
+    if isinstance(cause, DuplicateTable | DuplicateObject | UniqueViolation):
+        return True
+    return isinstance(cause, PsycopgInternalError) and "concurrently updated" in str(cause)
+
+
+_SCHEMA_SETUP_ATTEMPTS = 8
+
+
 class RunStore(Application[UUID]):
     """Holds runs; appends are compare-and-set on the aggregate version."""
 
@@ -112,6 +155,12 @@ class RunStore(Application[UUID]):
         """Whether a save waits on I/O (SQLite, Postgres) and so belongs off the event
         loop; an in-memory save is pure CPU, cheaper inline than a thread hop."""
         return not isinstance(self.recorder, POPOAggregateRecorder)
+
+    def construct_recorder(self) -> ApplicationRecorder:
+        return _retry_schema_setup(super().construct_recorder)
+
+    def construct_snapshot_store(self) -> EventStore[UUID]:
+        return _retry_schema_setup(super().construct_snapshot_store)
 
     def construct_transcoder(self) -> Transcoder:
         """Our transcoder: stores user JSON exactly, whatever keys it uses."""
