@@ -99,6 +99,8 @@ class Run(Aggregate):
         self.slots: dict[str, list[int]] = {}
         self.signal_ids: list[str] = []
         self.turn_keys: dict[str, dict[str, Any]] = {}
+        #: The inbound idempotency key of the turn that started last, if any.
+        self.turn_key: str | None = None
 
     # ------------------------------------------------------------------ ids
     @property
@@ -119,6 +121,7 @@ class Run(Aggregate):
             run.status = "running"
             run.error = None
             run.callsite_base = 0
+            run.turn_key = self.idempotency_key
             if self.message is not None:
                 run.messages.append(self.message)
 

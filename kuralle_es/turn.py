@@ -31,7 +31,7 @@ from .errors import (
 from .flows import End, Flow, Handoff
 from .handle import TurnSink
 from .journal import Journal, utcnow
-from .keys import logical_run_id
+from .keys import canonical_json, logical_run_id
 from .models import Message, SignalDelivery, StepError, StreamPart, TurnResult
 
 if TYPE_CHECKING:
@@ -45,6 +45,14 @@ CONVERSATION_NAMESPACE = UUID("5d0c3a51-3f7e-4d43-a0a8-1f4a8c6f9e27")
 
 def conversation_run_id(session_id: str) -> UUID:
     return uuid5(CONVERSATION_NAMESPACE, session_id)
+
+
+def flow_run_id(session_id: str, flow_name: str, idempotency_key: str | None) -> UUID:
+    """A fresh id for a new flow run; derived from the inbound idempotency key when
+    there is one, so that a retried start finds (or races to create) the same run."""
+    if idempotency_key is None:
+        return uuid4()
+    return uuid5(CONVERSATION_NAMESPACE, canonical_json([session_id, flow_name, idempotency_key]))
 
 
 @dataclass(frozen=True)
@@ -103,6 +111,11 @@ class _Turn:
         if request.idempotency_key and request.idempotency_key in run.turn_keys:
             earlier = TurnResult.model_validate(run.turn_keys[request.idempotency_key])
             return self._noop(run, earlier)
+        key = request.idempotency_key
+        if key and key == run.turn_key and run.status == "running" and not fresh:
+            # The turn this key started is still in flight (or was cut off, for
+            # recovery to finish): a retry must not start it a second time.
+            return self._noop(run, result_of(run))
         opening, payload = self._prepare(run, fresh)
         if opening is None:
             return self._noop(run, result_of(run))
@@ -115,6 +128,11 @@ class _Turn:
         try:
             await self._open(journal, opening, payload, pinned[1] if pinned else None)
         except StaleWriteError:
+            if fresh and request.idempotency_key is not None:
+                # Two identical starts raced: the winner's run is the run.
+                latest = await asyncio.to_thread(self.runtime.store.load, run.run_id)
+                if latest is not None and latest.session_id == request.session_id:
+                    return self._noop(latest, result_of(latest))
             if request.signal_delivery is not None:
                 # Two identical deliveries raced: the winner's is the delivery.
                 latest = await asyncio.to_thread(self.runtime.store.load, run.run_id)
@@ -170,7 +188,13 @@ class _Turn:
                 msg = "kind='flow' needs flow_name, the name of one of the agents' flows"
                 raise ValueError(msg)
             agent, flow = runtime.flow(request.flow_name)
-            run = new_run(uuid4(), request.session_id, "flow", agent.id, flow.name, flow.digest)
+            minted = flow_run_id(request.session_id, flow.name, request.idempotency_key)
+            if request.idempotency_key is not None:
+                # A retried start (same key) finds the run the first one made.
+                existing = await asyncio.to_thread(runtime.store.load, str(minted))
+                if existing is not None and existing.session_id == request.session_id:
+                    return existing, False
+            run = new_run(minted, request.session_id, "flow", agent.id, flow.name, flow.digest)
             return run, True
         if request.kind not in (None, "conversation"):
             msg = f"kind must be 'conversation' or 'flow', got {request.kind!r}"
