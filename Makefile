@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck bench clean browser
+.PHONY: demo test docs lint typecheck bench clean browser
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,7 +30,12 @@ browser:
 test: $(STAMP) browser
 	$(BIN)/ruff check kuralle_es tests benchmarks
 	$(BIN)/mypy kuralle_es
+	$(BIN)/mkdocs build --strict --quiet
 	$(BIN)/pytest -q
+
+# The documentation site (docs/ -> build/site); strict: a broken reference fails.
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/journal_overhead.py
