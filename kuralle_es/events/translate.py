@@ -1,0 +1,226 @@
+"""The one translation from the ``Run`` aggregate's stored events to public events (internal).
+
+``_RULES`` is the whole mapping: a stored event class, the public event it
+becomes (or none), and the run status it leaves behind. A stored event type
+absent from the table (leases, node entries, messages, turn records, session
+indexes) has no public meaning and is skipped, so each stored event yields at
+most one public event and positions stay unique.
+
+Some public fields are not on the stored event alone (the session of a run,
+the name and key of a step, its attempt count). ``Translator`` keeps that
+context per run in a bounded cache; a run it has not seen (a follower that
+starts mid-stream, or an evicted entry) is folded from the run's own earlier
+stored events first, so a follower starting at any position produces the same
+events as one that started at the beginning.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from uuid import UUID
+
+from eventsourcing.persistence import Notification
+
+from ..domain import Run
+from ..store import RunStore
+from .types import (
+    EventError,
+    EventWaitingFor,
+    RunAborted,
+    RunErrored,
+    RunEvent,
+    RunFinished,
+    RunOpened,
+    RunPaused,
+    RunResumed,
+    SignalAccepted,
+    StepFailed,
+    StepFinished,
+    StepStarted,
+)
+
+__all__ = ["PUBLIC_TOPICS", "Translator"]
+
+
+@dataclass
+class _Step:
+    key: str
+    kind: str
+    name: str
+    attempts: int = 1
+
+
+@dataclass
+class _RunContext:
+    """What translating a run's next event needs from its past."""
+
+    session_id: str = ""
+    status: str = "running"
+    steps: dict[int, _Step] = field(default_factory=dict)
+
+
+#: The fields every public event shares, computed once per stored event.
+_Base = dict[str, Any]
+_Make = Callable[[Any, _RunContext, _Base], RunEvent | None]
+
+
+@dataclass(frozen=True)
+class _Rule:
+    make: _Make
+    #: The run's status after this event (None: unchanged).
+    status: str | None = None
+
+
+def _opened(e: Run.Created, ctx: _RunContext, base: _Base) -> RunEvent:
+    return RunOpened(**base, kind=e.kind, flow=e.flow)
+
+
+def _step_started(e: Run.StepStarted, ctx: _RunContext, base: _Base) -> RunEvent:
+    return StepStarted(**base, index=e.index, key=e.key, kind=e.kind, name=e.name, attempt=1)
+
+
+def _step_retried(e: Run.StepRetried, ctx: _RunContext, base: _Base) -> RunEvent:
+    step = ctx.steps[e.index]
+    return StepStarted(
+        **base,
+        index=e.index,
+        key=step.key,
+        kind=step.kind,
+        name=step.name,
+        attempt=step.attempts + 1,
+    )
+
+
+def _step_finished(e: Run.StepFinished, ctx: _RunContext, base: _Base) -> RunEvent:
+    name = ctx.steps[e.index].name
+    return StepFinished(**base, index=e.index, name=name, result=json.loads(e.result_json))
+
+
+def _step_failed(e: Run.StepFailed, ctx: _RunContext, base: _Base) -> RunEvent:
+    # A stored failure is frozen unless it says otherwise (retries record non-final ones).
+    final = bool(getattr(e, "final", True))
+    error = EventError.model_validate(e.error)
+    return StepFailed(**base, index=e.index, name=ctx.steps[e.index].name, error=error, final=final)
+
+
+def _paused(e: Run.Paused, ctx: _RunContext, base: _Base) -> RunEvent:
+    # The stored wait also holds what only the runtime reads back: keep public keys only.
+    public = {k: v for k, v in e.waiting_for.items() if k in EventWaitingFor.model_fields}
+    return RunPaused(**base, waiting_for=EventWaitingFor.model_validate(public))
+
+
+def _signal(e: Run.SignalAccepted, ctx: _RunContext, base: _Base) -> RunEvent:
+    return SignalAccepted(**base, signal_id=e.signal_id, name=e.name, actor=e.actor)
+
+
+def _resumed(reason: str) -> _Make:
+    def make(e: Any, ctx: _RunContext, base: _Base) -> RunEvent:
+        return RunResumed(**base, reason=reason)
+
+    return make
+
+
+def _turn_started(e: Run.TurnStarted, ctx: _RunContext, base: _Base) -> RunEvent | None:
+    # A turn's first epoch opens the run (RunOpened says so); a later one is new user input.
+    return RunResumed(**base, reason="input") if e.epoch > 0 else None
+
+
+def _flow_pinned(e: Run.FlowPinned, ctx: _RunContext, base: _Base) -> RunEvent | None:
+    # Pinning while running is part of entering a flow; on a stopped run it is a restart.
+    return RunResumed(**base, reason="restart") if ctx.status != "running" else None
+
+
+def _finished(e: Run.Finished, ctx: _RunContext, base: _Base) -> RunEvent:
+    return RunFinished(**base, outcome=e.outcome)
+
+
+def _errored(e: Run.Errored, ctx: _RunContext, base: _Base) -> RunEvent:
+    return RunErrored(**base, error=EventError.model_validate(e.error))
+
+
+def _aborted(e: Run.Aborted, ctx: _RunContext, base: _Base) -> RunEvent:
+    return RunAborted(**base, outcome=e.reason)
+
+
+#: The translation table: stored event class -> public event and resulting status.
+_RULES: Mapping[type[Any], _Rule] = {
+    Run.Created: _Rule(_opened, "running"),
+    Run.TurnStarted: _Rule(_turn_started, "running"),
+    Run.StepStarted: _Rule(_step_started),
+    Run.StepRetried: _Rule(_step_retried),
+    Run.StepFinished: _Rule(_step_finished),
+    Run.StepFailed: _Rule(_step_failed),
+    Run.Paused: _Rule(_paused, "paused"),
+    Run.InputAccepted: _Rule(_resumed("input"), "running"),
+    Run.SignalAccepted: _Rule(_signal, "running"),
+    Run.FlowPinned: _Rule(_flow_pinned, "running"),
+    Run.Resumed: _Rule(_resumed("error"), "running"),
+    Run.Finished: _Rule(_finished, "finished"),
+    Run.Errored: _Rule(_errored, "error"),
+    Run.Aborted: _Rule(_aborted, "aborted"),
+}
+
+#: Stored topics worth reading: every other notification is skipped in the query.
+PUBLIC_TOPICS: tuple[str, ...] = tuple(sorted(cls.TOPIC for cls in _RULES))
+
+
+def _fold(ctx: _RunContext, event: Any, rule: _Rule) -> None:
+    """Remember what later events of the run will need."""
+    if isinstance(event, Run.Created):
+        ctx.session_id = event.session_id
+    elif isinstance(event, Run.StepStarted):
+        ctx.steps[event.index] = _Step(event.key, event.kind, event.name)
+    elif isinstance(event, Run.StepRetried):
+        ctx.steps[event.index].attempts += 1
+    if rule.status is not None:
+        ctx.status = rule.status
+
+
+class Translator:
+    """Stored notifications in, public events out; one per follower (not thread-safe)."""
+
+    def __init__(self, store: RunStore, cache_size: int = 4096) -> None:
+        self._store = store
+        self._cache: OrderedDict[UUID, _RunContext] = OrderedDict()
+        self._cache_size = cache_size
+
+    def translate(self, notification: Notification) -> RunEvent | None:
+        """The public event of one stored notification, or None if it has none."""
+        stored: Any = self._store.mapper.to_domain_event(notification)
+        rule = _RULES.get(type(stored))
+        if rule is None:
+            return None
+        ctx = self._context(stored.originator_id, stored.originator_version)
+        base: _Base = {
+            "position": notification.id,
+            "run_id": str(stored.originator_id),
+            "session_id": stored.session_id if isinstance(stored, Run.Created) else ctx.session_id,
+            "occurred_at": stored.timestamp,
+        }
+        public = rule.make(stored, ctx, base)
+        _fold(ctx, stored, rule)
+        return public
+
+    def _context(self, run_id: UUID, version: int) -> _RunContext:
+        ctx = self._cache.get(run_id)
+        if ctx is not None:
+            self._cache.move_to_end(run_id)
+            return ctx
+        ctx = _RunContext()
+        if version > 1:  # fold the run's earlier events from the store
+            self._fold_all(ctx, self._store.events.get(run_id, lte=version - 1))
+        self._cache[run_id] = ctx
+        if len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return ctx
+
+    @staticmethod
+    def _fold_all(ctx: _RunContext, events: Iterable[Any]) -> None:
+        for event in events:
+            rule = _RULES.get(type(event))
+            if rule is not None:
+                _fold(ctx, event, rule)

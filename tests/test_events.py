@@ -1,0 +1,261 @@
+"""Run events (``kuralle_es.events``): the public stream, ``follow`` and its schema.
+
+On memory, SQLite and PostgreSQL: a run's stream equals its journal, in order;
+``follow`` resumes from any position (public or not) with neither gaps nor
+repeats and produces the same events as a follower that started at the
+beginning; it wakes for events saved while it waits; and the JSON schema of
+every public event is pinned by a golden file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import BaseModel
+
+from kuralle_es import (
+    RunStore,
+    Runtime,
+    SignalDelivery,
+    ToolExecutionError,
+    action,
+    define_agent,
+    define_flow,
+    define_tool,
+    end,
+)
+from kuralle_es.events import (
+    Consumer,
+    RunEvent,
+    RunFinished,
+    RunOpened,
+    RunPaused,
+    RunResumed,
+    SignalAccepted,
+    StepFailed,
+    StepFinished,
+    StepStarted,
+    events_json_schema,
+    follow,
+    parse_event,
+)
+from kuralle_es.examples import refund
+from kuralle_es.testing import ScriptedModel
+
+GOLDEN = Path(__file__).resolve().parent / "golden" / "run_events_v1.schema.json"
+
+
+# ---------------------------------------------------------------- helpers
+async def refund_run(runtime: Runtime, session: str, *, approve: bool | None) -> str:
+    """A refund run: amount asked for, given, then approved / denied / left waiting (None)."""
+    first = runtime.run(session, input="I want a refund", kind="flow", flow_name="refund")
+    result = await first.result()
+    result = await runtime.run(session, run_id=result.run_id, input="It was $42.50").result()
+    assert result.status == "paused"
+    if approve is not None:
+        payload: dict[str, Any] = {"approved": approve, "by": "supervisor"}
+        delivery = SignalDelivery(
+            signal_id=f"decision-{result.run_id}", name="__approval", payload=payload,
+            actor="supervisor",
+        )  # fmt: skip
+        done = await runtime.run(session, run_id=result.run_id, signal_delivery=delivery).result()
+        assert done.status == "finished"
+    return result.run_id
+
+
+async def everything(store: RunStore) -> list[RunEvent]:
+    """Every public event stored so far, through a consumer of a fresh name."""
+    seen: list[RunEvent] = []
+    consumer = Consumer(store, f"reader-{os.urandom(4).hex()}", seen.append)
+    await consumer.run_until_caught_up()
+    return seen
+
+
+async def take(events: AsyncIterator[RunEvent], n: int) -> list[RunEvent]:
+    return [await asyncio.wait_for(anext(events), 10.0) for _ in range(n)]
+
+
+def dumps(events: list[RunEvent]) -> list[dict[str, Any]]:
+    return [e.model_dump(mode="json") for e in events]
+
+
+class Nothing(BaseModel):
+    pass
+
+
+def explode(args: Nothing) -> None:
+    raise RuntimeError("the payment API is down")
+
+
+async def stamp_then_fail(state: dict[str, Any], ctx: Any) -> Any:
+    await ctx.now()
+    await ctx.uuid()
+    try:
+        await ctx.tool("explode", {})
+    except ToolExecutionError:
+        return end("gave up")
+    return end("impossible")
+
+
+def failing_agent() -> Any:
+    flow = define_flow("fails", "a flow whose tool fails", "go", [action("go", stamp_then_fail)])
+    tool = define_tool("explode", "always fails", Nothing, explode)
+    return define_agent("ops", "ops", ScriptedModel([]), [tool], [flow])
+
+
+@pytest.fixture(autouse=True)
+def _ledger(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(refund.LEDGER_ENV, str(tmp_path / "ledger.jsonl"))
+    monkeypatch.delenv(refund.MODEL_ENV, raising=False)
+
+
+# ------------------------------------------------------------------ tests
+async def test_a_runs_stream_equals_its_journal_in_order(open_store: Any) -> None:
+    store = open_store()
+    runtime = Runtime([refund.build_agent(), failing_agent()], store=store)
+    approved = await refund_run(runtime, "s1", approve=True)
+    failed = (await runtime.run("s2", input="go", kind="flow", flow_name="fails").result()).run_id
+
+    events = await everything(store)
+    positions = [e.position for e in events]
+    assert positions == sorted(set(positions)), "positions are unique and increasing"
+
+    for run_id, session in ((approved, "s1"), (failed, "s2")):
+        mine = [e for e in events if e.run_id == run_id]
+        assert all(e.session_id == session and e.schema_version == 1 for e in mine)
+        assert isinstance(mine[0], RunOpened) and mine[0].kind == "flow"
+        steps = await runtime.get_steps(run_id, session)
+        started = [e for e in mine if isinstance(e, StepStarted)]
+        assert [(e.index, e.key, e.kind, e.name, e.attempt) for e in started] == [
+            (s.index, s.key, s.kind, s.name, 1) for s in steps
+        ]
+        ended = [e for e in mine if isinstance(e, StepFinished | StepFailed)]
+        assert [e.index for e in ended] == [s.index for s in steps]
+        for event, step in zip(ended, steps, strict=True):
+            assert event.name == step.name
+            if isinstance(event, StepFinished):
+                assert step.status == "finished" and event.result == step.result
+            else:
+                assert step.status == "error" and step.error is not None
+                assert (event.error.type, event.error.message, event.final) == (
+                    step.error.type, step.error.message, True,
+                )  # fmt: skip
+        # every step's intent comes before its result
+        order = [(type(e).__name__, getattr(e, "index", None)) for e in mine]
+        for step in steps:
+            assert order.index(("StepStarted", step.index)) < order.index(
+                ("StepFailed" if step.status == "error" else "StepFinished", step.index)
+            )
+
+    story = [type(e).__name__ for e in events if e.run_id == approved]
+    assert [s for s in story if not s.startswith("Step")] == [
+        "RunOpened", "RunPaused", "RunResumed", "RunPaused", "SignalAccepted", "RunFinished",
+    ]  # fmt: skip
+    mine = [e for e in events if e.run_id == approved]
+    pauses = [e for e in mine if isinstance(e, RunPaused)]
+    assert [p.waiting_for.kind for p in pauses] == ["input", "approval"]
+    assert pauses[1].waiting_for.title == "Refund $42.50?"
+    resumed = next(e for e in mine if isinstance(e, RunResumed))
+    assert resumed.reason == "input"
+    accepted = next(e for e in mine if isinstance(e, SignalAccepted))
+    assert (accepted.name, accepted.actor) == ("__approval", "supervisor")
+    assert isinstance(mine[-1], RunFinished) and mine[-1].outcome == "approved"
+    state = await runtime.get_run(failed, "s2")
+    assert state is not None and state.outcome == "gave up"
+
+
+async def test_follow_resumes_from_any_position_without_gaps_or_repeats(open_store: Any) -> None:
+    store = open_store()
+    runtime = Runtime([refund.build_agent()], store=store)
+    for i in range(3):
+        await refund_run(runtime, f"s{i}", approve=[True, False, None][i])
+    full = await everything(store)
+    head = store.recorder.max_notification_id()
+    # public positions, the ids just before them (often a skipped stored event), and 0
+    cuts = sorted({0, *(e.position for e in full), *(e.position - 1 for e in full)})
+    for after in cuts:
+        # a fresh follower per cut: its context comes from the store, not from a cache
+        expected = [e for e in full if e.position > after]
+        stream = follow(store, after=after)
+        got = await take(stream, len(expected))
+        await stream.aclose()
+        assert dumps(got) == dumps(expected), f"after={after}"
+    stream = follow(store, after=head)
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(anext(stream), 0.3)
+    await stream.aclose()
+
+
+async def test_follow_from_none_starts_at_the_first_event(open_store: Any) -> None:
+    store = open_store()
+    await refund_run(Runtime([refund.build_agent()], store=store), "s", approve=None)
+    full = await everything(store)
+    stream = follow(store)
+    assert dumps(await take(stream, len(full))) == dumps(full)
+    await stream.aclose()
+
+
+async def test_follow_wakes_for_events_saved_while_it_waits(open_store: Any) -> None:
+    """Runs written concurrently by another store while a follower waits: all arrive, once."""
+    reader_store = open_store()
+    writer_store = open_store()
+    runtime = Runtime([refund.build_agent()], store=writer_store)
+    got: list[RunEvent] = []
+    expected = asyncio.Event()
+    want = [0]
+
+    async def tail() -> None:
+        async for event in follow(reader_store, poll_interval=0.05):
+            got.append(event)
+            if want[0] and len(got) >= want[0]:
+                expected.set()
+
+    task = asyncio.create_task(tail())
+    await asyncio.sleep(0.3)  # the follower is waiting on an empty store
+    assert got == []
+    await asyncio.gather(*(refund_run(runtime, f"w{i}", approve=True) for i in range(4)))
+    full = await everything(writer_store)
+    want[0] = len(full)
+    if len(got) < len(full):
+        await asyncio.wait_for(expected.wait(), 10)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert dumps(got) == dumps(full)
+
+
+async def test_follow_refuses_a_position_that_is_not_one(open_store: Any) -> None:
+    from kuralle_es import InvalidArgumentError
+
+    stream = follow(open_store(), after=-1)
+    with pytest.raises(InvalidArgumentError, match="notification position"):
+        await anext(stream)
+
+
+def test_every_event_round_trips_through_json() -> None:
+    opened = RunOpened(
+        position=7, run_id="r", session_id="s", occurred_at="2026-01-01T00:00:00Z",
+        kind="flow", flow="refund",
+    )  # fmt: skip
+    again = parse_event(opened.model_dump_json())
+    assert again == opened and again.type == "RunOpened" and again.schema_version == 1
+    with pytest.raises(ValueError, match="schema_version"):
+        parse_event({**opened.model_dump(), "schema_version": 2})
+
+
+def test_the_public_schema_is_the_pinned_version_1() -> None:
+    current = events_json_schema()
+    if os.environ.get("KURALLE_UPDATE_GOLDEN") == "1":  # a deliberate schema change
+        GOLDEN.parent.mkdir(exist_ok=True)
+        GOLDEN.write_text(json.dumps(current, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    pinned = json.loads(GOLDEN.read_text(encoding="utf-8"))
+    assert current == pinned, (
+        "the public run events' shape changed. Consumers parse this schema: keep it, or "
+        "publish a new schema_version and regenerate tests/golden/run_events_v1.schema.json "
+        "with KURALLE_UPDATE_GOLDEN=1"
+    )
