@@ -54,6 +54,7 @@ from .models import (
 from .runtime import Runtime
 from .store import RunStore
 from .tools import Tool, define_tool
+from .views import RunSummary, RunViews, ToolStats
 
 __all__ = [
     "Agent",
@@ -78,6 +79,8 @@ __all__ = [
     "RunNotFoundError",
     "RunState",
     "RunStore",
+    "RunSummary",
+    "RunViews",
     "Runtime",
     "SignalDelivery",
     "SignalMismatchError",
@@ -92,6 +95,7 @@ __all__ = [
     "ToolCallRequest",
     "ToolExecutionError",
     "ToolResultTypeError",
+    "ToolStats",
     "TurnHandle",
     "TurnResult",
     "UnknownToolError",

@@ -9,10 +9,12 @@ the lease released, in one more save.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import socket
 from collections.abc import Sequence
 from types import TracebackType
+from typing import TYPE_CHECKING
 from uuid import uuid4
 
 from .agents import Agent
@@ -32,6 +34,9 @@ from .models import (
 )
 from .store import RunStore
 from .turn import TurnRequest, drive_turn
+
+if TYPE_CHECKING:
+    from .views import RunViews
 
 __all__ = ["Runtime"]
 
@@ -68,6 +73,13 @@ class Runtime:
             self.agents[agent.id] = agent
             for flow in agent.flows.values():
                 self._flows.setdefault(flow.name, (agent, flow))
+
+    @functools.cached_property
+    def views(self) -> RunViews:
+        """Queries over the runs of this runtime's store (made on first use)."""
+        from .views import RunViews
+
+        return RunViews(self.store)
 
     # ------------------------------------------------------------- lifecycle
     def close(self) -> None:

@@ -1,0 +1,167 @@
+"""``RunViews``: the questions operators and sweeps ask about runs.
+
+Freshness rule: every query first applies every event stored before it
+started (a catch-up over the notification log, usually a no-op), so a query
+made after a turn returned sees that turn. ``wait_until_caught_up`` does the
+same with a deadline, for callers that only want the views current.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from collections.abc import Callable
+from datetime import datetime
+from typing import TypeVar
+
+from eventsourcing.popo import POPOApplicationRecorder
+from eventsourcing.postgres import PostgresApplicationRecorder
+from eventsourcing.sqlite import SQLiteApplicationRecorder
+
+from ..store import RunStore, _retry_schema_setup
+from .backend import ViewBackend
+from .fold import RunRow, StepRow, as_utc
+from .memory import MemoryViews
+from .models import RunSummary, ToolStats, summary
+from .postgres import PostgresViews
+from .projector import DEFAULT_BATCH, catch_up
+from .query import RunQuery
+from .sqlite import SQLiteViews
+
+__all__ = ["RunViews", "open_backend"]
+
+_T = TypeVar("_T")
+
+#: Views of in-memory stores live as long as their store.
+_MEMORY: weakref.WeakKeyDictionary[RunStore, dict[str, MemoryViews]] = weakref.WeakKeyDictionary()
+
+
+def open_backend(store: RunStore, name: str = "RunViews") -> ViewBackend:
+    """The view tables of ``store`` named ``name`` (created if missing)."""
+    prefix = name.lower()
+    recorder = store.recorder
+    if isinstance(recorder, PostgresApplicationRecorder):
+        return _retry_schema_setup(lambda: _created(PostgresViews(
+            recorder.datastore, tracking_table_name=f"{prefix}_tracking"
+        )))  # fmt: skip
+    if isinstance(recorder, SQLiteApplicationRecorder):
+        return _created(SQLiteViews(recorder.datastore, prefix))
+    if isinstance(recorder, POPOApplicationRecorder):
+        return _MEMORY.setdefault(store, {}).setdefault(prefix, MemoryViews())
+    msg = f"no views for a store recorded by {type(recorder).__name__}"
+    raise TypeError(msg)
+
+
+_V = TypeVar("_V", PostgresViews, SQLiteViews)
+
+
+def _created(views: _V) -> _V:
+    views.create_table()
+    return views
+
+
+def _utcnow() -> datetime:
+    return as_utc(datetime.now().astimezone())
+
+
+class RunViews:
+    """Queries over the views of a ``RunStore``'s runs (see the module's freshness rule).
+
+    ``name`` names the view tables (``<name>_runs``, ``<name>_steps``,
+    ``<name>_tracking``); a second name builds an independent copy.
+    """
+
+    def __init__(self, store: RunStore, *, name: str = "RunViews", batch: int = DEFAULT_BATCH):
+        self.store = store
+        self.name = name
+        self.batch = batch
+        self.backend = open_backend(store, name)
+        self._blocking = not isinstance(self.backend, MemoryViews)
+
+    # ---------------------------------------------------------- queries
+    async def list_runs(
+        self,
+        status: str | None = None,
+        session_id: str | None = None,
+        flow: str | None = None,
+        limit: int = 100,
+    ) -> list[RunSummary]:
+        """Runs, most recently updated first; ``flow`` matches finished runs of it too."""
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+            msg = f"limit must be a positive integer, got {limit!r}"
+            raise ValueError(msg)
+        return await self._runs(
+            RunQuery(status=status, session_id=session_id, flow=flow, limit=limit)
+        )
+
+    async def waiting_runs(self) -> list[RunSummary]:
+        """Paused runs (waiting for an approval, a signal, input or a timer), oldest first."""
+        return await self._runs(RunQuery(status="paused", order="oldest"))
+
+    async def orphaned_runs(self, now: datetime | None = None) -> list[RunSummary]:
+        """Running runs whose lease expired before ``now``: their worker is gone."""
+        at = as_utc(now) if now is not None else _utcnow()
+        return await self._runs(RunQuery(status="running", lease_expired_before=at, order="lease"))
+
+    async def expired_deadlines(self, now: datetime | None = None) -> list[RunSummary]:
+        """Paused runs whose wait's deadline is before ``now`` (timers excluded)."""
+        at = as_utc(now) if now is not None else _utcnow()
+        return await self._runs(
+            RunQuery(status="paused", not_wait_kind="timer", deadline_before=at, order="deadline")
+        )
+
+    async def due_timers(self, now: datetime | None = None) -> list[RunSummary]:
+        """Paused runs whose durable sleep's wake time is at or before ``now``."""
+        at = as_utc(now) if now is not None else _utcnow()
+        return await self._runs(
+            RunQuery(
+                status="paused",
+                wait_kind="timer",
+                deadline_before=at,
+                deadline_inclusive=True,
+                order="deadline",
+            )
+        )
+
+    async def step_stats(self) -> list[ToolStats]:
+        """Per tool (by name): calls, failed calls, p50/p95 latency in ms."""
+        await self.catch_up()
+        return await self._call(self.backend.select_tool_stats)
+
+    # --------------------------------------------------------- upkeep
+    async def catch_up(self) -> int:
+        """Apply every event stored so far; returns how many this call applied."""
+        return await self._call(lambda: catch_up(self.store, self.backend, self.batch))
+
+    async def wait_until_caught_up(self, timeout: float = 10.0) -> None:  # noqa: ASYNC109
+        """Return once every event stored before the call is in the views.
+
+        Raises ``TimeoutError`` if that takes longer than ``timeout`` seconds
+        (another projector holding the views' lock, or a backlog).
+        """
+        await asyncio.wait_for(self.catch_up(), timeout)
+
+    async def rebuild(self) -> int:
+        """Empty the views and apply the whole log again; returns the events applied."""
+        await self._call(self.backend.reset_views)
+        return await self.catch_up()
+
+    async def position(self) -> int | None:
+        """The notification id of the last event in the views."""
+        return await self._call(self.backend.view_position)
+
+    async def rows(self) -> tuple[list[RunRow], list[StepRow]]:
+        """Every run and step row as stored, for checks (no catch-up, no index)."""
+        runs = await self._call(lambda: self.backend.select_runs(RunQuery(order="oldest")))
+        return sorted(runs, key=lambda r: r.run_id), await self._call(self.backend.select_steps)
+
+    # --------------------------------------------------------- helpers
+    async def _runs(self, query: RunQuery) -> list[RunSummary]:
+        await self.catch_up()
+        rows = await self._call(lambda: self.backend.select_runs(query))
+        return [summary(r) for r in rows]
+
+    async def _call(self, fn: Callable[[], _T]) -> _T:
+        if self._blocking:
+            return await asyncio.to_thread(fn)
+        return fn()

@@ -1,0 +1,221 @@
+"""Views of a PostgreSQL store: an ``eventsourcing`` tracking recorder that
+also writes the view rows (internal).
+
+``PostgresViews`` is a ``PostgresTrackingRecorder``: ``eventsourcing``'s
+``ProjectionRunner`` drives it through ``RunViewsProjection`` (LISTEN/NOTIFY,
+one transaction per event), and ``RunViews`` catches it up over the
+notification log before a query (one transaction per batch). Either way the
+rows and the tracking record commit in one transaction, under a transaction
+advisory lock that makes concurrent projectors take turns; each skips what
+the tracking record says is applied already, so nothing is applied twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterator, Sequence
+from contextlib import contextmanager
+from datetime import datetime
+from typing import Any
+
+from eventsourcing.persistence import Tracking
+from eventsourcing.postgres import PostgresDatastore, PostgresTrackingRecorder
+from eventsourcing.projection import Projection
+from psycopg import Cursor
+from psycopg.rows import DictRow
+from psycopg.sql import SQL, Composed, Identifier
+
+from .backend import StepKey, ViewBackend
+from .fold import RunEvent, RunRow, StepRow, as_utc
+from .models import ToolStats
+from .query import (
+    RUN_COLUMNS,
+    SQL_INDEXES,
+    STEP_COLUMNS,
+    RunQuery,
+    run_row,
+    run_values,
+    sql_order,
+    sql_where,
+    step_row,
+    step_values,
+)
+
+__all__ = ["PostgresViews", "RunViewsProjection"]
+
+_TRACKING_SUFFIX = "_tracking"
+
+
+class PostgresViews(PostgresTrackingRecorder, ViewBackend):
+    """Run and step view tables next to the tracking table ``<prefix>_tracking``."""
+
+    def __init__(
+        self,
+        datastore: PostgresDatastore,
+        *,
+        tracking_table_name: str = "runviews_tracking",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(datastore, tracking_table_name=tracking_table_name, **kwargs)
+        prefix = tracking_table_name.removesuffix(_TRACKING_SUFFIX)
+        schema = Identifier(datastore.schema)
+        runs, steps = f"{prefix}_runs", f"{prefix}_steps"
+        self.check_identifier_length(f"{runs}_deadline")
+        self._runs = Composed([schema, SQL("."), Identifier(runs)])
+        self._steps = Composed([schema, SQL("."), Identifier(steps)])
+        self.sql_create_statements += self._create_statements(runs, steps)
+        run_updates = SQL(", ").join(
+            SQL("{0} = EXCLUDED.{0}").format(Identifier(c)) for c in RUN_COLUMNS[1:]
+        )
+        step_updates = SQL(", ").join(
+            SQL("{0} = EXCLUDED.{0}").format(Identifier(c)) for c in STEP_COLUMNS[2:]
+        )
+        self._upsert_run = SQL(
+            "INSERT INTO {0} ({1}) VALUES ({2}) ON CONFLICT (run_id) DO UPDATE SET {3}"
+        ).format(self._runs, _names(RUN_COLUMNS), _slots(RUN_COLUMNS), run_updates)
+        self._upsert_step = SQL(
+            "INSERT INTO {0} ({1}) VALUES ({2}) ON CONFLICT (run_id, idx) DO UPDATE SET {3}"
+        ).format(self._steps, _names(STEP_COLUMNS), _slots(STEP_COLUMNS), step_updates)
+        # Projectors of these views take turns: one lock per tracking table.
+        self._lock = SQL("SELECT pg_advisory_xact_lock(hashtext({0}))").format(
+            f"{datastore.schema}.{tracking_table_name}"
+        )
+
+    def _create_statements(self, runs: str, steps: str) -> list[Composed]:
+        statements = [
+            SQL(
+                "CREATE TABLE IF NOT EXISTS {0} ("
+                "run_id text PRIMARY KEY, session_id text NOT NULL, kind text NOT NULL, "
+                "status text NOT NULL, flow text, active_flow text, active_node text, "
+                "waiting_for text, wait_kind text, wait_deadline timestamptz, "
+                "lease_holder text, lease_expires_at timestamptz, step_count int NOT NULL, "
+                "created_at timestamptz NOT NULL, updated_at timestamptz NOT NULL, "
+                "version bigint NOT NULL, event_count bigint NOT NULL)"
+            ).format(self._runs),
+            SQL(
+                "CREATE TABLE IF NOT EXISTS {0} ("
+                "run_id text NOT NULL, idx int NOT NULL, kind text NOT NULL, "
+                "name text NOT NULL, status text NOT NULL, started_at timestamptz NOT NULL, "
+                "finished_at timestamptz, attempts int NOT NULL, error_type text, "
+                "duration_ms double precision, PRIMARY KEY (run_id, idx))"
+            ).format(self._steps),
+            SQL("CREATE INDEX IF NOT EXISTS {0} ON {1} (kind, name, duration_ms)").format(
+                Identifier(f"{steps}_tool"), self._steps
+            ),
+        ]
+        statements += [
+            SQL("CREATE INDEX IF NOT EXISTS {0} ON {1} ({2})").format(
+                Identifier(f"{runs}_{name}"), self._runs, SQL(columns)
+            )
+            for name, columns in SQL_INDEXES
+        ]
+        return statements
+
+    # ------------------------------------------------------ ViewBackend
+    @contextmanager
+    def view_transaction(self) -> Iterator[_PostgresTransaction]:
+        with self.datastore.transaction(commit=True) as curs:
+            curs.execute(self._lock)
+            yield _PostgresTransaction(self, curs)
+
+    def view_position(self) -> int | None:
+        position = self.max_tracking_id(self.application_name)
+        return None if position is None else int(position)
+
+    def select_runs(self, query: RunQuery) -> list[RunRow]:
+        where, params = sql_where(query, "%s", as_utc)
+        order, more = sql_order(query, "%s")
+        statement = SQL("SELECT * FROM {0}").format(self._runs) + SQL(where + order)
+        with self.datastore.get_connection() as conn, conn.cursor() as curs:
+            curs.execute(statement, [*params, *more])
+            return [run_row(r, _utc_or_none) for r in curs.fetchall()]
+
+    def select_tool_stats(self) -> list[ToolStats]:
+        statement = SQL(
+            "SELECT name, count(*) AS count, count(*) FILTER (WHERE status = 'error') AS errors, "
+            "percentile_cont(0.5) WITHIN GROUP (ORDER BY duration_ms) AS p50_ms, "
+            "percentile_cont(0.95) WITHIN GROUP (ORDER BY duration_ms) AS p95_ms "
+            "FROM {0} WHERE kind = 'tool' GROUP BY name ORDER BY name"
+        ).format(self._steps)
+        with self.datastore.get_connection() as conn, conn.cursor() as curs:
+            curs.execute(statement)
+            return [ToolStats.model_validate(dict(r)) for r in curs.fetchall()]
+
+    def select_steps(self) -> list[StepRow]:
+        statement = SQL("SELECT * FROM {0} ORDER BY run_id, idx").format(self._steps)
+        with self.datastore.get_connection() as conn, conn.cursor() as curs:
+            curs.execute(statement)
+            return [step_row(r, _utc_or_none) for r in curs.fetchall()]
+
+    def reset_views(self) -> None:
+        with self.datastore.transaction(commit=True) as curs:
+            curs.execute(self._lock)
+            curs.execute(SQL("DELETE FROM {0}").format(self._runs))
+            curs.execute(SQL("DELETE FROM {0}").format(self._steps))
+            curs.execute(
+                SQL("DELETE FROM {0}.{1} WHERE application_name = %s").format(
+                    Identifier(self.datastore.schema), Identifier(self.tracking_table_name)
+                ),
+                (self.application_name,),
+            )
+
+
+class _PostgresTransaction:
+    def __init__(self, views: PostgresViews, curs: Cursor[DictRow]) -> None:
+        self.views = views
+        self.curs = curs
+
+    def position(self) -> int | None:
+        return self.views._max_tracking_id(self.views.application_name, self.curs)
+
+    def load_runs(self, run_ids: Collection[str]) -> dict[str, RunRow]:
+        if not run_ids:
+            return {}
+        self.curs.execute(
+            SQL("SELECT * FROM {0} WHERE run_id = ANY(%s)").format(self.views._runs),
+            (list(run_ids),),
+        )
+        return {r["run_id"]: run_row(r, _utc_or_none) for r in self.curs.fetchall()}
+
+    def load_steps(self, keys: Collection[StepKey]) -> dict[StepKey, StepRow]:
+        if not keys:
+            return {}
+        self.curs.execute(
+            SQL(
+                "SELECT s.* FROM {0} s JOIN unnest(%s::text[], %s::int[]) AS k(run_id, idx) "
+                "ON s.run_id = k.run_id AND s.idx = k.idx"
+            ).format(self.views._steps),
+            ([k[0] for k in keys], [k[1] for k in keys]),
+        )
+        return {(r["run_id"], r["idx"]): step_row(r, _utc_or_none) for r in self.curs.fetchall()}
+
+    def write(self, runs: Sequence[RunRow], steps: Sequence[StepRow], position: int) -> None:
+        if runs:
+            self.curs.executemany(self.views._upsert_run, [run_values(r, as_utc) for r in runs])
+        if steps:
+            self.curs.executemany(self.views._upsert_step, [step_values(s, as_utc) for s in steps])
+        self.views._insert_tracking(self.curs, Tracking(self.views.application_name, position))
+
+
+class RunViewsProjection(Projection[PostgresViews]):
+    """``eventsourcing`` projection of the run store into ``PostgresViews``.
+
+    Its upstream is ``ViewSource``, whose events are ``RunEvent`` values.
+    """
+
+    name = "RunViews"
+
+    def process_event(self, domain_event: Any, tracking: Tracking) -> None:
+        assert isinstance(domain_event, RunEvent)
+        self.view.apply([domain_event], tracking.notification_id)
+
+
+def _names(columns: Sequence[str]) -> Composed:
+    return SQL(", ").join(Identifier(c) for c in columns)
+
+
+def _slots(columns: Sequence[str]) -> Composed:
+    return SQL(", ").join(SQL("%s") for _ in columns)
+
+
+def _utc_or_none(value: datetime | None) -> datetime | None:
+    return None if value is None else as_utc(value)

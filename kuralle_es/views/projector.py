@@ -1,0 +1,86 @@
+"""Moving the views along the notification log (internal).
+
+``catch_up`` pulls: it reads the events after the views' tracking position
+and applies them in batches (one transaction each) until none are left. It
+is what every query runs first, and all a SQLite or memory projector needs
+(``eventsourcing`` 9.5 has no SQLite subscriptions). ``follow`` keeps the
+views current until stopped: on PostgreSQL with ``eventsourcing``'s
+``ProjectionRunner`` (woken by LISTEN/NOTIFY), elsewhere by polling.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from eventsourcing.postgres import PostgresApplicationRecorder
+from eventsourcing.projection import ProjectionRunner
+
+from ..store import RunStore
+from .backend import ViewBackend
+from .postgres import PostgresViews, RunViewsProjection
+from .source import ViewSource, read_after
+
+__all__ = ["DEFAULT_BATCH", "catch_up", "follow"]
+
+DEFAULT_BATCH = 500
+
+
+def catch_up(store: RunStore, views: ViewBackend, batch: int = DEFAULT_BATCH) -> int:
+    """Apply every event stored before the call; returns how many this call applied.
+
+    Events stored meanwhile may be applied too, but are not waited for: under
+    a steady stream of writes a catch-up still ends.
+    """
+    until = store.recorder.max_notification_id() or 0
+    applied = 0
+    while True:
+        position = views.view_position()
+        if position is not None and position >= until:
+            return applied
+        events = read_after(store, position, batch)
+        if not events:
+            return applied
+        applied += views.apply(events, events[-1].notification_id)
+
+
+def follow(
+    store: RunStore,
+    views: ViewBackend,
+    stop: threading.Event,
+    *,
+    name: str = "RunViews",
+    interval: float = 0.2,
+    batch: int = DEFAULT_BATCH,
+) -> None:
+    """Keep the views current until ``stop`` is set; raises what stops the projection."""
+    if isinstance(store.recorder, PostgresApplicationRecorder) and isinstance(views, PostgresViews):
+        catch_up(store, views, batch)  # the backlog in batches, then event by event
+        _run_projection_runner(store, name, stop)
+        return
+    while not stop.is_set():
+        catch_up(store, views, batch)
+        stop.wait(interval)
+
+
+def _run_projection_runner(store: RunStore, name: str, stop: threading.Event) -> None:
+    env: dict[str, Any] = dict(store.env)
+    prefix = name.upper()
+    # Size the runner's pools on purpose: the subscription holds one
+    # connection (LISTEN) and reads with another; the view writes with one.
+    env.setdefault("RUNSTORE_POSTGRES_POOL_SIZE", "2")
+    env.setdefault("RUNSTORE_POSTGRES_MAX_OVERFLOW", "2")
+    env.setdefault(f"{prefix}_POSTGRES_POOL_SIZE", "1")
+    env.setdefault(f"{prefix}_POSTGRES_MAX_OVERFLOW", "2")
+    projection = type(f"{name}Projection", (RunViewsProjection,), {"name": name})
+    runner: ProjectionRunner[ViewSource, PostgresViews] = ProjectionRunner(
+        application_class=ViewSource,
+        projection_class=projection,
+        view_class=PostgresViews,
+        env=env,
+    )
+    with runner:
+        while not stop.is_set():
+            runner.run_forever(timeout=0.2)
+            if runner.is_interrupted.is_set():
+                break

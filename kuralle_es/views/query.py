@@ -1,0 +1,240 @@
+"""The questions the views answer, stated once for every backend (internal).
+
+``RunQuery`` is what ``RunViews`` asks; SQL backends turn it into a WHERE
+clause with ``sql_where`` (served by the indexes in ``SQL_INDEXES``), the
+memory backend tests rows with ``matches``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Literal
+
+from .fold import RunRow, StepRow
+from .models import ToolStats
+
+__all__ = [
+    "RUN_COLUMNS",
+    "STEP_COLUMNS",
+    "RunQuery",
+    "matches",
+    "percentile",
+    "run_row",
+    "run_values",
+    "sort_key",
+    "sql_order",
+    "sql_where",
+    "step_row",
+    "step_values",
+    "tool_stats",
+]
+
+Order = Literal["recent", "oldest", "deadline", "lease"]
+
+
+@dataclass(frozen=True)
+class RunQuery:
+    """A filter over run rows; every set field must hold."""
+
+    status: str | None = None
+    session_id: str | None = None
+    flow: str | None = None
+    wait_kind: str | None = None
+    not_wait_kind: str | None = None
+    lease_expired_before: datetime | None = None
+    deadline_before: datetime | None = None
+    deadline_inclusive: bool = False
+    order: Order = "recent"
+    limit: int | None = None
+
+
+RUN_COLUMNS = (
+    "run_id", "session_id", "kind", "status", "flow", "active_flow", "active_node",
+    "waiting_for", "wait_kind", "wait_deadline", "lease_holder", "lease_expires_at",
+    "step_count", "created_at", "updated_at", "version", "event_count",
+)  # fmt: skip
+STEP_COLUMNS = (
+    "run_id", "idx", "kind", "name", "status", "started_at", "finished_at",
+    "attempts", "error_type", "duration_ms",
+)  # fmt: skip
+
+#: (name, columns) of the indexes each SQL backend creates on the runs table.
+SQL_INDEXES = (
+    ("recent", "updated_at DESC, run_id"),
+    ("status", "status, updated_at DESC"),
+    ("session", "session_id, updated_at DESC"),
+    ("flow", "flow, updated_at DESC"),
+    ("lease", "status, lease_expires_at"),
+    ("deadline", "status, wait_deadline"),
+)
+
+_ORDER_SQL: dict[str, str] = {
+    "recent": "updated_at DESC, run_id",
+    "oldest": "updated_at, run_id",
+    "deadline": "wait_deadline, run_id",
+    "lease": "lease_expires_at, run_id",
+}
+
+
+def sql_where(
+    q: RunQuery, placeholder: str, time: Callable[[datetime], Any]
+) -> tuple[str, list[Any]]:
+    """``" WHERE ..."`` (or ``""``) and its parameters for ``q``."""
+    clauses: list[str] = []
+    params: list[Any] = []
+
+    def add(clause: str, *values: Any) -> None:
+        clauses.append(clause.replace("?", placeholder))
+        params.extend(values)
+
+    for column in ("status", "session_id", "flow", "wait_kind"):
+        value = getattr(q, column)
+        if value is not None:
+            add(f"{column} = ?", value)
+    if q.not_wait_kind is not None:
+        add("(wait_kind IS NULL OR wait_kind <> ?)", q.not_wait_kind)
+    if q.lease_expired_before is not None:
+        add("lease_expires_at < ?", time(q.lease_expired_before))
+    if q.deadline_before is not None:
+        add(f"wait_deadline {'<=' if q.deadline_inclusive else '<'} ?", time(q.deadline_before))
+    where = (" WHERE " + " AND ".join(clauses)) if clauses else ""
+    return where, params
+
+
+def sql_order(q: RunQuery, placeholder: str) -> tuple[str, list[Any]]:
+    order = f" ORDER BY {_ORDER_SQL[q.order]}"
+    if q.limit is None:
+        return order, []
+    return order + f" LIMIT {placeholder}", [q.limit]
+
+
+def matches(row: RunRow, q: RunQuery) -> bool:
+    """Whether ``row`` answers ``q`` (the memory backend's WHERE)."""
+    for column in ("status", "session_id", "flow", "wait_kind"):
+        value = getattr(q, column)
+        if value is not None and getattr(row, column) != value:
+            return False
+    if q.not_wait_kind is not None and row.wait_kind == q.not_wait_kind:
+        return False
+    if q.lease_expired_before is not None and (
+        row.lease_expires_at is None or not row.lease_expires_at < q.lease_expired_before
+    ):
+        return False
+    if q.deadline_before is not None:
+        deadline = row.wait_deadline
+        if deadline is None:
+            return False
+        bound = q.deadline_before
+        if not (deadline <= bound if q.deadline_inclusive else deadline < bound):
+            return False
+    return True
+
+
+def sort_key(q: RunQuery) -> Callable[[RunRow], Any]:
+    """The memory backend's ORDER BY (``reverse`` for "recent")."""
+    if q.order in ("recent", "oldest"):
+        return lambda r: (r.updated_at, r.run_id)
+    if q.order == "deadline":
+        return lambda r: (r.wait_deadline, r.run_id)
+    return lambda r: (r.lease_expires_at, r.run_id)
+
+
+def run_values(row: RunRow, time: Callable[[datetime], Any]) -> tuple[Any, ...]:
+    """The row's column values in ``RUN_COLUMNS`` order."""
+    deadline = row.wait_deadline
+    lease = row.lease_expires_at
+    return (
+        row.run_id, row.session_id, row.kind, row.status, row.flow, row.active_flow,
+        row.active_node, None if row.waiting_for is None else json.dumps(row.waiting_for),
+        row.wait_kind, None if deadline is None else time(deadline), row.lease_holder,
+        None if lease is None else time(lease), row.step_count, time(row.created_at),
+        time(row.updated_at), row.version, row.event_count,
+    )  # fmt: skip
+
+
+def step_values(row: StepRow, time: Callable[[datetime], Any]) -> tuple[Any, ...]:
+    """The step's column values in ``STEP_COLUMNS`` order."""
+    finished = row.finished_at
+    return (
+        row.run_id, row.index, row.kind, row.name, row.status, time(row.started_at),
+        None if finished is None else time(finished), row.attempts, row.error_type,
+        row.duration_ms,
+    )  # fmt: skip
+
+
+def run_row(r: Any, time: Callable[[Any], datetime | None]) -> RunRow:
+    """A run row from a database row (``r[column]``), ``time`` reading its times."""
+    created, updated = time(r["created_at"]), time(r["updated_at"])
+    assert created is not None and updated is not None
+    return RunRow(
+        run_id=r["run_id"],
+        session_id=r["session_id"],
+        kind=r["kind"],
+        status=r["status"],
+        flow=r["flow"],
+        active_flow=r["active_flow"],
+        active_node=r["active_node"],
+        waiting_for=json.loads(r["waiting_for"]) if r["waiting_for"] is not None else None,
+        lease_holder=r["lease_holder"],
+        lease_expires_at=time(r["lease_expires_at"]),
+        step_count=r["step_count"],
+        created_at=created,
+        updated_at=updated,
+        version=r["version"],
+        event_count=r["event_count"],
+    )
+
+
+def step_row(r: Any, time: Callable[[Any], datetime | None]) -> StepRow:
+    """A step row from a database row (``r[column]``), ``time`` reading its times."""
+    started = time(r["started_at"])
+    assert started is not None
+    return StepRow(
+        run_id=r["run_id"],
+        index=r["idx"],
+        kind=r["kind"],
+        name=r["name"],
+        status=r["status"],
+        started_at=started,
+        finished_at=time(r["finished_at"]),
+        attempts=r["attempts"],
+        error_type=r["error_type"],
+    )
+
+
+def percentile(sorted_values: list[float], fraction: float) -> float | None:
+    """Linear interpolation between closest ranks (PostgreSQL's ``percentile_cont``)."""
+    if not sorted_values:
+        return None
+    position = fraction * (len(sorted_values) - 1)
+    low = int(position)
+    high = min(low + 1, len(sorted_values) - 1)
+    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (position - low)
+
+
+def tool_stats(steps: Iterable[tuple[str, str, float | None]]) -> list[ToolStats]:
+    """Per-tool statistics from ``(name, status, duration_ms)`` of tool steps."""
+    counts: dict[str, int] = {}
+    errors: dict[str, int] = {}
+    durations: dict[str, list[float]] = {}
+    for name, status, duration in steps:
+        counts[name] = counts.get(name, 0) + 1
+        errors[name] = errors.get(name, 0) + (status == "error")
+        if duration is not None:
+            durations.setdefault(name, []).append(duration)
+    stats = []
+    for name in sorted(counts):
+        values = sorted(durations.get(name, []))
+        stats.append(
+            ToolStats(
+                name=name,
+                count=counts[name],
+                errors=errors[name],
+                p50_ms=percentile(values, 0.5),
+                p95_ms=percentile(values, 0.95),
+            )
+        )
+    return stats
