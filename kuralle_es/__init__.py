@@ -11,6 +11,7 @@ from .context import RunContext
 from .errors import (
     FlowDriftError,
     FlowNotFoundError,
+    InvalidArgumentError,
     InvalidSignalError,
     InvalidToolArgsError,
     KuralleError,
@@ -24,6 +25,7 @@ from .errors import (
     ToolApprovalDeniedError,
     ToolExecutionError,
     ToolResultTypeError,
+    ToolTimeoutError,
     UnknownToolError,
 )
 from .flows import Flow, action, collect, define_flow, end, goto, handoff, reply
@@ -63,6 +65,7 @@ __all__ = [
     "FlowDriftError",
     "FlowNotFoundError",
     "FrozenOperation",
+    "InvalidArgumentError",
     "InvalidSignalError",
     "InvalidToolArgsError",
     "KuralleError",
@@ -96,6 +99,7 @@ __all__ = [
     "ToolExecutionError",
     "ToolResultTypeError",
     "ToolStats",
+    "ToolTimeoutError",
     "TurnHandle",
     "TurnResult",
     "UnknownToolError",

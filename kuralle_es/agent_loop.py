@@ -16,6 +16,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from .agents import Agent
+from .cursor import Cursor, Site
 from .errors import (
     InvalidToolArgsError,
     KuralleError,
@@ -26,7 +27,7 @@ from .errors import (
 from .journal import Journal
 from .llm import ModelRequest, ModelResponse, ToolCallRequest
 from .model_steps import assistant_message, model_turn, tool_message
-from .models import Message, StreamPart
+from .models import StreamPart
 from .tool_steps import run_tool
 from .tools import Tool
 
@@ -51,7 +52,7 @@ class _Planned:
     """One model-requested call, checked before anything runs."""
 
     request: ToolCallRequest
-    callsite: int
+    site: Site
     tool: Tool | None
     args: BaseModel | None
     refusal: dict[str, Any] | None
@@ -65,21 +66,21 @@ class _Planned:
         )
 
 
-def _plan(agent: Agent, request: ToolCallRequest, callsite: int) -> _Planned:
+def _plan(agent: Agent, request: ToolCallRequest, site: Site) -> _Planned:
     tool = agent.tools.get(request.name)
     if tool is None:
         refusal = {
             "error": f"unknown tool {request.name!r}; available tools: {sorted(agent.tools)!r}"
         }
-        return _Planned(request, callsite, None, None, refusal)
+        return _Planned(request, site, None, None, refusal)
     if "__malformed_arguments__" in request.args:
         refusal = {"error": f"the arguments for {tool.name!r} were not valid JSON; send JSON"}
-        return _Planned(request, callsite, tool, None, refusal)
+        return _Planned(request, site, tool, None, refusal)
     try:
         args = tool.validate(request.args)
     except InvalidToolArgsError as e:
-        return _Planned(request, callsite, tool, None, {"error": str(e)})
-    return _Planned(request, callsite, tool, args, None)
+        return _Planned(request, site, tool, None, {"error": str(e)})
+    return _Planned(request, site, tool, args, None)
 
 
 async def _outcome(journal: Journal, call: _Planned) -> Any:
@@ -87,7 +88,7 @@ async def _outcome(journal: Journal, call: _Planned) -> Any:
     if call.refusal is not None or call.tool is None or call.args is None:
         return call.refusal
     try:
-        return await run_tool(journal, call.tool, call.args, call.callsite)
+        return await run_tool(journal, call.site, call.tool, call.args)
     except ToolApprovalDeniedError as e:
         return denied_result(e.tool_name, e.denied_by, e.reason)
     except ToolExecutionError as e:
@@ -106,19 +107,20 @@ def _groups(calls: list[_Planned]) -> list[list[_Planned]]:
 
 async def run_tool_calls(
     journal: Journal,
+    cursor: Cursor,
     agent: Agent,
     requests: list[ToolCallRequest],
     emit: Callable[[StreamPart], None],
     max_concurrency: int,
 ) -> None:
     """Run one model turn's tool calls and append their tool messages in order."""
-    run = journal.run
-    sites = journal.reserve(len(requests))
+    sites = [cursor.site(callsite) for callsite in cursor.reserve(len(requests))]
     # Only this model turn's answers count: tool-call ids repeat across turns
     # (servers number them per response). This turn's assistant message is the
     # last one, on a fresh pass and on a resume alike.
-    last = max(i for i, m in enumerate(run.messages) if m.get("role") == "assistant")
-    answered = {m.get("tool_call_id") for m in run.messages[last + 1 :] if m.get("role") == "tool"}
+    messages = journal.messages()
+    last = max(i for i, m in enumerate(messages) if m.role == "assistant")
+    answered = {m.tool_call_id for m in messages[last + 1 :] if m.role == "tool"}
     pending = [
         _plan(agent, request, site)
         for request, site in zip(requests, sites, strict=True)
@@ -159,37 +161,37 @@ async def run_tool_calls(
                     result=outcome,
                 )
             )
-            run.append_message(tool_message(call.request.id, call.request.name, outcome))
+            journal.append_message(tool_message(call.request.id, call.request.name, outcome))
         if suspended is not None:
             raise suspended
 
 
 async def agent_turn(
     journal: Journal,
+    cursor: Cursor,
     agent: Agent,
     emit: Callable[[StreamPart], None],
     max_concurrency: int,
 ) -> str | None:
     """Loop model turns and tool calls until the model replies without tools."""
-    run = journal.run
     schemas = [tool.json_schema() for tool in agent.tools.values()]
 
     def on_new(response: ModelResponse) -> None:
-        run.append_message(assistant_message(response))
+        journal.append_message(assistant_message(response))
         if response.content:
             emit(StreamPart(type="text", text=response.content))
 
     for _ in range(MAX_MODEL_TURNS):
         request = ModelRequest(
             purpose="agent",
-            messages=[Message.model_validate(m) for m in run.messages],
+            messages=journal.messages(),
             tools=schemas,
             instructions=agent.instructions,
         )
-        response = await model_turn(journal, agent.model, request, on_new)
+        response = await model_turn(journal, cursor, agent.model, request, on_new)
         if not response.tool_calls:
             return response.content
-        await run_tool_calls(journal, agent, response.tool_calls, emit, max_concurrency)
+        await run_tool_calls(journal, cursor, agent, response.tool_calls, emit, max_concurrency)
     msg = (
         f"agent {agent.id!r} asked for tools {MAX_MODEL_TURNS} turns in a row without "
         "replying; the turn was stopped. Check the agent's instructions and tools"

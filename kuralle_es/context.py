@@ -1,4 +1,4 @@
-"""``RunContext``: what an ``action`` node sees. Thin wrappers over the funnel."""
+"""``RunContext``: what an ``action`` node sees (API). Thin wrappers over the funnel."""
 
 from __future__ import annotations
 
@@ -9,12 +9,13 @@ from uuid import uuid4
 
 from pydantic import BaseModel, ValidationError
 
-from .errors import InvalidSignalError, UnknownToolError
+from .cursor import Cursor
+from .errors import InvalidArgumentError, InvalidSignalError, UnknownToolError
 from .journal import Journal, decode, utcnow
 from .models import ApprovalDecision, StreamPart
 from .tool_steps import run_tool
 from .tools import Tool
-from .waits import APPROVAL, approval_decision, is_deadline_deny, suspend
+from .waits import APPROVAL, Schemas, approval_decision, is_deadline_deny, suspend
 
 __all__ = ["RunContext"]
 
@@ -25,20 +26,24 @@ class RunContext:
     def __init__(
         self,
         journal: Journal,
+        cursor: Cursor,
         tools: Mapping[str, Tool],
         emit: Callable[[StreamPart], None],
+        schemas: Schemas,
     ) -> None:
         self._journal = journal
+        self._cursor = cursor
         self._tools = tools
         self._emit = emit
+        self._schemas = schemas
 
     @property
     def run_id(self) -> str:
-        return self._journal.run.run_id
+        return self._journal.run_id
 
     @property
     def session_id(self) -> str:
-        return self._journal.run.session_id
+        return self._journal.session_id
 
     # ----------------------------------------------------------------- tools
     def tool(
@@ -58,10 +63,9 @@ class RunContext:
         if tool is None:
             raise UnknownToolError(name, list(self._tools))
         validated = tool.validate(args)
-        site = _explicit_site(callsite, index)
-        if site is None:
-            site = self._journal.reserve(1)[0]
-        return run_tool(self._journal, tool, validated, site, self._emit)
+        explicit = _explicit_site(callsite, index)
+        site = self._cursor.take() if explicit is None else self._cursor.site(explicit)
+        return run_tool(self._journal, site, tool, validated, self._emit)
 
     # ------------------------------------------------------------- waiting
     async def approve(
@@ -71,7 +75,7 @@ class RunContext:
         deadline: datetime | timedelta | float | None = None,
     ) -> ApprovalDecision:
         """Suspend until an ``__approval`` signal arrives; returns the decision."""
-        callsite = self._journal.reserve(1)[0]
+        callsite = self._cursor.reserve(1)[0]
         payload = await self._wait(
             callsite, APPROVAL, "approval", title=title, description=description, deadline=deadline
         )
@@ -87,8 +91,8 @@ class RunContext:
         ``schema`` when given, except the deadline sweeper's deny, returned as is)."""
         if not isinstance(name, str) or not name or name.startswith("__"):
             msg = f"signal name must be a non-empty string not starting with '__', got {name!r}"
-            raise ValueError(msg)
-        callsite = self._journal.reserve(1)[0]
+            raise InvalidArgumentError(msg)
+        callsite = self._cursor.reserve(1)[0]
         payload = await self._wait(callsite, name, "signal", deadline=deadline, schema=schema)
         if schema is None or is_deadline_deny(payload):
             return payload
@@ -108,19 +112,20 @@ class RunContext:
         deadline: datetime | timedelta | float | None = None,
         schema: type[BaseModel] | None = None,
     ) -> Any:
-        journal = self._journal
-        step = journal.recorded(callsite, kind, name, journal.key_for(callsite, name))
+        site = self._cursor.site(callsite)
+        step = self._journal.recorded(site, kind, name, site.key(name))
         if step is not None and step["status"] == "finished":
             return decode(step)
         suspend(
-            journal,
-            callsite=callsite,
+            self._journal,
+            site,
             name=name,
             kind=kind,
             title=title,
             description=description,
             deadline=deadline,
             schema=schema,
+            schemas=self._schemas,
         )
 
     # ---------------------------------------------------------- clock, uuid
@@ -134,15 +139,9 @@ class RunContext:
         return str(await self._value("uuid", lambda: str(uuid4())))
 
     async def _value(self, kind: str, make: Callable[[], str]) -> Any:
-        journal = self._journal
-        callsite = journal.reserve(1)[0]
-        return await journal.record_value(
-            callsite=callsite,
-            kind=kind,
-            name=kind,
-            key=journal.key_for(callsite, kind),
-            args=None,
-            make=make,
+        site = self._cursor.take()
+        return await self._journal.record_value(
+            site, kind=kind, name=kind, key=site.key(kind), args=None, make=make
         )
 
     # ---------------------------------------------------------------- misc
@@ -152,11 +151,11 @@ class RunContext:
 
     def reserve_callsites(self, n: int) -> list[int]:
         """Reserve ``n`` ordinals now; pass them as ``callsite=`` to later calls."""
-        return self._journal.reserve(n)
+        return self._cursor.reserve(n)
 
 
 def _explicit_site(callsite: int | None, index: int | None) -> int | None:
     if callsite is not None and index is not None and callsite != index:
         msg = f"callsite={callsite} and index={index} disagree; pass one of them"
-        raise ValueError(msg)
+        raise InvalidArgumentError(msg)
     return callsite if callsite is not None else index

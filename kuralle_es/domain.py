@@ -21,7 +21,7 @@ from uuid import UUID, uuid5
 
 from eventsourcing.domain import Aggregate
 
-from .errors import LeaseHeldError
+from .errors import InvalidArgumentError, LeaseHeldError
 from .models import (
     Message,
     RunState,
@@ -29,6 +29,7 @@ from .models import (
     StepRecord,
     WaitingFor,
 )
+from .waiting import Wait
 
 
 class StepData(TypedDict):
@@ -219,6 +220,10 @@ class Run(Aggregate):
             step = run.steps[self.index]
             step["retry_allowed"] = False
             step["attempts"] += 1
+            # A read that is never replayed (``replay=False``) runs again on
+            # the same step: it is running once more until this pass records.
+            step["status"] = "running"
+            step["finished_at"] = None
 
     class MessageAppended(Event):
         TOPIC = "kuralle_es:Run.MessageAppended"
@@ -396,12 +401,9 @@ class Run(Aggregate):
     def append_message(self, message: Message) -> None:
         self.trigger_event(self.MessageAppended, message=message.model_dump(exclude_none=True))
 
-    def pause(self, waiting_for: WaitingFor, private: dict[str, Any]) -> None:
-        """Pause on ``waiting_for``; ``private`` holds what only the runtime reads
-        back (the logical run of the wait, an in-doubt step's index, a schema topic)."""
-        self.trigger_event(
-            self.Paused, waiting_for={**waiting_for.model_dump(mode="json"), **private}
-        )
+    def pause(self, wait: Wait) -> None:
+        """Pause on ``wait`` (stored as its JSON, the public fields first-class)."""
+        self.trigger_event(self.Paused, waiting_for=wait.to_json())
 
     def accept_signal(self, signal_id: str, name: str, payload: Any, actor: str | None) -> None:
         self._require_status("paused", "accept a signal")
@@ -417,7 +419,13 @@ class Run(Aggregate):
         self.trigger_event(self.FlowPinned, flow=flow, flow_digest=flow_digest, node=node)
 
     def retry_step(self, index: int) -> None:
+        """Execute a step left running by a crash again, with its key."""
         self._require_step_running(index)
+        self.trigger_event(self.StepRetried, index=index)
+
+    def rerun_step(self, index: int) -> None:
+        """Start a settled step again on the same record (a ``replay=False`` read)."""
+        self._require_status("running", "re-run a step")
         self.trigger_event(self.StepRetried, index=index)
 
     def allow_retry(self, index: int) -> None:
@@ -459,6 +467,11 @@ class Run(Aggregate):
     def steps_at(self, logical_run: str, callsite: int) -> list[StepData]:
         """Every step journaled at this callsite of this logical run, oldest first."""
         return [self.steps[i] for i in self.slots.get(_slot(logical_run, callsite), [])]
+
+    @property
+    def waiting(self) -> Wait | None:
+        """What the run waits for, typed (None unless paused on something)."""
+        return Wait.from_json(self.waiting_for) if self.waiting_for else None
 
     def lease_is_live(self, now: datetime) -> bool:
         return self.lease_expires_at is not None and self.lease_expires_at > now
@@ -506,12 +519,12 @@ class Run(Aggregate):
     def _require_status(self, status: str, doing: str) -> None:
         if self.status != status:
             msg = f"cannot {doing}: run {self.run_id} is {self.status}, not {status}"
-            raise ValueError(msg)
+            raise InvalidArgumentError(msg)
 
     def _require_step_running(self, index: int) -> None:
         if self.steps[index]["status"] != "running":
             msg = f"step {index} of run {self.run_id} is already {self.steps[index]['status']}"
-            raise ValueError(msg)
+            raise InvalidArgumentError(msg)
 
 
 def step_record(step: StepData) -> StepRecord:
@@ -527,6 +540,7 @@ def step_record(step: StepData) -> StepRecord:
         error=StepError.model_validate(step["error"]) if step["error"] else None,
         started_at=step["started_at"],
         finished_at=step["finished_at"],
+        attempts=step["attempts"],
     )
 
 

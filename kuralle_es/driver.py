@@ -1,20 +1,24 @@
-"""Drives a run for one turn: a flow's nodes, or the agent loop of a conversation.
+"""Drives a run for one turn: a flow's nodes, or the agent loop of a conversation
+(internal).
 
 The driver re-enters the run's *active* node from its start; every effect
 the node already performed replays from the journal because the node's
-callsites count from the base recorded when the node was entered.
+callsites count from the base recorded when the node was entered. The driver
+owns the callsite cursor: one per node visit (or per conversation epoch).
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
+from .agent_loop import agent_turn
 from .agents import Agent
 from .context import RunContext
+from .cursor import Cursor
 from .flows import ActionNode, CollectNode, End, Flow, Goto, Handoff, Node, ReplyNode, to_transition
 from .journal import Journal
 from .keys import logical_run_id
@@ -22,15 +26,48 @@ from .llm import ModelRequest, ModelResponse
 from .model_steps import model_turn
 from .models import Message, StreamPart
 from .tools import encode_json
-from .waits import INPUT, suspend
+from .waits import INPUT, Schemas, suspend
 
-__all__ = ["drive_flow"]
+__all__ = ["Driven", "drive", "drive_flow"]
 
 Emit = Callable[[StreamPart], None]
 
 
+@dataclass(frozen=True)
+class Driven:
+    """How a turn's driving ended (a suspend or a failure raises instead)."""
+
+    transition: End | Handoff
+    state: dict[str, Any]
+    #: Whether the agent loop of a conversation was driven (not a flow).
+    conversation: bool = False
+    #: That loop's final reply (recorded or fresh).
+    reply: str | None = None
+
+
+async def drive(
+    journal: Journal,
+    agent: Agent,
+    flow: Flow | None,
+    emit: Emit,
+    *,
+    schemas: Schemas,
+    max_tool_concurrency: int,
+) -> Driven:
+    """Drive the run: its flow's nodes, or else its agent's loop."""
+    if flow is not None:
+        transition, state = await drive_flow(journal, flow, agent, emit, schemas)
+        return Driven(transition, state)
+    cursor = Cursor(logical_run_id(journal.run_id, journal.epoch), journal.callsite_base)
+    try:
+        reply = await agent_turn(journal, cursor, agent, emit, max_tool_concurrency)
+    finally:
+        await journal.settle()
+    return Driven(End(None), journal.state(), conversation=True, reply=reply)
+
+
 async def drive_flow(
-    journal: Journal, flow: Flow, agent: Agent, emit: Emit
+    journal: Journal, flow: Flow, agent: Agent, emit: Emit, schemas: Schemas
 ) -> tuple[End | Handoff, dict[str, Any]]:
     """Run nodes from the active one; returns the transition that left the flow
     and the state bag as the last node left it.
@@ -39,20 +76,20 @@ async def drive_flow(
     the run accordingly. Node-entry events are not saved on their own: they
     ride on the next save (a step intent or the turn's close).
     """
-    run = journal.run
     while True:
-        node_id = run.active_node
+        node_id = journal.active_node
         if node_id is None or node_id not in flow.nodes:
-            msg = f"run {run.run_id} is at node {node_id!r}, which flow {flow.name!r} lacks"
+            msg = f"run {journal.run_id} is at node {node_id!r}, which flow {flow.name!r} lacks"
             raise LookupError(msg)
         node = flow.node(node_id)
-        journal.begin_visit(
-            logical_run_id(run.run_id, run.epoch, flow.name, run.flow_digest),
-            run.callsite_base,
+        cursor = Cursor(
+            logical_run_id(journal.run_id, journal.epoch, flow.name, journal.flow_digest),
+            journal.callsite_base,
         )
-        state = copy.deepcopy(run.state)
+        state = journal.state()
+        visit = _Visit(journal, cursor, flow, agent, emit, schemas)
         try:
-            returned = await _run_node(node, state, journal, flow, agent, emit)
+            returned = await _run_node(node, state, visit)
         finally:
             # Let every effect of a gather batch finish and journal, even when
             # one of them suspended or failed, before the turn moves on.
@@ -63,26 +100,35 @@ async def drive_flow(
         # The state bag is journaled: refuse what JSON cannot hold before any event.
         encode_json(state, f"the state bag left by node {node_id!r} of flow {flow.name!r}")
         if isinstance(transition, Goto):
-            run.enter_node(flow.name, transition.node, state, journal.next_callsite)
+            journal.enter_node(flow.name, transition.node, state, cursor.next)
             continue
         return transition, state
 
 
-async def _run_node(
-    node: Node, state: dict[str, Any], journal: Journal, flow: Flow, agent: Agent, emit: Emit
-) -> Any:
+@dataclass(frozen=True)
+class _Visit:
+    """What one node visit works with."""
+
+    journal: Journal
+    cursor: Cursor
+    flow: Flow
+    agent: Agent
+    emit: Emit
+    schemas: Schemas
+
+
+async def _run_node(node: Node, state: dict[str, Any], visit: _Visit) -> Any:
     if isinstance(node, ActionNode):
-        return await node.run(state, RunContext(journal, agent.tools, emit))
+        ctx = RunContext(
+            visit.journal, visit.cursor, visit.agent.tools, visit.emit, visit.schemas
+        )
+        return await node.run(state, ctx)
     if isinstance(node, CollectNode):
-        return await _collect(node, state, journal, flow, agent, emit)
+        return await _collect(node, state, visit)
     if isinstance(node, ReplyNode):
-        return await _reply(node, state, journal, agent, emit)
-    msg = f"node {node.id!r} of flow {flow.name!r} is of unknown kind {node.kind!r}"
+        return await _reply(node, state, visit)
+    msg = f"node {node.id!r} of flow {visit.flow.name!r} is of unknown kind {node.kind!r}"
     raise TypeError(msg)
-
-
-def _messages(journal: Journal) -> list[Message]:
-    return [Message.model_validate(m) for m in journal.run.messages]
 
 
 def _valid_fields(schema: type[BaseModel], data: dict[str, Any]) -> dict[str, Any]:
@@ -100,38 +146,30 @@ def _valid_fields(schema: type[BaseModel], data: dict[str, Any]) -> dict[str, An
     return fields
 
 
-async def _collect(
-    node: CollectNode,
-    state: dict[str, Any],
-    journal: Journal,
-    flow: Flow,
-    agent: Agent,
-    emit: Emit,
-) -> Any:
-    run = journal.run
+async def _collect(node: CollectNode, state: dict[str, Any], visit: _Visit) -> Any:
+    journal, cursor = visit.journal, visit.cursor
     request = ModelRequest(
         purpose="extract",
-        messages=_messages(journal),
+        messages=journal.messages(),
         instructions=(
             f"Extract the fields of {node.schema.__name__} that the user has given in the "
             "conversation. Leave out anything not stated."
         ),
         schema=node.schema.model_json_schema(),
     )
-    response = await model_turn(journal, agent.model, request)
+    response = await model_turn(journal, cursor, visit.agent.model, request)
     state.update(_valid_fields(node.schema, response.data or {}))
     missing = [name for name in node.required if state.get(name) is None]
     if missing:
         question = node.ask(missing)
         # Keep what was collected so far, and give the next pass fresh callsites
         # so that it extracts again from the conversation as it will be then.
-        run.enter_node(flow.name, node.id, state, journal.next_callsite)
-        journal.begin_visit(journal.logical_run, journal.next_callsite)
-        run.append_message(Message(role="assistant", content=question))
-        emit(StreamPart(type="text", text=question))
+        journal.enter_node(visit.flow.name, node.id, state, cursor.next)
+        journal.append_message(Message(role="assistant", content=question))
+        visit.emit(StreamPart(type="text", text=question))
         suspend(
             journal,
-            callsite=journal.next_callsite,
+            cursor.site(cursor.next),
             name=INPUT,
             kind="input",
             title=question,
@@ -141,18 +179,16 @@ async def _collect(
     return node.on_complete(data)
 
 
-async def _reply(
-    node: ReplyNode, state: dict[str, Any], journal: Journal, agent: Agent, emit: Emit
-) -> Any:
-    run = journal.run
+async def _reply(node: ReplyNode, state: dict[str, Any], visit: _Visit) -> Any:
+    journal = visit.journal
 
     def on_new(response: ModelResponse) -> None:
-        run.append_message(Message(role="assistant", content=response.content))
+        journal.append_message(Message(role="assistant", content=response.content))
         if response.content:
-            emit(StreamPart(type="text", text=response.content))
+            visit.emit(StreamPart(type="text", text=response.content))
 
     request = ModelRequest(
-        purpose="reply", messages=_messages(journal), instructions=node.instructions
+        purpose="reply", messages=journal.messages(), instructions=node.instructions
     )
-    await model_turn(journal, agent.model, request, on_new)
+    await model_turn(journal, visit.cursor, visit.agent.model, request, on_new)
     return node.next_transition(state)

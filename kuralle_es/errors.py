@@ -11,11 +11,15 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .models import WaitingFor
+    from .waiting import Wait
 
 
 class KuralleError(Exception):
     """Base class of every error raised by kuralle_es."""
+
+
+class InvalidArgumentError(KuralleError, ValueError):
+    """A bad argument to a public function or method; nothing was written."""
 
 
 class SuspendError(KuralleError):
@@ -25,13 +29,14 @@ class SuspendError(KuralleError):
     ``paused`` and ends the turn cleanly. It is never journaled as an error.
     """
 
-    def __init__(self, waiting_for: WaitingFor, private: dict[str, Any] | None = None) -> None:
-        self.waiting_for = waiting_for
-        # What the runtime alone reads back on delivery (logical run, lane, ...).
-        self._private = private or {}
+    def __init__(self, wait: Wait) -> None:
+        #: The wait, with what resuming needs besides the public fields.
+        self.wait = wait
+        #: The public view of the wait (what ``RunState.waiting_for`` shows).
+        self.waiting_for = wait.public()
         super().__init__(
-            f"run suspended waiting for {waiting_for.name!r} "
-            f"(request_id={waiting_for.request_id}); deliver it with SignalDelivery"
+            f"run suspended waiting for {wait.name!r} "
+            f"(request_id={wait.request_id}); deliver it with SignalDelivery"
         )
 
 
@@ -51,12 +56,23 @@ class NonDeterminismError(KuralleError):
 
 
 class ToolExecutionError(KuralleError):
-    """A tool raised; the failure is frozen in the journal and re-raised on replay."""
+    """A tool raised; the failure is frozen in the journal and re-raised on replay.
 
-    def __init__(self, tool_name: str, error_type: str, message: str) -> None:
+    ``data`` is the journaled error data (the original error's public fields),
+    the same on the first pass and on every replay.
+    """
+
+    def __init__(
+        self,
+        tool_name: str,
+        error_type: str,
+        message: str,
+        data: dict[str, Any] | None = None,
+    ) -> None:
         self.tool_name = tool_name
         self.error_type = error_type
         self.message = message
+        self.data: dict[str, Any] = dict(data or {})
         super().__init__(
             f"tool {tool_name!r} failed with {error_type}: {message} "
             "(the failure is recorded and will be raised again on replay, not retried)"
@@ -65,6 +81,10 @@ class ToolExecutionError(KuralleError):
 
 class ToolResultTypeError(ToolExecutionError, TypeError):
     """A tool returned something that is not JSON-serialisable (or too large)."""
+
+
+class ToolTimeoutError(ToolExecutionError):
+    """A tool attempt ran longer than its ``timeout`` and was cancelled."""
 
 
 class ToolApprovalDeniedError(KuralleError):
@@ -154,12 +174,23 @@ class FlowDriftError(KuralleError):
 
 
 class StaleWriteError(KuralleError):
-    """Another writer appended to the run first; nothing of this write was stored."""
+    """This turn's copy of the run is behind the store; nothing of this write was stored.
 
-    def __init__(self, run_id: str, detail: str = "") -> None:
+    Either another writer appended first (``clash`` true), or an earlier save of
+    this turn failed, so the turn's copy no longer matches what is stored.
+    """
+
+    def __init__(self, run_id: str, detail: str = "", *, clash: bool = True) -> None:
         self.run_id = run_id
+        self.detail = detail
+        self.clash = clash
+        what = (
+            "was changed by another writer"
+            if clash
+            else "could not be saved by this turn (an earlier save failed)"
+        )
         super().__init__(
-            f"run {run_id!r} was changed by another writer; nothing of this write was "
+            f"run {run_id!r} {what}; nothing of this write was "
             f"stored. Reload the run and try again{': ' + detail if detail else ''}"
         )
 

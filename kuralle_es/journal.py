@@ -1,8 +1,8 @@
-"""The funnel: the one place where steps are written.
+"""The funnel: the one place where steps are written (internal).
 
 Every durable effect (``ctx.tool``, ``ctx.now``, ``ctx.uuid``, approvals,
-signals, model turns) goes through ``Journal.effect``, which makes one
-decision per callsite:
+signals, model turns) goes through ``Journal.effect`` or
+``Journal.record_value``, which make one decision per site:
 
     recorded, but another kind/name  -> NonDeterminismError, execute nothing
     recorded finished                -> return the recorded result
@@ -11,19 +11,24 @@ decision per callsite:
     absent                           -> persist intent, execute, persist result or error
 
 The journal also owns the run's single writer: one ``asyncio.Lock`` orders
-the appends of a ``gather`` batch, and every save is compare-and-set on the
-aggregate version (``StaleWriteError`` for a loser).
+the appends of a ``gather`` batch, every save is compare-and-set on the
+aggregate version (``StaleWriteError`` for a loser) and renews the lease, and
+a heartbeat renews it while an effect executes. Everything else a turn does
+to the run goes through a few verbs (``append_message``, ``enter_node``,
+``pause``); nobody outside reaches the aggregate through the journal.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import inspect
 import json
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from .cursor import Site
 from .domain import Run, StepData
 from .errors import (
     KuralleError,
@@ -34,12 +39,13 @@ from .errors import (
     ToolResultTypeError,
     error_fields,
 )
-from .keys import idempotency_key
-from .models import StepError
+from .heartbeat import Heartbeat
+from .models import Message, StepError
 from .store import RunStore
 from .tools import encode_json
+from .waiting import Wait
 
-__all__ = ["Journal", "decode", "frozen_error"]
+__all__ = ["Journal", "decode", "frozen_error", "utcnow"]
 
 #: ``StepError.data`` marker of a result the journal could not hold.
 _UNRECORDABLE = "unrecordable_result"
@@ -56,44 +62,88 @@ def frozen_error(step: StepData) -> ToolExecutionError:
     message = str(error.get("message", ""))
     data = error.get("data") or {}
     if data.get("reason") == _UNRECORDABLE:
-        return ToolResultTypeError(step["name"], error_type, message)
-    return ToolExecutionError(step["name"], error_type, message)
+        return ToolResultTypeError(step["name"], error_type, message, data)
+    return ToolExecutionError(step["name"], error_type, message, data)
+
+
+def decode(step: StepData) -> Any:
+    """A finished step's recorded result."""
+    text = step["result_json"]
+    return None if text is None else json.loads(text)
+
+
+def _settled(step: StepData) -> tuple[bool, Any]:
+    """The replay of a recorded step: (True, its result), its frozen error raised,
+    or (False, None) for a step still running."""
+    if step["status"] == "finished":
+        return True, decode(step)
+    if step["status"] == "error":
+        raise frozen_error(step)
+    return False, None
 
 
 class Journal:
     """A run's journal during one turn: lookups, appends, saves, the lease."""
 
     def __init__(self, store: RunStore, run: Run, *, holder: str, lease_ttl: float) -> None:
-        self.store = store
-        self.run = run
-        self.holder = holder
+        self._store = store
+        self._run = run
+        self._holder = holder
         self.lease_ttl = timedelta(seconds=lease_ttl)
-        self.logical_run = ""
-        self._next_callsite = 0
         self._lock = asyncio.Lock()
         self._inflight = 0
         self._idle = asyncio.Event()
         self._idle.set()
-        self.broken: StaleWriteError | None = None
+        self._broken: StaleWriteError | None = None
+        self._heartbeat = Heartbeat(self._beat, lease_ttl / 3)
 
-    # ------------------------------------------------------------ callsites
-    def begin_visit(self, logical_run: str, callsite_base: int) -> None:
-        """Count callsites from ``callsite_base`` in ``logical_run`` (a node (re-)entry)."""
-        self.logical_run = logical_run
-        self._next_callsite = callsite_base
+    # ---------------------------------------------------------------- reads
+    @property
+    def run_id(self) -> str:
+        return self._run.run_id
 
     @property
-    def next_callsite(self) -> int:
-        return self._next_callsite
+    def session_id(self) -> str:
+        return self._run.session_id
 
-    def reserve(self, n: int = 1) -> list[int]:
-        """Reserve ``n`` consecutive callsites, in call order."""
-        if n < 0:
-            msg = f"cannot reserve {n} callsites; pass a count of 0 or more"
-            raise ValueError(msg)
-        first = self._next_callsite
-        self._next_callsite += n
-        return list(range(first, first + n))
+    @property
+    def epoch(self) -> int:
+        return self._run.epoch
+
+    @property
+    def flow_digest(self) -> str | None:
+        return self._run.flow_digest
+
+    @property
+    def active_node(self) -> str | None:
+        return self._run.active_node
+
+    @property
+    def callsite_base(self) -> int:
+        """Where the active node's (or epoch's) callsites start."""
+        return self._run.callsite_base
+
+    def state(self) -> dict[str, Any]:
+        """A copy of the flow state bag, for a node to change."""
+        return copy.deepcopy(self._run.state)
+
+    def messages(self) -> list[Message]:
+        return [Message.model_validate(m) for m in self._run.messages]
+
+    @property
+    def waiting(self) -> Wait | None:
+        return self._run.waiting
+
+    # ---------------------------------------------------------------- verbs
+    def append_message(self, message: Message) -> None:
+        """Append a chat message; it is saved with the next save."""
+        self._run.append_message(message)
+
+    def enter_node(
+        self, flow: str | None, node: str | None, state: dict[str, Any], callsite_base: int
+    ) -> None:
+        """Move to ``node``; its effects count from ``callsite_base`` (saved with the next save)."""
+        self._run.enter_node(flow, node, state, callsite_base)
 
     # ---------------------------------------------------------------- saves
     async def persist(self) -> None:
@@ -101,24 +151,37 @@ class Journal:
         async with self._lock:
             await self._persist_locked()
 
-    async def _persist_locked(self) -> None:
-        run = self.run
+    async def _persist_locked(self, *, renew: bool = False) -> None:
+        run = self._run
         now = utcnow()
-        if run.lease_holder == self.holder and run.lease_needs_renewal(now, self.lease_ttl):
-            run.take_lease(self.holder, now + self.lease_ttl)
-        if self.broken is not None:
-            raise self.broken
-        if run.pending_events:
-            try:
-                if self.store.saves_block:
-                    await asyncio.to_thread(self.store.save_run, run)
-                else:
-                    self.store.save_run(run)
-            except BaseException as exc:
-                # The unsaved events are gone from the aggregate, which is now
-                # ahead of the store: no later save of this turn may follow.
-                self.broken = StaleWriteError(run.run_id, f"a save of this turn failed: {exc!r}")
-                raise
+        if self._broken is not None:
+            raise self._broken
+        if run.lease_holder == self._holder and (
+            renew or run.lease_needs_renewal(now, self.lease_ttl)
+        ):
+            run.take_lease(self._holder, now + self.lease_ttl)
+        if not run.pending_events:
+            return
+        try:
+            if self._store.saves_block:
+                await asyncio.to_thread(self._store.save_run, run)
+            else:
+                self._store.save_run(run)
+        except StaleWriteError as clash:
+            # The unsaved events are gone from the aggregate, which is now
+            # ahead of the store: no later save of this turn may follow.
+            self._broken = clash
+            raise
+        except BaseException as exc:
+            self._broken = StaleWriteError(
+                run.run_id, f"a save of this turn failed with {exc!r}", clash=False
+            )
+            raise
+
+    async def _beat(self) -> None:
+        """The heartbeat: renew the lease now, in a save of its own."""
+        async with self._lock:
+            await self._persist_locked(renew=True)
 
     # ------------------------------------------------------------ in flight
     async def settle(self) -> None:
@@ -135,82 +198,73 @@ class Journal:
             self._idle.set()
 
     # ---------------------------------------------------------------- lookup
-    def recorded(
-        self, callsite: int, kind: str, name: str, key: str, lane: str = ""
-    ) -> StepData | None:
-        """The step recorded for this effect, or None; raises on a kind/name mismatch.
-
-        A ``lane`` keeps a second journal slot at the same callsite: a tool's
-        approval lives beside the tool's own step, not in place of it.
-        """
-        steps: list[StepData] = self.run.steps_at(self.logical_run + lane, callsite)
+    def recorded(self, site: Site, kind: str, name: str, key: str) -> StepData | None:
+        """The step recorded for this effect, or None; raises on a kind/name mismatch."""
+        steps: list[StepData] = self._run.steps_at(site.slot_run, site.callsite)
         if not steps:
             return None
         latest = steps[-1]
         if (latest["kind"], latest["name"]) != (kind, name):
             raise NonDeterminismError(
-                callsite, f"{latest['kind']} {latest['name']!r}", f"{kind} {name!r}"
+                site.callsite, f"{latest['kind']} {latest['name']!r}", f"{kind} {name!r}"
             )
         matching = [step for step in steps if step["key"] == key]
         return matching[-1] if matching else None
 
-    def _start(self, callsite: int, kind: str, name: str, key: str, args: Any, lane: str) -> int:
-        return self.run.start_step(
+    def _start(self, site: Site, kind: str, name: str, key: str, args: Any) -> int:
+        return self._run.start_step(
             key=key,
             kind=kind,
             name=name,
-            callsite=callsite,
-            logical_run=self.logical_run + lane,
+            callsite=site.callsite,
+            logical_run=site.slot_run,
             args=args,
-        )
-
-    def key_for(self, callsite: int, payload: Any, override: str | None = None) -> str:
-        return (
-            override
-            if override is not None
-            else idempotency_key(self.logical_run, callsite, payload)
         )
 
     # ---------------------------------------------------------------- funnel
     async def effect(
         self,
+        site: Site,
         *,
-        callsite: int,
         kind: str,
         name: str,
         key: str,
         args: Any,
         execute: Callable[[], Awaitable[Any]],
         replay: bool = True,
-        lane: str = "",
         on_running: Callable[[StepData], Awaitable[None]] | None = None,
         on_executed: Callable[[Any], None] | None = None,
     ) -> Any:
         """Run one effect through the journal; returns its (recorded) JSON result.
 
         ``on_running`` is consulted when a step was left ``running`` by a crash
-        (it may suspend to ask a human instead of re-executing).
+        (it may suspend to ask a human instead of re-executing). With
+        ``replay=False`` (a read re-run on every pass) a recorded step is run
+        again on the same record: one step per key, its ``attempts`` counting
+        the passes.
         """
         self._enter()
         try:
             async with self._lock:
-                step = self.recorded(callsite, kind, name, key, lane)
-                if step is not None and replay:
-                    if step["status"] == "finished":
-                        return decode(step)
-                    if step["status"] == "error":
-                        raise frozen_error(step)
+                step = self.recorded(site, kind, name, key)
+                if step is None:
+                    index = self._start(site, kind, name, key, args)
+                elif not replay:
+                    index = step["index"]
+                    self._run.rerun_step(index)
+                else:
+                    done, result = _settled(step)
+                    if done:
+                        return result
                     # Running: the process died between intent and result.
                     if on_running is not None and not step["retry_allowed"]:
                         await on_running(step)
                     index = step["index"]
-                    self.run.retry_step(index)
-                    await self._persist_locked()
-                else:
-                    index = self._start(callsite, kind, name, key, args, lane)
-                    await self._persist_locked()
+                    self._run.retry_step(index)
+                await self._persist_locked()
             try:
-                value = await execute()
+                async with self._heartbeat:
+                    value = await execute()
             except (SuspendError, asyncio.CancelledError):
                 raise
             except Exception as exc:
@@ -224,24 +278,24 @@ class Journal:
                 )
                 raise await self._record_failure(index, error) from None
             async with self._lock:
-                self.run.finish_step(index, result_json)
+                self._run.finish_step(index, result_json)
                 await self._persist_locked()
+            result = json.loads(result_json)
             if on_executed is not None:
-                on_executed(json.loads(result_json))
-            return json.loads(result_json)
+                on_executed(result)
+            return result
         finally:
             self._leave()
 
     async def record_value(
         self,
+        site: Site,
         *,
-        callsite: int,
         kind: str,
         name: str,
         key: str,
         args: Any,
         make: Callable[[], Any],
-        lane: str = "",
         on_recorded: Callable[[Any], None] | None = None,
     ) -> Any:
         """Journal an effect with no outside side effect (a clock read, a uuid, a
@@ -256,24 +310,20 @@ class Journal:
         self._enter()
         try:
             async with self._lock:
-                step = self.recorded(callsite, kind, name, key, lane)
+                step = self.recorded(site, kind, name, key)
                 if step is not None:
-                    if step["status"] == "finished":
-                        return decode(step)
-                    if step["status"] == "error":
-                        raise frozen_error(step)
+                    done, result = _settled(step)
+                    if done:
+                        return result
             value = make()
             if inspect.isawaitable(value):
-                value = await value
+                async with self._heartbeat:
+                    value = await value
             result_json = encode_json(value, f"the result of {kind} {name!r}")
             result = json.loads(result_json)
             async with self._lock:
-                index = (
-                    self._start(callsite, kind, name, key, args, lane)
-                    if step is None
-                    else step["index"]
-                )
-                self.run.finish_step(index, result_json)
+                index = self._start(site, kind, name, key, args) if step is None else step["index"]
+                self._run.finish_step(index, result_json)
                 if on_recorded is not None:
                     on_recorded(result)
                 await self._persist_locked()
@@ -287,24 +337,18 @@ class Journal:
         Only triggers events; they are saved with the delivery that carried them.
         """
         action = answer["action"]
-        step = self.run.steps[index]
+        step = self._run.steps[index]
         if action == "retry":
-            self.run.allow_retry(index)
+            self._run.allow_retry(index)
         elif action == "resolve":
             what = f"the resolved result of {step['kind']} {step['name']!r}"
-            self.run.finish_step(index, encode_json(answer.get("result"), what))
+            self._run.finish_step(index, encode_json(answer.get("result"), what))
         else:
             message = str(answer.get("message") or "failed by a human after a crash")
-            self.run.fail_step(index, StepError(type="InDoubtFailed", message=message, data={}))
+            self._run.fail_step(index, StepError(type="InDoubtFailed", message=message, data={}))
 
     async def _record_failure(self, index: int, error: StepError) -> ToolExecutionError:
         async with self._lock:
-            self.run.fail_step(index, error)
+            self._run.fail_step(index, error)
             await self._persist_locked()
-            return frozen_error(self.run.steps[index])
-
-
-def decode(step: StepData) -> Any:
-    """A finished step's recorded result."""
-    text = step["result_json"]
-    return None if text is None else json.loads(text)
+            return frozen_error(self._run.steps[index])

@@ -6,7 +6,8 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from .errors import KuralleError
+from .cursor import Cursor
+from .errors import InvalidArgumentError
 from .journal import Journal
 from .llm import Model, ModelRequest, ModelResponse, as_response
 from .models import Message
@@ -16,6 +17,7 @@ __all__ = ["assistant_message", "model_turn", "tool_message"]
 
 async def model_turn(
     journal: Journal,
+    cursor: Cursor,
     model: Model | None,
     request: ModelRequest,
     on_new: Callable[[ModelResponse], None] | None = None,
@@ -28,11 +30,11 @@ async def model_turn(
     """
     if model is None:
         msg = (
-            f"run {journal.run.run_id} needs a model for a {request.purpose!r} turn, but its "
+            f"run {journal.run_id} needs a model for a {request.purpose!r} turn, but its "
             "agent has none; pass model= to define_agent (openai_model(...) or ScriptedModel)"
         )
-        raise KuralleError(msg)
-    callsite = journal.reserve(1)[0]
+        raise InvalidArgumentError(msg)
+    site = cursor.take()
     model_id = model.id
 
     async def ask() -> dict[str, Any]:
@@ -44,10 +46,10 @@ async def model_turn(
             on_new(ModelResponse.model_validate(value))
 
     value = await journal.record_value(
-        callsite=callsite,
+        site,
         kind="model",
         name=model_id,
-        key=journal.key_for(callsite, {"model": model_id, "purpose": request.purpose}),
+        key=site.key({"model": model_id, "purpose": request.purpose}),
         args={"purpose": request.purpose},
         make=ask,
         on_recorded=recorded,

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-StepKind = Literal["tool", "approval", "signal", "now", "uuid", "model"]
+StepKind = Literal["tool", "approval", "signal", "now", "uuid", "model", "timer"]
 StepStatus = Literal["running", "finished", "error"]
 RunKind = Literal["conversation", "flow"]
 RunStatus = Literal["running", "paused", "finished", "error", "aborted"]
@@ -35,6 +35,7 @@ class StepRecord(BaseModel):
     error: StepError | None = None
     started_at: datetime | None = None
     finished_at: datetime | None = None
+    attempts: int = 1
 
 
 class FrozenOperation(BaseModel):
@@ -50,7 +51,7 @@ class WaitingFor(BaseModel):
     description: str | None = None
     deadline: datetime | None = None
     request_id: str
-    kind: Literal["approval", "signal", "input"]
+    kind: Literal["approval", "signal", "input", "timer"]
     operation: FrozenOperation | None = None
 
 
@@ -82,6 +83,8 @@ class RunState(BaseModel):
     updated_at: datetime
     error: StepError | None = None
     outcome: str | None = None
+    #: ``{"run_id": ..., "at_step": ...}`` for a run forked from another.
+    forked_from: dict[str, Any] | None = None
 
 
 class SignalDelivery(BaseModel):

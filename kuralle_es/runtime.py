@@ -1,9 +1,9 @@
-"""``Runtime``: opens a turn (address, lease), drives it, closes it.
+"""``Runtime`` (API): builds a turn command for each call and runs it through a handle.
 
-A turn is one call of ``Runtime.run``. It addresses a run fail-closed,
-takes the run's lease with a compare-and-set save, drives the run's flow
-through the journal, and closes the run (finished, paused or errored) with
-the lease released, in one more save.
+A turn is one call of ``Runtime.run``. The command addresses a run
+fail-closed, the turn takes the run's lease with a compare-and-set save,
+drives the run's flow (or agent loop) through the journal, and closes the
+run (finished, paused or errored) with the lease released, in one more save.
 """
 
 from __future__ import annotations
@@ -18,27 +18,36 @@ from typing import TYPE_CHECKING
 from uuid import uuid4
 
 from .agents import Agent
-from .domain import Run
-from .errors import (
-    FlowNotFoundError,
-    KuralleError,
-    RunNotFoundError,
+from .commands import (
+    Command,
+    Converse,
+    Deliver,
+    Input,
+    RestartFlow,
+    Resume,
+    StartFlow,
+    TurnEnv,
+    drifted_run,
+    load_run,
 )
+from .errors import InvalidArgumentError, RunNotFoundError
 from .flows import Flow
-from .handle import TurnHandle
+from .handle import TurnHandle, TurnSink
 from .journal import utcnow
-from .models import (
-    RunState,
-    SignalDelivery,
-    StepRecord,
-)
+from .models import RunState, SignalDelivery, StepRecord, TurnResult
+from .registry import Registry
 from .store import RunStore
-from .turn import TurnRequest, drive_turn
+from .turn import drive_turn
 
 if TYPE_CHECKING:
     from .views import RunViews
 
 __all__ = ["Runtime"]
+
+#: What ``resolve_drift`` accepts.
+RECOVERIES = ("restart", "abandon")
+#: The outcome of a run abandoned after its flow changed.
+ABANDONED = "abandoned: flow drift"
 
 
 def _default_holder() -> str:
@@ -56,23 +65,27 @@ class Runtime:
         holder: str | None = None,
         max_tool_concurrency: int = 8,
     ) -> None:
-        if lease_ttl <= 0:
-            msg = f"lease_ttl must be a positive number of seconds, got {lease_ttl}"
-            raise ValueError(msg)
+        if not isinstance(lease_ttl, int | float) or lease_ttl <= 0:
+            msg = f"lease_ttl must be a positive number of seconds, got {lease_ttl!r}"
+            raise InvalidArgumentError(msg)
+        self._registry = Registry(agents)
         self._owns_store = store is None
         self.store = store if store is not None else RunStore()
-        self.lease_ttl = lease_ttl
+        self.lease_ttl = float(lease_ttl)
         self.holder = holder or _default_holder()
         self.max_tool_concurrency = max_tool_concurrency
-        self.agents: dict[str, Agent] = {}
-        self._flows: dict[str, tuple[Agent, Flow]] = {}
-        for agent in agents:
-            if agent.id in self.agents:
-                msg = f"two agents share the id {agent.id!r}"
-                raise ValueError(msg)
-            self.agents[agent.id] = agent
-            for flow in agent.flows.values():
-                self._flows.setdefault(flow.name, (agent, flow))
+        self._env = TurnEnv(
+            registry=self._registry,
+            store=self.store,
+            holder=self.holder,
+            lease_ttl=self.lease_ttl,
+            max_tool_concurrency=max_tool_concurrency,
+        )
+
+    @property
+    def agents(self) -> dict[str, Agent]:
+        """The runtime's agents, by id."""
+        return self._registry.agents
 
     @functools.cached_property
     def views(self) -> RunViews:
@@ -110,73 +123,75 @@ class Runtime:
         idempotency_key: str | None = None,
     ) -> TurnHandle:
         """Start a turn; returns its handle at once (errors surface through it)."""
-        request = TurnRequest(
-            session_id=session_id,
-            input=input,
-            kind=kind,
-            flow_name=flow_name,
-            run_id=run_id,
-            signal_delivery=signal_delivery,
-            idempotency_key=idempotency_key,
-        )
-        return TurnHandle(lambda sink: drive_turn(self, request, sink))
+
+        def command() -> Command:
+            if signal_delivery is not None:
+                return Deliver(session_id, run_id, signal_delivery, idempotency_key)
+            if run_id is not None:
+                if input is not None:
+                    return Input(session_id, run_id, input, idempotency_key)
+                return Resume(session_id, run_id, idempotency_key)
+            if kind == "flow":
+                return StartFlow(session_id, flow_name, input, idempotency_key)
+            if kind not in (None, "conversation"):
+                msg = f"kind must be 'conversation' or 'flow', got {kind!r}"
+                raise InvalidArgumentError(msg)
+            return Converse(session_id, input, flow_name, idempotency_key)
+
+        async def turn(sink: TurnSink) -> TurnResult:
+            return await drive_turn(self._env, command(), sink)
+
+        return TurnHandle(turn)
 
     # ----------------------------------------------------------------- reads
     async def get_run(self, run_id: str, session_id: str) -> RunState | None:
         """The run's state, or None when it is unknown or of another session."""
-        run = await self._load(run_id, session_id)
+        run = await load_run(self.store, run_id, session_id)
         return run.to_state() if run is not None else None
 
     async def get_steps(self, run_id: str, session_id: str) -> list[StepRecord]:
         """The run's journal; empty when the run is unknown or of another session
         (like ``get_run``'s None: a read never says whether a foreign run exists)."""
-        run = await self._load(run_id, session_id)
+        run = await load_run(self.store, run_id, session_id)
         return run.step_records() if run is not None else []
 
-    async def _load(self, run_id: str, session_id: str) -> Run | None:
-        run = await asyncio.to_thread(self.store.load, run_id)
-        if run is None or run.session_id != session_id:
-            return None
-        return run
-
+    # ----------------------------------------------------------------- drift
     async def resolve_drift(self, run_id: str, session_id: str, recovery: str) -> RunState:
-        """Settle a run whose flow changed: ``restart`` re-pins the flow's current
-        definition and restarts it from its start node (the next ``run`` drives
-        it), ``abandon`` marks the run ``aborted``."""
-        if recovery not in ("restart", "abandon"):
+        """Settle a run whose flow changed since it started; returns its state after.
+
+        ``"restart"`` re-pins the flow's current definition and drives it from
+        its start node, within this call, to its next pause or its end (a turn:
+        its errors are raised as from ``handle.result()``). ``"abandon"`` marks
+        the run ``aborted`` with outcome ``"abandoned: flow drift"``. A bad
+        ``recovery`` or a run without drift is ``InvalidArgumentError``; an
+        unknown or foreign run ``RunNotFoundError``; nothing is written then.
+        """
+        if recovery not in RECOVERIES:
             msg = f"recovery must be 'restart' or 'abandon', got {recovery!r}"
-            raise ValueError(msg)
-        run = await self._load(run_id, session_id)
-        if run is None or run.active_flow is None:
-            raise RunNotFoundError(run_id, session_id)
-        run.require_lease_free(self.holder, utcnow())
+            raise InvalidArgumentError(msg)
         if recovery == "restart":
-            _, flow = self.flow(run.active_flow)
-            run.repin_flow(flow.name, flow.digest, flow.start)
-        else:
-            run.abort("flow-drift: abandoned")
+            await TurnHandle(
+                lambda sink: drive_turn(self._env, RestartFlow(session_id, run_id), sink)
+            ).result()
+            state = await self.get_run(run_id, session_id)
+            if state is None:  # pragma: no cover - the turn just saved it
+                raise RunNotFoundError(run_id, session_id)
+            return state
+        run, _ = await drifted_run(self._env, run_id, session_id)
+        run.require_lease_free(self.holder, utcnow())
+        run.abort(ABANDONED)
         await asyncio.to_thread(self.store.save_run, run)
         return run.to_state()
 
     # ----------------------------------------------------------- definitions
     def default_agent(self) -> Agent:
         """The agent a new conversation starts with: the first one given."""
-        if not self.agents:
-            msg = "this runtime has no agents; pass agents=[define_agent(...)] to Runtime"
-            raise KuralleError(msg)
-        return next(iter(self.agents.values()))
+        return self._registry.default_agent()
 
     def agent(self, agent_id: str | None) -> Agent:
-        if agent_id is None or agent_id not in self.agents:
-            msg = (
-                f"unknown agent {agent_id!r}; the runtime has {sorted(self.agents)!r}. "
-                "Pass every agent a run may hand off to in Runtime(agents=[...])"
-            )
-            raise KuralleError(msg)
-        return self.agents[agent_id]
+        """The agent with this id, or ``InvalidArgumentError``."""
+        return self._registry.agent(agent_id)
 
     def flow(self, name: str) -> tuple[Agent, Flow]:
-        try:
-            return self._flows[name]
-        except KeyError:
-            raise FlowNotFoundError(name, list(self._flows)) from None
+        """The flow called ``name`` with its agent, or ``FlowNotFoundError``."""
+        return self._registry.flow(name)

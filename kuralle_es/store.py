@@ -26,11 +26,13 @@ from eventsourcing.persistence import (
     Transcoder,
 )
 from eventsourcing.popo import POPOAggregateRecorder
+from eventsourcing.utils import Environment, EnvType, get_topic
 from psycopg.errors import DuplicateObject, DuplicateTable, UniqueViolation
 from psycopg.errors import InternalError as PsycopgInternalError
 
 from .domain import Run, SessionRuns, new_session_runs, session_runs_id
 from .errors import StaleWriteError
+from .postgres_recorder import OneTripPostgresRecorder
 from .transcoding import EscapingJSONTranscoder
 
 __all__ = ["RunStore", "parse_run_id", "postgres_env"]
@@ -149,6 +151,17 @@ class RunStore(Application[UUID]):
                 self.snapshots.put([Snapshot.take(aggregate)])
             else:  # a batch that crossed the interval mid-way: the library's way
                 self.take_snapshot(event.originator_id, version=event.originator_version)
+
+    def construct_env(self, name: str, env: EnvType | None = None) -> Environment:
+        """The environment, with PostgreSQL saves sent through the one-round-trip
+        recorder unless ``APPLICATION_RECORDER_TOPIC`` names another."""
+        environment = super().construct_env(name, env)
+        module = environment.get("PERSISTENCE_MODULE") or ""
+        if module.startswith("eventsourcing.postgres") and not environment.get(
+            "APPLICATION_RECORDER_TOPIC"
+        ):
+            environment["APPLICATION_RECORDER_TOPIC"] = get_topic(OneTripPostgresRecorder)
+        return environment
 
     @property
     def saves_block(self) -> bool:

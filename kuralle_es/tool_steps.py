@@ -11,6 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from .cursor import Site
 from .domain import StepData
 from .errors import ToolApprovalDeniedError
 from .journal import Journal, decode
@@ -21,34 +22,34 @@ from .waits import APPROVAL, APPROVAL_LANE, IN_DOUBT, approval_decision, frozen_
 __all__ = ["run_tool", "tool_call"]
 
 
-def tool_call(journal: Journal, tool: Tool, args: BaseModel, callsite: int) -> ToolCall:
+def tool_call(journal: Journal, site: Site, tool: Tool, args: BaseModel) -> ToolCall:
     """What the tool (and its policy) learn about this call, its key included."""
     override = tool.idempotency_key(args) if tool.idempotency_key else None
     payload = {"name": tool.name, "args": args.model_dump(mode="json")}
     return ToolCall(
-        idempotency_key=journal.key_for(callsite, payload, override),
-        run_id=journal.run.run_id,
-        session_id=journal.run.session_id,
+        idempotency_key=site.key(payload, override),
+        run_id=journal.run_id,
+        session_id=journal.session_id,
         tool_name=tool.name,
-        callsite=callsite,
+        callsite=site.callsite,
     )
 
 
-async def _approved_args(journal: Journal, tool: Tool, args: BaseModel, callsite: int) -> BaseModel:
+async def _approved_args(journal: Journal, site: Site, tool: Tool, args: BaseModel) -> BaseModel:
     """The args to execute with, after the tool's policy and any approval.
 
     Once an approval is journaled, its frozen operation wins over whatever the
     caller computes now: the approver saw those args.
     """
-    key = journal.key_for(callsite, APPROVAL)
-    step = journal.recorded(callsite, "approval", APPROVAL, key, APPROVAL_LANE)
+    approval_site = site.in_lane(APPROVAL_LANE)
+    step = journal.recorded(approval_site, "approval", APPROVAL, site.key(APPROVAL))
     if step is not None and step["status"] == "finished":
         decision = approval_decision(decode(step))
         if not decision.approved:
             raise ToolApprovalDeniedError(tool.name, decision.by, decision.reason)
         return tool.validate(step["args"]["operation"]["args"])
-    call = tool_call(journal, tool, args, callsite)
-    if journal.recorded(callsite, "tool", tool.name, call.idempotency_key) is not None:
+    call = tool_call(journal, site, tool, args)
+    if journal.recorded(site, "tool", tool.name, call.idempotency_key) is not None:
         return args  # decided on an earlier pass: replay, never ask the policy again
     answer = tool.decide(args, call)
     if answer == "allow":
@@ -57,40 +58,39 @@ async def _approved_args(journal: Journal, tool: Tool, args: BaseModel, callsite
         raise ToolApprovalDeniedError(tool.name, "policy", "denied by the tool's policy")
     suspend(
         journal,
-        callsite=callsite,
+        approval_site,
         name=APPROVAL,
         kind="approval",
         title=f"Approve {tool.name}",
         description=tool.description,
         operation=frozen_operation(tool.name, args.model_dump(mode="json")),
-        lane=APPROVAL_LANE,
     )
 
 
 async def run_tool(
     journal: Journal,
+    site: Site,
     tool: Tool,
     args: BaseModel,
-    callsite: int,
     emit: Callable[[StreamPart], None] | None = None,
     tool_call_id: str | None = None,
 ) -> Any:
-    """Run ``tool`` at ``callsite``; returns its (recorded) result.
+    """Run ``tool`` at ``site``; returns its (recorded) result.
 
     Raises ``ToolExecutionError`` (frozen failure), ``ToolApprovalDeniedError``
     or ``SuspendError`` (approval or in-doubt pending). ``emit`` receives the
     tool-call and tool-result parts of a call that really executes.
     """
     if tool.policy is not None or tool.needs_approval:
-        args = await _approved_args(journal, tool, args, callsite)
+        args = await _approved_args(journal, site, tool, args)
     args_json = args.model_dump(mode="json")
-    call = tool_call(journal, tool, args, callsite)
+    call = tool_call(journal, site, tool, args)
 
     async def ask_in_doubt(step: StepData) -> None:
         if tool.on_in_doubt == "ask":
             suspend(
                 journal,
-                callsite=callsite,
+                site,
                 name=IN_DOUBT,
                 kind="signal",
                 title=f"Did {tool.name} run before the crash?",
@@ -123,7 +123,7 @@ async def run_tool(
             )
 
     return await journal.effect(
-        callsite=callsite,
+        site,
         kind="tool",
         name=tool.name,
         key=call.idempotency_key,

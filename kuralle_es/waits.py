@@ -1,26 +1,40 @@
-"""Waits: how a run suspends for a human or an outside system, and what a
-delivered payload must look like for each kind of wait.
+"""Waits: how a run suspends for a human or an outside system, and how a
+delivery to a paused run is checked and accepted (internal).
 
-Suspending raises ``SuspendError``; the turn catches it, pauses the run and
-ends cleanly. Re-suspending on the same wait keeps its ``request_id`` and
-deadline, so a supervisor's pending link stays valid.
+Suspending raises ``SuspendError`` carrying a typed ``Wait``; the turn
+catches it, pauses the run and ends cleanly. Re-suspending on the same wait
+keeps its ``request_id`` and deadline, so a supervisor's pending link stays
+valid. A delivery is checked in the order README.md gives (duplicate, match,
+deadline, payload); every refusal raises before anything is written.
+Acceptance only triggers events; the turn saves them with its lease in one
+compare-and-set, so of two racing identical deliveries exactly one is stored.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
+from enum import Enum
 from typing import Any, NoReturn
 from uuid import uuid4
 
 from eventsourcing.utils import get_topic, resolve_topic
 from pydantic import BaseModel, ValidationError
 
-from .errors import InvalidSignalError, KuralleError, SuspendError
+from .cursor import Site
+from .domain import Run
+from .errors import (
+    InvalidArgumentError,
+    InvalidSignalError,
+    KuralleError,
+    SignalMismatchError,
+    SuspendError,
+)
 from .journal import Journal, utcnow
 from .keys import canonical_json, sha256_hex
-from .models import ApprovalDecision, FrozenOperation, WaitingFor
+from .models import ApprovalDecision, FrozenOperation, SignalDelivery
 from .tools import encode_json
+from .waiting import Wait
 
 __all__ = [
     "APPROVAL",
@@ -28,7 +42,11 @@ __all__ = [
     "DEADLINE_DENY",
     "INPUT",
     "IN_DOUBT",
+    "Duplicate",
+    "Schemas",
+    "accept",
     "approval_decision",
+    "check",
     "frozen_operation",
     "is_deadline_deny",
     "suspend",
@@ -48,9 +66,38 @@ DEADLINE_DENY: dict[str, Any] = {
     "reason": "deadline-expired",
 }
 
-# Schemas of ``ctx.signal`` seen in this process, by topic: lets a delivery
-# validate against a model class defined where ``resolve_topic`` can't reach.
-_schemas: dict[str, type[BaseModel]] = {}
+
+
+class Schemas:
+    """Payload schemas of ``ctx.signal`` seen by one runtime, by topic.
+
+    A delivery validates against the class the run suspended with, even one
+    defined where ``resolve_topic`` can't reach (inside a function).
+    """
+
+    def __init__(self) -> None:
+        self._by_topic: dict[str, type[BaseModel]] = {}
+
+    def remember(self, schema: type[BaseModel]) -> str:
+        topic = get_topic(schema)
+        self._by_topic[topic] = schema
+        return topic
+
+    def find(self, topic: str | None) -> type[BaseModel] | None:
+        """The schema of ``topic``, or None when it can be found neither here nor by import."""
+        if not topic:
+            return None
+        schema = self._by_topic.get(topic)
+        if schema is not None:
+            return schema
+        try:
+            resolved = resolve_topic(topic)
+        except Exception:
+            # Not importable here: ctx.signal validates on re-execution instead.
+            return None
+        if isinstance(resolved, type) and issubclass(resolved, BaseModel):
+            return resolved
+        return None
 
 
 def frozen_operation(tool_name: str, args: Any) -> FrozenOperation:
@@ -65,7 +112,7 @@ def _absolute(deadline: datetime | timedelta | float | None) -> datetime | None:
     if isinstance(deadline, datetime):
         if deadline.tzinfo is None:
             msg = "deadline must be timezone-aware (e.g. datetime.now(UTC) + timedelta(...))"
-            raise ValueError(msg)
+            raise InvalidArgumentError(msg)
         return deadline.astimezone(UTC)
     if isinstance(deadline, timedelta):
         return utcnow() + deadline
@@ -74,51 +121,44 @@ def _absolute(deadline: datetime | timedelta | float | None) -> datetime | None:
 
 def suspend(
     journal: Journal,
+    site: Site,
     *,
-    callsite: int,
     name: str,
     kind: str,
     title: str | None = None,
     description: str | None = None,
     deadline: datetime | timedelta | float | None = None,
     operation: FrozenOperation | None = None,
-    lane: str = "",
     step_index: int | None = None,
     schema: type[BaseModel] | None = None,
+    schemas: Schemas | None = None,
 ) -> NoReturn:
-    """Stop the turn until ``name`` is delivered for this callsite."""
-    current = journal.run.waiting_for or {}
-    same_wait = (
-        current.get("name") == name
-        and current.get("callsite") == callsite
-        and current.get("logical_run") == journal.logical_run
-        and current.get("lane", "") == lane
-    )
-    if same_wait:
-        request_id = str(current["request_id"])
-        kept = current.get("deadline")
-        absolute = datetime.fromisoformat(kept) if kept else _absolute(deadline)
+    """Stop the turn until ``name`` is delivered for this site."""
+    current = journal.waiting
+    if current is not None and current.is_at(site.logical_run, site.callsite, name, site.lane):
+        request_id = current.request_id
+        absolute = current.deadline or _absolute(deadline)
     else:
         request_id = uuid4().hex
         absolute = _absolute(deadline)
-    waiting_for = WaitingFor(
+    topic = None
+    if schema is not None:
+        topic = (schemas or Schemas()).remember(schema)
+    wait = Wait(
         name=name,
-        callsite=callsite,
+        callsite=site.callsite,
+        kind=kind,
+        request_id=request_id,
+        logical_run=site.logical_run,
         title=title,
         description=description,
         deadline=absolute,
-        request_id=request_id,
-        kind=kind,
         operation=operation,
+        lane=site.lane,
+        step_index=step_index,
+        schema_topic=topic,
     )
-    private: dict[str, Any] = {"logical_run": journal.logical_run, "lane": lane}
-    if step_index is not None:
-        private["step_index"] = step_index
-    if schema is not None:
-        topic = get_topic(schema)
-        _schemas[topic] = schema
-        private["schema_topic"] = topic
-    raise SuspendError(waiting_for, private)
+    raise SuspendError(wait)
 
 
 def is_deadline_deny(payload: Any) -> bool:
@@ -136,25 +176,11 @@ def approval_decision(payload: Any) -> ApprovalDecision:
     )
 
 
-def _schema_of(waiting: Mapping[str, Any]) -> type[BaseModel] | None:
-    topic = waiting.get("schema_topic")
-    if not topic:
-        return None
-    schema = _schemas.get(topic)
-    if schema is None:
-        try:
-            resolved = resolve_topic(topic)
-        except Exception:
-            # Not importable here: ctx.signal validates on re-execution instead.
-            return None
-        if isinstance(resolved, type) and issubclass(resolved, BaseModel):
-            schema = resolved
-    return schema
-
-
-def validate_payload(waiting: Mapping[str, Any], payload: Any, *, from_sweeper: bool) -> Any:
+def validate_payload(
+    wait: Wait, payload: Any, schemas: Schemas, *, from_sweeper: bool
+) -> Any:
     """The payload as it will be journaled, or ``InvalidSignalError`` naming the problem."""
-    name = str(waiting["name"])
+    name = wait.name
     try:
         encode_json(payload, f"the payload of signal {name!r}")
     except (TypeError, KuralleError) as e:
@@ -166,7 +192,7 @@ def validate_payload(waiting: Mapping[str, Any], payload: Any, *, from_sweeper: 
     elif name == IN_DOUBT:
         _check_in_doubt(payload)
     else:
-        schema = _schema_of(waiting)
+        schema = schemas.find(wait.schema_topic)
         if schema is not None:
             try:
                 schema.model_validate(payload)
@@ -205,3 +231,103 @@ def _check_in_doubt(payload: Any) -> None:
     if action == "resolve" and "result" not in payload:
         msg = "an in-doubt 'resolve' answer needs the 'result' to record"
         raise InvalidSignalError(IN_DOUBT, msg)
+
+
+class Duplicate(Enum):
+    """A delivery whose ``signal_id`` the run already has: a no-op."""
+
+    DELIVERED = "delivered"
+
+
+def is_duplicate(run: Run, delivery: SignalDelivery) -> bool:
+    """Whether the run already has this delivery (its ``signal_id``): a no-op."""
+    if not isinstance(delivery.signal_id, str) or not delivery.signal_id.strip():
+        raise InvalidSignalError(
+            delivery.name, "signal_id must be a non-empty string; give each delivery a stable id"
+        )
+    return delivery.signal_id in run.signal_ids
+
+
+def _state_of(run: Run) -> str:
+    """The run's status, with why it was aborted (a refusal says so clearly)."""
+    if run.status == "aborted" and run.outcome:
+        return f"aborted ({run.outcome})"
+    return run.status
+
+
+def check(
+    run: Run,
+    delivery: SignalDelivery,
+    now: datetime,
+    schemas: Schemas,
+    *,
+    from_sweeper: bool = False,
+) -> Any:
+    """The payload to journal, ``Duplicate.DELIVERED``, or a refusal."""
+    if is_duplicate(run, delivery):
+        return Duplicate.DELIVERED
+    wait = run.waiting
+    if run.status != "paused" or wait is None:
+        raise SignalMismatchError(
+            run.run_id,
+            f"run {run.run_id} is {_state_of(run)} and waits for no signal; "
+            f"signal {delivery.name!r} was not delivered",
+        )
+    if delivery.name != wait.name:
+        raise SignalMismatchError(
+            run.run_id,
+            f"run {run.run_id} waits for {wait.name!r}, not {delivery.name!r}; "
+            "deliver the signal it waits for",
+        )
+    if delivery.request_id is not None and delivery.request_id != wait.request_id:
+        raise SignalMismatchError(
+            run.run_id,
+            f"request_id {delivery.request_id!r} does not match the pending request "
+            f"{wait.request_id!r} of run {run.run_id}; read waiting_for again",
+        )
+    if wait.deadline is not None and not from_sweeper and now > wait.deadline:
+        raise SignalMismatchError(
+            run.run_id,
+            f"signal {delivery.name!r} to run {run.run_id} expired before delivery "
+            f"(deadline {wait.deadline.isoformat()}); the deadline sweeper will deny it",
+        )
+    return validate_payload(wait, delivery.payload, schemas, from_sweeper=from_sweeper)
+
+
+def waits_for(run: Run, delivery: SignalDelivery) -> bool:
+    """Whether a paused run's wait matches this delivery's name and request id."""
+    wait = run.waiting
+    return (
+        run.status == "paused"
+        and wait is not None
+        and wait.name == delivery.name
+        and delivery.request_id in (None, wait.request_id)
+    )
+
+
+async def accept(journal: Journal, run: Run, delivery: SignalDelivery, payload: Any) -> None:
+    """Journal an accepted delivery: the payload and actor, and the wait's step.
+
+    The wait's step is journaled through the funnel at the site that
+    suspended, so re-executing the node finds the payload there.
+    """
+    wait = run.waiting
+    assert wait is not None, "check() accepts deliveries to paused runs only"
+    run.accept_signal(delivery.signal_id, delivery.name, payload, delivery.actor)
+    if wait.name == IN_DOUBT and wait.step_index is not None:
+        answer = dict(payload)
+        if "action" not in answer:  # the deadline sweeper's deny
+            answer = {"action": "fail", "message": str(answer.get("reason", "denied"))}
+        journal.answer_in_doubt(wait.step_index, answer)
+        await journal.persist()
+        return
+    site = Site(wait.logical_run, wait.callsite, wait.lane)
+    operation = wait.operation.model_dump(mode="json") if wait.operation else None
+    await journal.record_value(
+        site,
+        kind=wait.kind,
+        name=wait.name,
+        key=site.key(wait.name),
+        args={"operation": operation} if wait.lane == APPROVAL_LANE else None,
+        make=lambda: payload,
+    )

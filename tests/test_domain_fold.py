@@ -37,6 +37,7 @@ from kuralle_es import (
     end,
 )
 from kuralle_es.domain import Run, new_run
+from kuralle_es.waiting import Wait
 
 # ------------------------------------------------------------------ strategies
 json_scalars = (
@@ -88,13 +89,13 @@ waits = st.builds(
     kind=st.sampled_from(["approval", "signal", "input"]),
 )
 
-# What only the runtime reads back from a pause (merged into the stored wait).
+# What only the runtime reads back from a pause (stored beside the public fields).
 private_parts = st.fixed_dictionaries(
-    {},
+    {"logical_run": st.sampled_from(["r#0", "r#0#refund@d"])},
     optional={
-        "logical_run": st.sampled_from(["r#0", "r#0#refund@d"]),
+        "lane": st.sampled_from(["", "!approval"]),
         "step_index": st.integers(0, 20),
-        "schema": st.none() | short,
+        "schema_topic": st.none() | short,
     },
 )
 
@@ -181,7 +182,7 @@ def apply(run: Run, store: RunStore, command: tuple[Any, ...]) -> None:
     elif op == "append_message":
         run.append_message(command[1])
     elif op == "pause":
-        run.pause(command[1], command[2])
+        run.pause(Wait.of(command[1], **command[2]))
     elif op in ("accept_signal", "accept_input"):
         do = run.accept_signal if op == "accept_signal" else run.accept_input
         if run.status == "paused":
@@ -431,7 +432,12 @@ def test_a_failed_step_cannot_be_finished_afterwards() -> None:
 
 def test_steps_are_refused_unless_the_run_is_running() -> None:
     run = fresh_run()
-    run.pause(WaitingFor(name="__approval", callsite=0, request_id="r1", kind="approval"), {})
+    run.pause(
+        Wait.of(
+            WaitingFor(name="__approval", callsite=0, request_id="r1", kind="approval"),
+            logical_run="r#0",
+        )
+    )
     pending = len(run.pending_events)
     with pytest.raises(ValueError, match="paused"):
         run.start_step(key="c" * 64, kind="now", name="now", callsite=0, logical_run="r", args=None)
@@ -487,14 +493,16 @@ def test_lease_times_and_deadlines_round_trip_exactly() -> None:
     expires = datetime(2030, 5, 6, 7, 8, 9, 123456, tzinfo=UTC)
     run.take_lease("worker-1", expires)
     run.pause(
-        WaitingFor(
-            name="__approval",
-            callsite=3,
-            request_id="req-1",
-            kind="approval",
-            deadline=expires + timedelta(hours=1),
-        ),
-        {"logical_run": "r#0"},
+        Wait.of(
+            WaitingFor(
+                name="__approval",
+                callsite=3,
+                request_id="req-1",
+                kind="approval",
+                deadline=expires + timedelta(hours=1),
+            ),
+            logical_run="r#0",
+        )
     )
     store.save_run(run)
     loaded = store.load(run.run_id)

@@ -395,7 +395,7 @@ async def test_resuming_after_the_flow_changed_raises_flow_drift_and_writes_noth
     assert COMPLETED == []
 
 
-async def test_resolve_drift_restart_repins_and_the_next_run_drives_from_the_start_with_fresh_keys(
+async def test_resolve_drift_restart_repins_and_drives_the_new_flow_from_its_start_with_fresh_keys(
     open_store: Any,
 ) -> None:
     old, new = intake_flow(), intake_flow(greeting="Greet the customer briefly.")
@@ -410,12 +410,14 @@ async def test_resolve_drift_restart_repins_and_the_next_run_drives_from_the_sta
     assert repinned.flow_digest == new.digest
     assert repinned.active_flow == "intake"
     assert repinned.active_node == "details"
-    assert repinned.waiting_for is None
-    assert repinned.state == {}
+    # Driven within the call: the start node asks again, under the new definition.
+    assert repinned.status == "paused"
+    assert repinned.waiting_for is not None and repinned.waiting_for.kind == "input"
+    assert repinned.state == {"name": "Ann"}
+    assert repinned.lease_holder is None
 
     again = await v2.run(SESSION, run_id=paused.run_id).result()
-    assert again.status == "paused"  # the start node asks again, under the new definition
-    assert again.output == "Please give: email"
+    assert again.status == "paused"  # a plain call on a paused run executes nothing
     done = await v2.run(SESSION, run_id=paused.run_id, input="email=ann@x.io").result()
 
     assert done.status == "finished"

@@ -1,0 +1,445 @@
+"""Turn commands: one class per way to open a turn (internal).
+
+Each command finds its run (fail-closed: an unknown or foreign run is
+``RunNotFoundError``), decides what opening the run needs, or refuses, and
+its opening says what the turn's first save carries besides the lease. A
+command that resumes a run in a flow checks the flow's pinned digest first,
+before any wait is matched (``FlowDriftError``). Refusals raise before
+anything is written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+from uuid import UUID, uuid4, uuid5
+
+from . import waits
+from .agents import Agent
+from .domain import Run, new_run
+from .errors import (
+    FlowDriftError,
+    InvalidArgumentError,
+    RunNotFoundError,
+    SignalMismatchError,
+)
+from .flows import Flow
+from .journal import Journal, utcnow
+from .keys import canonical_json
+from .models import Message, SignalDelivery
+from .registry import Registry
+from .store import RunStore
+
+__all__ = [
+    "Command",
+    "Converse",
+    "Deliver",
+    "Input",
+    "Opening",
+    "RestartFlow",
+    "Resume",
+    "StartFlow",
+    "TurnEnv",
+    "conversation_run_id",
+    "drifted_run",
+    "load_run",
+]
+
+#: Namespace of conversation run ids (one run per session).
+CONVERSATION_NAMESPACE = UUID("5d0c3a51-3f7e-4d43-a0a8-1f4a8c6f9e27")
+
+
+def conversation_run_id(session_id: str) -> UUID:
+    return uuid5(CONVERSATION_NAMESPACE, session_id)
+
+
+def flow_run_id(session_id: str, flow_name: str, idempotency_key: str | None) -> UUID:
+    """A fresh id for a new flow run; derived from the inbound idempotency key when
+    there is one, so that a retried start finds (or races to create) the same run."""
+    if idempotency_key is None:
+        return uuid4()
+    return uuid5(CONVERSATION_NAMESPACE, canonical_json([session_id, flow_name, idempotency_key]))
+
+
+@dataclass(frozen=True)
+class TurnEnv:
+    """What a turn works with: definitions, the store, and the worker's settings."""
+
+    registry: Registry
+    store: RunStore
+    holder: str
+    lease_ttl: float
+    max_tool_concurrency: int
+
+
+async def load_run(store: RunStore, run_id: str, session_id: str) -> Run | None:
+    """The run, or None when it is unknown or of another session."""
+    run = await asyncio.to_thread(store.load, run_id)
+    if run is None or run.session_id != session_id:
+        return None
+    return run
+
+
+async def _addressed(env: TurnEnv, run_id: str, session_id: str) -> Run:
+    run = await load_run(env.store, run_id, session_id)
+    if run is None:
+        raise RunNotFoundError(run_id, session_id)
+    return run
+
+
+def _is_live_in_flow(run: Run) -> bool:
+    return run.active_flow is not None and run.status not in ("finished", "aborted")
+
+
+def require_current_flow(run: Run, registry: Registry) -> None:
+    """Refuse a live run whose pinned flow digest is not the flow's digest now."""
+    if run.active_flow is None or not _is_live_in_flow(run):
+        return
+    _, flow = registry.flow(run.active_flow)
+    if run.flow_digest != flow.digest:
+        raise FlowDriftError(run.run_id, run.flow_digest, flow.digest)
+
+
+async def drifted_run(env: TurnEnv, run_id: str, session_id: str) -> tuple[Run, Flow]:
+    """The run and the current definition of its flow; refused unless it drifted."""
+    run = await _addressed(env, run_id, session_id)
+    if run.active_flow is not None and _is_live_in_flow(run):
+        _, flow = env.registry.flow(run.active_flow)
+        if run.flow_digest != flow.digest:
+            return run, flow
+    msg = (
+        f"run {run_id!r} has no flow drift to resolve (it is {run.status}"
+        f"{', in flow ' + repr(run.active_flow) if run.active_flow else ', in no flow'}"
+        f"{' pinned to its current digest' if run.active_flow else ''}); "
+        "resolve_drift is only for a run that raised FlowDriftError"
+    )
+    raise InvalidArgumentError(msg)
+
+
+# ------------------------------------------------------------------ openings
+class Opening(ABC):
+    """What a turn's first save carries besides the lease."""
+
+    #: A flow this opening enters (with its agent), overriding the run's own.
+    enters: tuple[Agent, Flow] | None = None
+
+    @abstractmethod
+    async def open(self, run: Run, journal: Journal, env: TurnEnv) -> None:
+        """Trigger the opening's events and save them (the lease is already taken)."""
+
+
+def _user_message(text: str | None) -> Message | None:
+    return Message(role="user", content=text) if text else None
+
+
+@dataclass
+class _NewRun(Opening):
+    message: Message | None
+    idempotency_key: str | None
+    enters: tuple[Agent, Flow] | None = None
+
+    async def open(self, run: Run, journal: Journal, env: TurnEnv) -> None:
+        run.start_turn(0, self.message, self.idempotency_key)
+        if run.active_flow is not None:
+            _, flow = env.registry.flow(run.active_flow)
+            run.enter_node(flow.name, flow.start, {}, 0)
+        if self.enters is not None:
+            flow = self.enters[1]
+            run.repin_flow(flow.name, flow.digest, flow.start)
+        await asyncio.to_thread(env.store.create_run, run)
+
+
+@dataclass
+class _NewEpoch(Opening):
+    """A fresh user turn of a conversation: a new epoch (new keys)."""
+
+    message: Message | None
+    idempotency_key: str | None
+    enters: tuple[Agent, Flow] | None = None
+
+    async def open(self, run: Run, journal: Journal, env: TurnEnv) -> None:
+        run.start_turn(run.epoch + 1, self.message, self.idempotency_key)
+        if self.enters is not None:
+            flow = self.enters[1]
+            run.repin_flow(flow.name, flow.digest, flow.start)
+        await journal.persist()
+
+
+@dataclass
+class _FlowMessage(Opening):
+    """A user message to a conversation inside a flow: the flow's epoch (its keys) stays."""
+
+    message: Message
+
+    async def open(self, run: Run, journal: Journal, env: TurnEnv) -> None:
+        run.append_message(self.message)
+        run.resume()
+        await journal.persist()
+
+
+@dataclass
+class _AcceptInput(Opening):
+    message: Message
+
+    async def open(self, run: Run, journal: Journal, env: TurnEnv) -> None:
+        run.accept_input(self.message)
+        await journal.persist()
+
+
+@dataclass
+class _AcceptDelivery(Opening):
+    delivery: SignalDelivery
+    payload: Any
+
+    async def open(self, run: Run, journal: Journal, env: TurnEnv) -> None:
+        await waits.accept(journal, run, self.delivery, self.payload)
+
+
+@dataclass
+class _Repin(Opening):
+    """A drifted flow restarts from its start node under its current definition."""
+
+    flow: Flow
+
+    async def open(self, run: Run, journal: Journal, env: TurnEnv) -> None:
+        run.repin_flow(self.flow.name, self.flow.digest, self.flow.start)
+        await journal.persist()
+
+
+class _Resume(Opening):
+    async def open(self, run: Run, journal: Journal, env: TurnEnv) -> None:
+        run.resume()
+        await journal.persist()
+
+
+def _input_opening(run: Run, text: str, env: TurnEnv) -> Opening | None:
+    """What input does to an existing run (drift checked first)."""
+    require_current_flow(run, env.registry)
+    message = Message(role="user", content=text)
+    wait = run.waiting
+    if run.status == "paused" and wait is not None:
+        if wait.kind == "input":
+            return _AcceptInput(message)
+        raise SignalMismatchError(
+            run.run_id,
+            f"run {run.run_id} waits for {wait.name!r}, not for input; "
+            "deliver that signal first",
+        )
+    if run.kind == "conversation" and run.status != "aborted":
+        # A conversation inside a flow keeps the flow's epoch (its keys);
+        # outside one, a fresh user turn is a fresh epoch.
+        if run.active_flow is not None:
+            return _FlowMessage(message)
+        return _NewEpoch(_user_message(text), None)
+    if run.status in ("finished", "aborted"):
+        return None
+    raise SignalMismatchError(
+        run.run_id, f"run {run.run_id} is {run.status} and is not waiting for input"
+    )
+
+
+def _resume_opening(run: Run, env: TurnEnv) -> Opening | None:
+    """What a plain call does to an existing run (drift checked first)."""
+    require_current_flow(run, env.registry)
+    if run.status in ("finished", "aborted", "paused"):
+        return None  # a paused run moves only on a delivery or input
+    return _Resume()
+
+
+# ------------------------------------------------------------------ commands
+class Command(ABC):
+    """One way to open a turn: its addressing and its opening."""
+
+    session_id: str
+    idempotency_key: str | None
+
+    @abstractmethod
+    async def address(self, env: TurnEnv) -> tuple[Run, bool]:
+        """The run this turn is for, and whether it is new (not stored yet)."""
+
+    @abstractmethod
+    def prepare(self, run: Run, fresh: bool, env: TurnEnv) -> Opening | None:
+        """The opening this turn needs (None: nothing to do), or a refusal."""
+
+    def won_elsewhere(self, latest: Run, fresh: bool) -> bool:
+        """After losing the opening save: whether the winner did this very turn."""
+        return False
+
+
+@dataclass(frozen=True)
+class StartFlow(Command):
+    """``kind="flow"``: a new flow run (found again by its idempotency key)."""
+
+    session_id: str
+    flow_name: str | None
+    input: str | None
+    idempotency_key: str | None
+
+    async def address(self, env: TurnEnv) -> tuple[Run, bool]:
+        if not self.flow_name:
+            msg = "kind='flow' needs flow_name, the name of one of the agents' flows"
+            raise InvalidArgumentError(msg)
+        agent, flow = env.registry.flow(self.flow_name)
+        minted = flow_run_id(self.session_id, flow.name, self.idempotency_key)
+        if self.idempotency_key is not None:
+            # A retried start (same key) finds the run the first one made.
+            existing = await load_run(env.store, str(minted), self.session_id)
+            if existing is not None:
+                return existing, False
+        run = new_run(minted, self.session_id, "flow", agent.id, flow.name, flow.digest)
+        return run, True
+
+    def prepare(self, run: Run, fresh: bool, env: TurnEnv) -> Opening | None:
+        if fresh:
+            return _NewRun(_user_message(self.input), self.idempotency_key)
+        if self.input is not None:
+            return _input_opening(run, self.input, env)
+        return _resume_opening(run, env)
+
+    def won_elsewhere(self, latest: Run, fresh: bool) -> bool:
+        # Two identical starts raced: the winner's run is the run.
+        return fresh and self.idempotency_key is not None and latest.session_id == self.session_id
+
+
+@dataclass(frozen=True)
+class Converse(Command):
+    """A plain call without ``run_id``: the session's conversation run."""
+
+    session_id: str
+    input: str | None
+    flow_name: str | None
+    idempotency_key: str | None
+
+    async def address(self, env: TurnEnv) -> tuple[Run, bool]:
+        run_id = conversation_run_id(self.session_id)
+        existing = await asyncio.to_thread(env.store.load, str(run_id))
+        if existing is not None:
+            if existing.session_id != self.session_id:
+                raise RunNotFoundError(str(run_id), self.session_id)
+            return existing, False
+        agent = env.registry.default_agent()
+        return new_run(run_id, self.session_id, "conversation", agent.id, None, None), True
+
+    def prepare(self, run: Run, fresh: bool, env: TurnEnv) -> Opening | None:
+        # ``flow_name`` on a plain call enters that flow on a fresh user turn.
+        if fresh:
+            return _NewRun(_user_message(self.input), self.idempotency_key, self._enters(env))
+        if self.input is None:
+            return _resume_opening(run, env)
+        opening = _input_opening(run, self.input, env)
+        if isinstance(opening, _NewEpoch):
+            return _NewEpoch(opening.message, self.idempotency_key, self._enters(env))
+        return opening
+
+    def _enters(self, env: TurnEnv) -> tuple[Agent, Flow] | None:
+        return env.registry.flow(self.flow_name) if self.flow_name else None
+
+
+@dataclass(frozen=True)
+class Input(Command):
+    """Input to an addressed run: for a ``collect`` wait, or a conversation's next turn."""
+
+    session_id: str
+    run_id: str
+    input: str
+    idempotency_key: str | None
+
+    async def address(self, env: TurnEnv) -> tuple[Run, bool]:
+        return await _addressed(env, self.run_id, self.session_id), False
+
+    def prepare(self, run: Run, fresh: bool, env: TurnEnv) -> Opening | None:
+        opening = _input_opening(run, self.input, env)
+        if isinstance(opening, _NewEpoch):
+            return _NewEpoch(opening.message, self.idempotency_key)
+        return opening
+
+
+@dataclass(frozen=True)
+class Deliver(Command):
+    """A signal delivery, to ``run_id`` or to the session's one run waiting for it."""
+
+    session_id: str
+    run_id: str | None
+    delivery: SignalDelivery
+    idempotency_key: str | None
+    from_sweeper: bool = False
+
+    async def address(self, env: TurnEnv) -> tuple[Run, bool]:
+        if self.run_id is not None:
+            return await _addressed(env, self.run_id, self.session_id), False
+        return await self._find_waiting(env), False
+
+    async def _find_waiting(self, env: TurnEnv) -> Run:
+        """The session's run a delivery without ``run_id`` is for."""
+        delivery = self.delivery
+        run_ids = await asyncio.to_thread(env.store.session_run_ids, self.session_id)
+        matches: list[Run] = []
+        for run_id in run_ids:
+            run = await asyncio.to_thread(env.store.load, run_id)
+            if run is None:
+                continue
+            if delivery.signal_id in run.signal_ids:
+                return run  # a retry of a delivery already made: a no-op there
+            if waits.waits_for(run, delivery):
+                matches.append(run)
+        if len(matches) == 1:
+            return matches[0]
+        if not matches:
+            wanted = f" with request_id {delivery.request_id!r}" if delivery.request_id else ""
+            msg = (
+                f"no run of session {self.session_id!r} waits for signal "
+                f"{delivery.name!r}{wanted}"
+            )
+        else:
+            msg = (
+                f"{len(matches)} runs of session {self.session_id!r} wait for signal "
+                f"{delivery.name!r}; pass run_id to say which"
+            )
+        raise SignalMismatchError("", msg)
+
+    def prepare(self, run: Run, fresh: bool, env: TurnEnv) -> Opening | None:
+        if waits.is_duplicate(run, self.delivery):
+            return None
+        require_current_flow(run, env.registry)
+        payload = waits.check(
+            run, self.delivery, utcnow(), env.registry.schemas, from_sweeper=self.from_sweeper
+        )
+        return _AcceptDelivery(self.delivery, payload)
+
+    def won_elsewhere(self, latest: Run, fresh: bool) -> bool:
+        # Two identical deliveries raced: the winner's is the delivery.
+        return self.delivery.signal_id in latest.signal_ids
+
+
+@dataclass(frozen=True)
+class Resume(Command):
+    """A plain call with ``run_id``: drive a running or errored run again."""
+
+    session_id: str
+    run_id: str
+    idempotency_key: str | None
+
+    async def address(self, env: TurnEnv) -> tuple[Run, bool]:
+        return await _addressed(env, self.run_id, self.session_id), False
+
+    def prepare(self, run: Run, fresh: bool, env: TurnEnv) -> Opening | None:
+        return _resume_opening(run, env)
+
+
+@dataclass(frozen=True)
+class RestartFlow(Command):
+    """``resolve_drift(..., "restart")``: re-pin the flow and drive it from its start."""
+
+    session_id: str
+    run_id: str
+    idempotency_key: str | None = None
+
+    async def address(self, env: TurnEnv) -> tuple[Run, bool]:
+        run, _ = await drifted_run(env, self.run_id, self.session_id)
+        return run, False
+
+    def prepare(self, run: Run, fresh: bool, env: TurnEnv) -> Opening | None:
+        _, flow = env.registry.flow(str(run.active_flow))
+        return _Repin(flow)

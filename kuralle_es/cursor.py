@@ -1,0 +1,79 @@
+"""Callsites: where in a run's journal an effect lives (internal).
+
+A ``Cursor`` hands out the ordinals of one flow visit (or one conversation
+epoch) in call order; a ``Site`` is one of them, in its logical run and lane.
+The driver owns the cursor and moves it at each node (re-)entry; the journal
+only ever sees sites.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import InvalidArgumentError
+from .keys import idempotency_key
+
+__all__ = ["Cursor", "Site"]
+
+
+@dataclass(frozen=True)
+class Site:
+    """One journal slot: a callsite of a logical run, in a lane.
+
+    A ``lane`` keeps a second slot at the same callsite: a tool's approval
+    lives beside the tool's own step, not in place of it.
+    """
+
+    logical_run: str
+    callsite: int
+    lane: str = ""
+
+    @property
+    def slot_run(self) -> str:
+        """The logical run the journal files this slot under."""
+        return self.logical_run + self.lane
+
+    def key(self, payload: Any, override: str | None = None) -> str:
+        """The effect's idempotency key here (``override`` is a caller's own key)."""
+        if override is not None:
+            return override
+        return idempotency_key(self.logical_run, self.callsite, payload)
+
+    def in_lane(self, lane: str) -> Site:
+        return Site(self.logical_run, self.callsite, lane)
+
+
+class Cursor:
+    """The next free callsite of one logical run, counted in call order."""
+
+    def __init__(self, logical_run: str, base: int = 0) -> None:
+        self._logical_run = logical_run
+        self._next = base
+
+    @property
+    def logical_run(self) -> str:
+        return self._logical_run
+
+    @property
+    def next(self) -> int:
+        """The first callsite not yet handed out."""
+        return self._next
+
+    def reserve(self, n: int = 1) -> list[int]:
+        """Reserve ``n`` consecutive callsites, in call order."""
+        if not isinstance(n, int) or n < 0:
+            msg = f"cannot reserve {n!r} callsites; pass a count of 0 or more"
+            raise InvalidArgumentError(msg)
+        first = self._next
+        self._next += n
+        return list(range(first, first + n))
+
+    def take(self) -> Site:
+        """The next callsite, as a site."""
+        site = Site(self._logical_run, self._next)
+        self._next += 1
+        return site
+
+    def site(self, callsite: int) -> Site:
+        return Site(self._logical_run, callsite)
