@@ -12,9 +12,9 @@ the tracking record says is applied already, so nothing is applied twice.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
+from datetime import datetime
 from typing import Any
 
 from eventsourcing.persistence import Tracking
@@ -32,9 +32,11 @@ from .query import (
     SQL_INDEXES,
     STEP_COLUMNS,
     RunQuery,
+    run_row,
     run_values,
     sql_order,
     sql_where,
+    step_row,
     step_values,
 )
 
@@ -125,7 +127,7 @@ class PostgresViews(PostgresTrackingRecorder, ViewBackend):
         statement = SQL("SELECT * FROM {0}").format(self._runs) + SQL(where + order)
         with self.datastore.get_connection() as conn, conn.cursor() as curs:
             curs.execute(statement, [*params, *more])
-            return [_run_row(r) for r in curs.fetchall()]
+            return [run_row(r, _utc_or_none) for r in curs.fetchall()]
 
     def select_tool_stats(self) -> list[ToolStats]:
         statement = SQL(
@@ -142,7 +144,7 @@ class PostgresViews(PostgresTrackingRecorder, ViewBackend):
         statement = SQL("SELECT * FROM {0} ORDER BY run_id, idx").format(self._steps)
         with self.datastore.get_connection() as conn, conn.cursor() as curs:
             curs.execute(statement)
-            return [_step_row(r) for r in curs.fetchall()]
+            return [step_row(r, _utc_or_none) for r in curs.fetchall()]
 
     def reset_views(self) -> None:
         with self.datastore.transaction(commit=True) as curs:
@@ -172,7 +174,7 @@ class _PostgresTransaction:
             SQL("SELECT * FROM {0} WHERE run_id = ANY(%s)").format(self.views._runs),
             (list(run_ids),),
         )
-        return {r["run_id"]: _run_row(r) for r in self.curs.fetchall()}
+        return {r["run_id"]: run_row(r, _utc_or_none) for r in self.curs.fetchall()}
 
     def load_steps(self, keys: Collection[StepKey]) -> dict[StepKey, StepRow]:
         if not keys:
@@ -184,7 +186,7 @@ class _PostgresTransaction:
             ).format(self.views._steps),
             ([k[0] for k in keys], [k[1] for k in keys]),
         )
-        return {(r["run_id"], r["idx"]): _step_row(r) for r in self.curs.fetchall()}
+        return {(r["run_id"], r["idx"]): step_row(r, _utc_or_none) for r in self.curs.fetchall()}
 
     def write(self, runs: Sequence[RunRow], steps: Sequence[StepRow], position: int) -> None:
         if runs:
@@ -215,37 +217,5 @@ def _slots(columns: Sequence[str]) -> Composed:
     return SQL(", ").join(SQL("%s") for _ in columns)
 
 
-def _run_row(r: DictRow) -> RunRow:
-    lease = r["lease_expires_at"]
-    return RunRow(
-        run_id=r["run_id"],
-        session_id=r["session_id"],
-        kind=r["kind"],
-        status=r["status"],
-        flow=r["flow"],
-        active_flow=r["active_flow"],
-        active_node=r["active_node"],
-        waiting_for=json.loads(r["waiting_for"]) if r["waiting_for"] is not None else None,
-        lease_holder=r["lease_holder"],
-        lease_expires_at=as_utc(lease) if lease is not None else None,
-        step_count=r["step_count"],
-        created_at=as_utc(r["created_at"]),
-        updated_at=as_utc(r["updated_at"]),
-        version=r["version"],
-        event_count=r["event_count"],
-    )
-
-
-def _step_row(r: DictRow) -> StepRow:
-    finished = r["finished_at"]
-    return StepRow(
-        run_id=r["run_id"],
-        index=r["idx"],
-        kind=r["kind"],
-        name=r["name"],
-        status=r["status"],
-        started_at=as_utc(r["started_at"]),
-        finished_at=as_utc(finished) if finished is not None else None,
-        attempts=r["attempts"],
-        error_type=r["error_type"],
-    )
+def _utc_or_none(value: datetime | None) -> datetime | None:
+    return None if value is None else as_utc(value)

@@ -22,10 +22,12 @@ __all__ = [
     "RunQuery",
     "matches",
     "percentile",
+    "run_row",
     "run_values",
     "sort_key",
     "sql_order",
     "sql_where",
+    "step_row",
     "step_values",
     "tool_stats",
 ]
@@ -161,6 +163,46 @@ def step_values(row: StepRow, time: Callable[[datetime], Any]) -> tuple[Any, ...
         None if finished is None else time(finished), row.attempts, row.error_type,
         row.duration_ms,
     )  # fmt: skip
+
+
+def run_row(r: Any, time: Callable[[Any], datetime | None]) -> RunRow:
+    """A run row from a database row (``r[column]``), ``time`` reading its times."""
+    created, updated = time(r["created_at"]), time(r["updated_at"])
+    assert created is not None and updated is not None
+    return RunRow(
+        run_id=r["run_id"],
+        session_id=r["session_id"],
+        kind=r["kind"],
+        status=r["status"],
+        flow=r["flow"],
+        active_flow=r["active_flow"],
+        active_node=r["active_node"],
+        waiting_for=json.loads(r["waiting_for"]) if r["waiting_for"] is not None else None,
+        lease_holder=r["lease_holder"],
+        lease_expires_at=time(r["lease_expires_at"]),
+        step_count=r["step_count"],
+        created_at=created,
+        updated_at=updated,
+        version=r["version"],
+        event_count=r["event_count"],
+    )
+
+
+def step_row(r: Any, time: Callable[[Any], datetime | None]) -> StepRow:
+    """A step row from a database row (``r[column]``), ``time`` reading its times."""
+    started = time(r["started_at"])
+    assert started is not None
+    return StepRow(
+        run_id=r["run_id"],
+        index=r["idx"],
+        kind=r["kind"],
+        name=r["name"],
+        status=r["status"],
+        started_at=started,
+        finished_at=time(r["finished_at"]),
+        attempts=r["attempts"],
+        error_type=r["error_type"],
+    )
 
 
 def percentile(sorted_values: list[float], fraction: float) -> float | None:

@@ -10,11 +10,9 @@ Times are stored as fixed-width UTC text, so comparing text compares times.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
-from typing import Any
 
 from eventsourcing.persistence import Tracking, TrackingRecorder
 from eventsourcing.sqlite import SQLiteCursor, SQLiteDatastore, SQLiteRecorder
@@ -27,9 +25,11 @@ from .query import (
     SQL_INDEXES,
     STEP_COLUMNS,
     RunQuery,
+    run_row,
     run_values,
     sql_order,
     sql_where,
+    step_row,
     step_values,
     tool_stats,
 )
@@ -126,7 +126,7 @@ class SQLiteViews(SQLiteRecorder, TrackingRecorder, ViewBackend):
         order, more = sql_order(query, "?")
         with self.datastore.transaction(commit=False) as c:
             c.execute(f"SELECT * FROM {self.runs_table}{where}{order}", [*params, *more])
-            return [_run_row(r) for r in c.fetchall()]
+            return [run_row(r, from_text) for r in c.fetchall()]
 
     def select_tool_stats(self) -> list[ToolStats]:
         with self.datastore.transaction(commit=False) as c:
@@ -138,7 +138,7 @@ class SQLiteViews(SQLiteRecorder, TrackingRecorder, ViewBackend):
     def select_steps(self) -> list[StepRow]:
         with self.datastore.transaction(commit=False) as c:
             c.execute(f"SELECT * FROM {self.steps_table} ORDER BY run_id, idx")
-            return [_step_row(r) for r in c.fetchall()]
+            return [step_row(r, from_text) for r in c.fetchall()]
 
     def reset_views(self) -> None:
         with self.datastore.transaction(commit=True) as c:
@@ -161,7 +161,7 @@ class _SQLiteTransaction:
             self.c.execute(f"SELECT * FROM {self.views.runs_table} WHERE run_id = ?", (run_id,))
             found = self.c.fetchone()
             if found is not None:
-                rows[run_id] = _run_row(found)
+                rows[run_id] = run_row(found, from_text)
         return rows
 
     def load_steps(self, keys: Collection[StepKey]) -> dict[StepKey, StepRow]:
@@ -173,7 +173,7 @@ class _SQLiteTransaction:
             )
             found = self.c.fetchone()
             if found is not None:
-                rows[(run_id, index)] = _step_row(found)
+                rows[(run_id, index)] = step_row(found, from_text)
         return rows
 
     def write(self, runs: Sequence[RunRow], steps: Sequence[StepRow], position: int) -> None:
@@ -192,42 +192,3 @@ def _position(c: SQLiteCursor, table: str, application_name: str) -> int | None:
     )
     found = c.fetchone()
     return None if found is None or found[0] is None else int(found[0])
-
-
-def _run_row(r: Any) -> RunRow:
-    lease = from_text(r["lease_expires_at"])
-    created, updated = from_text(r["created_at"]), from_text(r["updated_at"])
-    assert created is not None and updated is not None
-    return RunRow(
-        run_id=r["run_id"],
-        session_id=r["session_id"],
-        kind=r["kind"],
-        status=r["status"],
-        flow=r["flow"],
-        active_flow=r["active_flow"],
-        active_node=r["active_node"],
-        waiting_for=json.loads(r["waiting_for"]) if r["waiting_for"] is not None else None,
-        lease_holder=r["lease_holder"],
-        lease_expires_at=lease,
-        step_count=r["step_count"],
-        created_at=created,
-        updated_at=updated,
-        version=r["version"],
-        event_count=r["event_count"],
-    )
-
-
-def _step_row(r: Any) -> StepRow:
-    started = from_text(r["started_at"])
-    assert started is not None
-    return StepRow(
-        run_id=r["run_id"],
-        index=r["idx"],
-        kind=r["kind"],
-        name=r["name"],
-        status=r["status"],
-        started_at=started,
-        finished_at=from_text(r["finished_at"]),
-        attempts=r["attempts"],
-        error_type=r["error_type"],
-    )
