@@ -1,0 +1,383 @@
+"""The dashboard's web app: pages over the views, and an operator's decisions (API).
+
+``create_app(store, runtime_factory, host=..., token=...)`` builds the ASGI
+app; ``serve(...)`` runs it with uvicorn. Pages are rendered on the server
+(Jinja2 with autoescape, so run data is always text) and refresh themselves.
+Reads go to the store and its views; the only write is an approve or deny,
+delivered by ``Runtime.run`` like any other delivery. The runtime (and with
+it the user's agents) is built on the first decision, so the read-only pages
+never import the user's app.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from typing import Any
+from urllib.parse import quote
+
+import jinja2
+import uvicorn
+from starlette.applications import Starlette
+from starlette.datastructures import MutableHeaders
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import RedirectResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+from starlette.templating import Jinja2Templates
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ..errors import InvalidArgumentError, KuralleError
+from ..models import RunState
+from ..runtime import Runtime
+from ..store import RunStore
+from ..views import RunViews
+from .decisions import Decision, deliver, new_signal_id, refusal_status, valid_signal_id
+from .overview import overview, tool_overview
+from .security import CSRF_COOKIE, SESSION_COOKIE, TOKEN_ENV, Gate, Operator, is_loopback
+from .security import valid_operator_name as _valid_name
+from .timeline import pretty_json, timeline_rows
+
+__all__ = ["REFRESH_SECONDS", "RuntimeFactory", "check_bind", "create_app", "serve"]
+
+RuntimeFactory = Callable[[RunStore], Runtime]
+Handler = Callable[[Request], Awaitable[Response]]
+REFRESH_SECONDS = 5
+_FAILED_LOGIN_PAUSE = 0.5
+_SECURITY_HEADERS = {
+    "Content-Security-Policy": (
+        "default-src 'none'; style-src 'self'; img-src 'self' data:; "
+        "form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
+    ),
+    "X-Frame-Options": "DENY",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "same-origin",
+    "Cache-Control": "no-store",
+}
+
+
+def check_bind(host: str, token: str | None) -> None:
+    """Refuse to expose run data beyond this machine without a token."""
+    if not token and not is_loopback(host):
+        msg = (
+            f"refusing to serve the dashboard on {host!r} without {TOKEN_ENV}: run data "
+            f"would be readable from other machines. Set {TOKEN_ENV} to a long random "
+            "secret, or bind to 127.0.0.1"
+        )
+        raise InvalidArgumentError(msg)
+
+
+def _when(value: datetime | None) -> str:
+    return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC") if value else "—"
+
+
+def _relative(value: datetime | None) -> str:
+    if value is None:
+        return ""
+    seconds = (value - datetime.now(UTC)).total_seconds()
+    span = abs(seconds)
+    if span < 90:
+        amount = f"{span:.0f} s"
+    elif span < 5400:
+        amount = f"{span / 60:.0f} min"
+    elif span < 172800:
+        amount = f"{span / 3600:.1f} h"
+    else:
+        amount = f"{span / 86400:.1f} days"
+    return f"in {amount}" if seconds > 0 else f"{amount} ago"
+
+
+def _templates() -> Jinja2Templates:
+    env = jinja2.Environment(
+        loader=jinja2.PackageLoader("kuralle_es.dashboard", "templates"),
+        autoescape=True,  # every template, whatever its name: run data is never markup
+        undefined=jinja2.StrictUndefined,
+    )
+    env.filters["when"] = _when
+    env.filters["relative"] = _relative
+    env.filters["pretty"] = pretty_json
+    return Jinja2Templates(env=env)
+
+
+def _local_path(target: str | None) -> str:
+    """Where to go after login: only a path on this site (no open redirect)."""
+    if target and target.startswith("/") and not target.startswith("//") and "\\" not in target:
+        return target
+    return "/"
+
+
+class _Dashboard:
+    def __init__(
+        self,
+        store: RunStore,
+        runtime_factory: RuntimeFactory,
+        gate: Gate,
+        private_reads: bool,
+        refresh_seconds: int,
+    ) -> None:
+        self.store = store
+        self.refresh_seconds = refresh_seconds
+        self.gate = gate
+        self.private_reads = private_reads
+        self.templates = _templates()
+        self._runtime_factory = runtime_factory
+        self._runtime: Runtime | None = None
+        self._runtime_lock = asyncio.Lock()
+        self._views: RunViews | None = None
+
+    # ------------------------------------------------------------- plumbing
+    def operator(self, request: Request) -> Operator | None:
+        return self.gate.operator(request.cookies.get(SESSION_COOKIE))
+
+    def render(
+        self,
+        request: Request,
+        name: str,
+        context: dict[str, Any],
+        status: int = 200,
+        refresh: bool = False,
+    ) -> Response:
+        nonce = request.cookies.get(CSRF_COOKIE)
+        fresh = not nonce or len(nonce) > 64
+        if fresh:
+            nonce = Gate.new_csrf_nonce()
+        assert nonce is not None
+        page = {
+            "operator": self.operator(request),
+            "writable": self.gate.writable,
+            "csrf_token": self.gate.csrf_token(nonce),
+            "refresh": self.refresh_seconds if refresh else None,
+            "path": request.url.path,
+            **context,
+        }
+        response = self.templates.TemplateResponse(request, name, page, status_code=status)
+        if fresh:
+            response.set_cookie(CSRF_COOKIE, nonce, httponly=True, samesite="strict")
+        return response
+
+    def problem(self, request: Request, status: int, title: str, detail: str) -> Response:
+        return self.render(request, "problem.html", {"title": title, "detail": detail}, status)
+
+    def page(self, handler: Handler) -> Handler:
+        """A read page: behind the login when the dashboard is reachable from elsewhere."""
+
+        async def guarded(request: Request) -> Response:
+            if self.private_reads and self.operator(request) is None:
+                target = quote(str(request.url.path), safe="/")
+                return RedirectResponse(f"/login?next={target}", status_code=303)
+            return await handler(request)
+
+        return guarded
+
+    async def form(
+        self, request: Request, needs_operator: bool = True
+    ) -> dict[str, str] | Response:
+        """The posted form, or the response that refuses it (token first, then CSRF)."""
+        if not self.gate.writable:
+            return self.problem(
+                request, 403, "Read-only dashboard",
+                f"This dashboard was started without {TOKEN_ENV}, so it cannot change runs. "
+                f"Restart it with {TOKEN_ENV} set to a secret and log in with it.",
+            )  # fmt: skip
+        if needs_operator and self.operator(request) is None:
+            return self.problem(
+                request, 401, "Log in first",
+                "Changing a run needs the dashboard token: log in on the login page.",
+            )  # fmt: skip
+        origin = request.headers.get("origin")
+        if origin is not None and origin != f"{request.url.scheme}://{request.url.netloc}":
+            return self.problem(request, 403, "Refused", "This form was posted from another site.")
+        fields = {k: v for k, v in (await request.form()).items() if isinstance(v, str)}
+        if not self.gate.csrf_ok(request.cookies.get(CSRF_COOKIE), fields.get("csrf_token")):
+            return self.problem(
+                request, 403, "Refused: stale or forged form",
+                "The form's CSRF token is missing or wrong. Reload the page and try again.",
+            )  # fmt: skip
+        return fields
+
+    def views(self) -> RunViews:
+        if self._views is None:
+            self._views = RunViews(self.store)
+        return self._views
+
+    async def runtime(self) -> Runtime:
+        async with self._runtime_lock:
+            if self._runtime is None:
+                self._runtime = await asyncio.to_thread(self._runtime_factory, self.store)
+            return self._runtime
+
+    async def load(self, run_id: str) -> RunState | None:
+        run = await asyncio.to_thread(self.store.load, run_id)
+        return run.to_state() if run is not None else None
+
+    # ---------------------------------------------------------------- pages
+    async def index(self, request: Request) -> Response:
+        filters = {k: request.query_params.get(k) or None for k in ("status", "session", "flow")}
+        context = await overview(self.views(), **filters)
+        return self.render(request, "index.html", {"o": context}, refresh=True)
+
+    async def tools(self, request: Request) -> Response:
+        context = {"tools": await tool_overview(self.views())}
+        return self.render(request, "tools.html", context, refresh=True)
+
+    async def run_page(self, request: Request) -> Response:
+        run_id = request.path_params["run_id"]
+        run = await asyncio.to_thread(self.store.load, run_id)
+        if run is None:
+            return self.problem(request, 404, "No such run", f"There is no run {run_id}.")
+        delivered = request.query_params.get("delivered", "")
+        context = {
+            "run": run.to_state(),
+            "rows": timeline_rows(run.step_records()),
+            "delivered": valid_signal_id(delivered) and delivered,
+        }
+        return self.render(request, "run.html", context, refresh=True)
+
+    def decision(self, approve: bool) -> Handler:
+        """GET: the confirmation step; POST: the delivery."""
+
+        async def handler(request: Request) -> Response:
+            if request.method == "POST":
+                return await self.decide(request, approve)
+            return await self.confirm(request, approve)
+
+        return handler
+
+    async def confirm(self, request: Request, approve: bool) -> Response:
+        if self.operator(request) is None:
+            target = quote(str(request.url.path), safe="/")
+            return RedirectResponse(f"/login?next={target}", status_code=303)
+        run_id = request.path_params["run_id"]
+        run = await self.load(run_id)
+        if run is None:
+            return self.problem(request, 404, "No such run", f"There is no run {run_id}.")
+        context = {
+            "run": run,
+            "approve": approve,
+            "signal_id": new_signal_id(),
+        }
+        return self.render(request, "confirm.html", context)
+
+    async def decide(self, request: Request, approve: bool) -> Response:
+        fields = await self.form(request)
+        if isinstance(fields, Response):
+            return fields
+        operator = self.operator(request)
+        assert operator is not None
+        run_id = request.path_params["run_id"]
+        signal_id = fields.get("signal_id", "")
+        if not valid_signal_id(signal_id):
+            return self.problem(request, 400, "Refused", "The form has no valid signal id.")
+        run = await self.load(run_id)
+        if run is None:
+            return self.problem(request, 404, "No such run", f"There is no run {run_id}.")
+        decision = Decision(
+            run_id=run_id,
+            approved=approve,
+            operator=operator.name,
+            signal_id=signal_id,
+            request_id=fields.get("request_id") or None,
+            reason=(fields.get("reason") or "").strip()[:500] or None,
+        )
+        try:
+            runtime = await self.runtime()
+        except Exception as error:  # the user's app failed to load: say so, keep serving
+            detail = f"The dashboard could not build its runtime: {type(error).__name__}: {error}"
+            return self.problem(request, 503, "Cannot deliver decisions", detail)
+        try:
+            await deliver(runtime, run.session_id, decision)
+        except KuralleError as error:
+            now = await self.load(run_id) or run
+            context = {"run": now, "error_type": type(error).__name__, "message": str(error)}
+            return self.render(request, "refused.html", context, refusal_status(error))
+        return RedirectResponse(f"/runs/{run_id}?delivered={signal_id}", status_code=303)
+
+    # ---------------------------------------------------------------- login
+    async def login(self, request: Request) -> Response:
+        target = _local_path(request.query_params.get("next"))
+        if request.method == "GET":
+            return self.render(request, "login.html", {"next": target, "failed": None})
+        fields = await self.form(request, needs_operator=False)
+        if isinstance(fields, Response):
+            return fields
+        target = _local_path(fields.get("next"))
+        name = fields.get("operator", "").strip()
+        if not self.gate.token_matches(fields.get("token", "")):
+            await asyncio.sleep(_FAILED_LOGIN_PAUSE)  # slows guessing down
+            failed, status = "That is not the dashboard token.", 401
+        elif not _valid_name(name):
+            failed, status = "Give your name (letters, digits, spaces, . @ + - _).", 400
+        else:
+            response = RedirectResponse(target, status_code=303)
+            cookie = self.gate.session_cookie(Operator(name))
+            response.set_cookie(SESSION_COOKIE, cookie, httponly=True, samesite="strict")
+            return response
+        return self.render(request, "login.html", {"next": target, "failed": failed}, status)
+
+    async def logout(self, request: Request) -> Response:
+        fields = await self.form(request, needs_operator=False)
+        if isinstance(fields, Response):
+            return fields
+        response = RedirectResponse("/", status_code=303)
+        response.delete_cookie(SESSION_COOKIE)
+        return response
+
+
+class _SecurityHeaders:
+    """Adds the headers that keep pages out of frames and scripts out of pages."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def send_with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(scope=message).update(_SECURITY_HEADERS)
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
+
+
+def create_app(
+    store: RunStore,
+    runtime_factory: RuntimeFactory,
+    *,
+    host: str = "127.0.0.1",
+    token: str | None = None,
+    refresh_seconds: int = REFRESH_SECONDS,
+) -> Starlette:
+    """The dashboard as an ASGI app; refuses a non-loopback ``host`` without a token.
+
+    ``runtime_factory(store)`` builds the ``Runtime`` (with the user's agents)
+    that delivers decisions; it is called once, at the first decision.
+    """
+    check_bind(host, token)
+    gate = Gate(token)
+    dash = _Dashboard(store, runtime_factory, gate, not is_loopback(host), refresh_seconds)
+    routes = [
+        Route("/", dash.page(dash.index)),
+        Route("/tools", dash.page(dash.tools)),
+        Route("/runs/{run_id}", dash.page(dash.run_page)),
+        Route("/runs/{run_id}/approve", dash.decision(True), methods=["GET", "POST"]),
+        Route("/runs/{run_id}/deny", dash.decision(False), methods=["GET", "POST"]),
+        Route("/login", dash.login, methods=["GET", "POST"]),
+        Route("/logout", dash.logout, methods=["POST"]),
+        Mount("/static", StaticFiles(packages=[("kuralle_es.dashboard", "static")])),
+    ]
+    return Starlette(routes=routes, middleware=[Middleware(_SecurityHeaders)])
+
+
+def serve(
+    store: RunStore,
+    runtime_factory: RuntimeFactory,
+    host: str = "127.0.0.1",
+    port: int = 8765,
+    token: str | None = None,
+) -> None:
+    """Serve the dashboard until interrupted; ``token`` defaults to the environment's."""
+    token = token if token is not None else os.environ.get(TOKEN_ENV) or None
+    app = create_app(store, runtime_factory, host=host, token=token)
+    uvicorn.run(app, host=host, port=port, log_level="info", server_header=False)

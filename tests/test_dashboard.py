@@ -1,0 +1,609 @@
+"""The dashboard in a real browser: Debian's Chromium, driven by Selenium.
+
+A real uvicorn server serves ``create_app`` over real SQLite and PostgreSQL
+stores; the runs it shows are made by the refund example and small flows
+below, through a separate ``RunStore`` on the same database (as another
+process would). Chromium comes from the system (``make test`` installs
+Debian's package as root); without it these tests skip with the reason,
+except in CI, where they fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import socket
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Coroutine, Iterator
+from datetime import UTC, datetime, timedelta
+from http.cookiejar import CookieJar
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import uvicorn
+from pydantic import BaseModel
+from selenium import webdriver
+from selenium.common.exceptions import WebDriverException
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+from selenium.webdriver.support.ui import WebDriverWait
+
+from kuralle_es import (
+    RunContext,
+    RunState,
+    RunStore,
+    Runtime,
+    SignalDelivery,
+    ToolExecutionError,
+    TurnResult,
+    action,
+    define_agent,
+    define_flow,
+    define_tool,
+    end,
+)
+from kuralle_es.dashboard import REFRESH_SECONDS, create_app
+from kuralle_es.errors import InvalidArgumentError
+from kuralle_es.examples import refund
+from kuralle_es.testing import ScriptedModel
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMEDRIVER = "/usr/bin/chromedriver"
+TOKEN = "s3cret-dashboard-token"
+OPERATOR = "Ada Ops"
+XSS = "<script>window.pwned = 1</script><img src=x onerror='window.pwned = 2'>"
+T = TypeVar("T")
+
+
+# ------------------------------------------------------------------ flows
+class Payout(BaseModel):
+    to: str
+    cents: int
+
+
+PAID: list[dict[str, Any]] = []
+
+
+def pay(args: Payout) -> dict[str, Any]:
+    PAID.append(args.model_dump())
+    return {"paid": args.cents, "note": XSS}
+
+
+def lookup(args: Payout) -> dict[str, Any]:
+    if args.cents < 0:
+        raise RuntimeError(f"no account {args.to}")
+    return {"found": args.to}
+
+
+async def payout_node(state: dict[str, Any], ctx: RunContext) -> Any:
+    await ctx.tool("lookup", {"to": XSS, "cents": 700})
+    receipt = await ctx.tool("pay", {"to": XSS, "cents": 700})
+    return end(json.dumps(receipt))
+
+
+async def wait_node(state: dict[str, Any], ctx: RunContext) -> Any:
+    payload = await ctx.signal("shipment", deadline=datetime.now(UTC) + timedelta(hours=2))
+    return end(str(payload))
+
+
+async def quick_approval_node(state: dict[str, Any], ctx: RunContext) -> Any:
+    decision = await ctx.approve("Quick one", deadline=datetime.now(UTC) + timedelta(seconds=1))
+    return end("approved" if decision.approved else "denied")
+
+
+async def failing_node(state: dict[str, Any], ctx: RunContext) -> Any:
+    await ctx.tool("lookup", {"to": "nobody", "cents": -1})
+    return end("unreachable")
+
+
+def ops_agent() -> Any:
+    tools = [
+        define_tool("pay", "Pay out", Payout, pay, needs_approval=True),
+        define_tool("lookup", "Find an account", Payout, lookup),
+    ]
+    flows = [
+        define_flow("payout", "pay after approval", "pay", [action("pay", payout_node)]),
+        define_flow("shipping", "wait for a shipment", "wait", [action("wait", wait_node)]),
+        define_flow("quick", "short deadline", "ask", [action("ask", quick_approval_node)]),
+        define_flow("broken", "fails", "fail", [action("fail", failing_node)]),
+    ]
+    return define_agent("ops", "operations", ScriptedModel(["ok"]), tools, flows)
+
+
+def agents() -> list[Any]:
+    return [refund.build_agent(), ops_agent()]
+
+
+def run_sync(coro: Coroutine[Any, Any, T]) -> T:
+    return asyncio.run(coro)
+
+
+class Maker:
+    """Makes runs through the library on its own store over the dashboard's database."""
+
+    def __init__(self, store: RunStore) -> None:
+        self.runtime = Runtime(agents(), store=store)
+
+    def refund_paused(self, session: str, amount: str = "42.50") -> TurnResult:
+        async def go() -> TurnResult:
+            first = await self.runtime.run(
+                session, input="I want a refund", kind="flow", flow_name="refund"
+            ).result()
+            return await self.runtime.run(
+                session, run_id=first.run_id, input=f"It was ${amount}."
+            ).result()
+
+        result = run_sync(go())
+        assert result.status == "paused", result
+        return result
+
+    def flow(self, session: str, flow: str) -> TurnResult:
+        return self._turn(session, input="go", kind="flow", flow_name=flow)
+
+    def deliver(self, result: TurnResult, session: str, payload: Any, name: str) -> TurnResult:
+        delivery = SignalDelivery(
+            signal_id=f"lib-{time.monotonic_ns()}", name=name, payload=payload, actor="library"
+        )
+        return self._turn(session, run_id=result.run_id, signal_delivery=delivery)
+
+    def session_runs(self, session: str) -> list[RunState]:
+        async def go() -> list[RunState]:
+            ids = self.runtime.store.session_run_ids(session)
+            return [s for s in [await self.runtime.get_run(i, session) for i in ids] if s]
+
+        return run_sync(go())
+
+    def _turn(self, session: str, **kwargs: Any) -> TurnResult:
+        async def go() -> TurnResult:
+            return await self.runtime.run(session, **kwargs).result()
+
+        return run_sync(go())
+
+
+# --------------------------------------------------------------- browser
+def _in_ci() -> bool:
+    return os.environ.get("CI") == "true" or os.environ.get("KURALLE_REQUIRE_POSTGRES") == "1"
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[webdriver.Chrome]:
+    """Headless Debian Chromium with a fresh profile; skip loudly (fail in CI) without it."""
+    missing = [p for p in (CHROMIUM, CHROMEDRIVER) if not os.access(p, os.X_OK)]
+    if missing:
+        message = (
+            f"NO BROWSER: {', '.join(missing)} missing, so the dashboard's browser tests "
+            "cannot run. Install Debian's chromium and chromium-driver "
+            "(`make browser` does it as root)."
+        )
+        if _in_ci():
+            pytest.fail(message, pytrace=False)
+        pytest.skip(message)
+    profile = tempfile.mkdtemp(prefix="kuralle-chromium-")
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in (
+        "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync",
+        "--window-size=1280,900", f"--user-data-dir={profile}",
+    ):  # fmt: skip
+        options.add_argument(flag)
+    try:
+        driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    except WebDriverException as e:
+        message = f"NO BROWSER: Chromium at {CHROMIUM} did not start: {e.msg}"
+        if _in_ci():
+            pytest.fail(message, pytrace=False)
+        pytest.skip(message)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- server
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Dashboard:
+    """A real uvicorn server on a loopback port, in a thread, over its own store."""
+
+    def __init__(self, store: RunStore, token: str | None, refresh: int) -> None:
+        app = create_app(store, lambda s: Runtime(agents(), store=s), token=token,
+                         refresh_seconds=refresh)  # fmt: skip
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def start(self) -> Dashboard:
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise AssertionError("the dashboard server did not start")
+            time.sleep(0.05)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(20)
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def backend(request: pytest.FixtureRequest) -> str:
+    """The dashboard's stores: real SQLite and PostgreSQL (memory cannot be shared)."""
+    return str(request.param)
+
+
+@pytest.fixture
+def ledger_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    path = tmp_path / "ledger.jsonl"
+    monkeypatch.setenv(refund.LEDGER_ENV, str(path))
+    monkeypatch.delenv(refund.MODEL_ENV, raising=False)
+    PAID.clear()
+    return path
+
+
+@pytest.fixture
+def serve(open_store: Any, ledger_path: Path) -> Iterator[Callable[..., Dashboard]]:
+    started: list[Dashboard] = []
+
+    def start(token: str | None = TOKEN, refresh: int = 3600) -> Dashboard:
+        dashboard = Dashboard(open_store(), token, refresh).start()
+        started.append(dashboard)
+        return dashboard
+
+    try:
+        yield start
+    finally:
+        for dashboard in started:
+            dashboard.stop()
+
+
+@pytest.fixture
+def maker(open_store: Any, ledger_path: Path) -> Maker:
+    return Maker(open_store())
+
+
+def refunds(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    lines = path.read_text(encoding="utf-8").splitlines()
+    return [e for e in map(json.loads, lines) if e["tool"] == "processRefund"]
+
+
+# --------------------------------------------------------------- helpers
+def visit(driver: webdriver.Chrome, url: str) -> None:
+    driver.get(url)
+    WebDriverWait(driver, 15).until(lambda d: d.execute_script("return document.readyState")
+                                    == "complete")  # fmt: skip
+
+
+def click_and_wait(driver: webdriver.Chrome, element_id: str, by: str = By.ID) -> None:
+    """Click something that navigates, and wait for the next page."""
+    old = driver.find_element(By.TAG_NAME, "html")
+    driver.find_element(by, element_id).click()
+    WebDriverWait(driver, 30).until(lambda d: _stale(old))
+    WebDriverWait(driver, 15).until(lambda d: d.execute_script("return document.readyState")
+                                    == "complete")  # fmt: skip
+
+
+def _stale(element: Any) -> bool:
+    try:
+        element.is_enabled()
+    except WebDriverException:
+        return True
+    return False
+
+
+def text_of(driver: webdriver.Chrome, element_id: str) -> str:
+    return str(driver.find_element(By.ID, element_id).text)
+
+
+def login(driver: webdriver.Chrome, dashboard: Dashboard, next_path: str = "/") -> None:
+    driver.delete_all_cookies()
+    visit(driver, f"{dashboard.url}/login?next={urllib.parse.quote(next_path)}")
+    driver.find_element(By.ID, "operator").send_keys(OPERATOR)
+    driver.find_element(By.ID, "token").send_keys(TOKEN)
+    click_and_wait(driver, "login")
+    assert text_of(driver, "operator-name") == OPERATOR
+
+
+def wait_for_status(driver: webdriver.Chrome, url: str, status: str) -> None:
+    def shows(d: webdriver.Chrome) -> bool:
+        visit(d, url)
+        return text_of(d, "run-status") == status
+
+    WebDriverWait(driver, 20, poll_frequency=0.3).until(shows)
+
+
+def screenshot(driver: webdriver.Chrome, name: str, tmp_path: Path) -> None:
+    """Save a page's picture; also into $KURALLE_SCREENSHOTS_DIR when set (the docs')."""
+    driver.save_screenshot(str(tmp_path / name))
+    assert (tmp_path / name).stat().st_size > 10_000
+    target = os.environ.get("KURALLE_SCREENSHOTS_DIR")
+    if target:
+        Path(target).mkdir(parents=True, exist_ok=True)
+        driver.save_screenshot(str(Path(target) / name))
+
+
+class Http:
+    """A cookie-keeping HTTP client without a browser: for what a browser would not send."""
+
+    def __init__(self, base: str) -> None:
+        self.base = base
+        self.jar = CookieJar()
+        self.opener = urllib.request.build_opener(
+            urllib.request.HTTPCookieProcessor(self.jar), _NoRedirect()
+        )
+
+    def request(self, path: str, form: dict[str, str] | None = None) -> tuple[int, str]:
+        data = urllib.parse.urlencode(form).encode() if form is not None else None
+        try:
+            with self.opener.open(f"{self.base}{path}", data=data, timeout=30) as response:
+                return int(response.status), response.read().decode()
+        except urllib.error.HTTPError as e:
+            return int(e.code), e.read().decode()
+
+    def csrf(self, path: str = "/login") -> str:
+        _, page = self.request(path)
+        marker = 'name="csrf_token" value="'
+        start = page.index(marker) + len(marker)
+        return page[start : page.index('"', start)]
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+# ----------------------------------------------------------------- tests
+def test_pages_show_real_runs_by_status_with_waits_oldest_first_a_filter_and_tool_stats(
+    browser: webdriver.Chrome, serve: Callable[..., Dashboard], maker: Maker, tmp_path: Path
+) -> None:
+    older = maker.refund_paused("s-old", "10")
+    newer = maker.refund_paused("s-new", "20")
+    payout = maker.flow("s-pay", "payout")
+    shipping = maker.flow("s-ship", "shipping")
+    with pytest.raises(ToolExecutionError):
+        maker.flow("s-broken", "broken")
+    [broken] = maker.session_runs("s-broken")
+    done = maker.deliver(maker.refund_paused("s-done", "5"), "s-done",
+                         {"approved": True, "by": "sam"}, "__approval")  # fmt: skip
+    assert (payout.status, shipping.status, broken.status) == ("paused", "paused", "error")
+    assert done.status == "finished"
+    dashboard = serve()
+
+    visit(browser, dashboard.url + "/")
+    counts = {s: text_of(browser, f"count-{s}").split()[0] for s in ("paused", "finished", "error")}
+    assert counts == {"paused": "4", "finished": "1", "error": "1"}
+    approvals = browser.find_elements(By.CSS_SELECTOR, "#approvals a.run-link")
+    assert [a.text for a in approvals] == [older.run_id, newer.run_id, payout.run_id]
+    assert "Refund $10.00?" in text_of(browser, "approvals")
+    signals = text_of(browser, "signals")
+    assert shipping.run_id in signals
+    assert "(in 2.0 h)" in signals or "(in 120 min)" in signals, signals
+
+    # The filter, through the form's own controls.
+    browser.find_element(By.CSS_SELECTOR, "#filter-status option[value=error]").click()
+    click_and_wait(browser, "filter")
+    assert "status=error" in browser.current_url
+    listed = [a.text for a in browser.find_elements(By.CSS_SELECTOR, "#runs a.run-link")]
+    assert listed == [broken.run_id]
+
+    # A run's page from its link: the journal, the failed step's error.
+    click_and_wait(browser, "#runs a.run-link", By.CSS_SELECTOR)
+    assert text_of(browser, "run-id") == broken.run_id
+    assert text_of(browser, "run-status") == "error"
+    timeline = text_of(browser, "timeline")
+    assert "lookup" in timeline and "RuntimeError: no account nobody" in timeline
+
+    # A paused payout shows the frozen operation it waits to have approved.
+    visit(browser, f"{dashboard.url}/runs/{payout.run_id}")
+    assert text_of(browser, "operation-tool") == "pay"
+    assert json.loads(text_of(browser, "operation-args")) == {"cents": 700, "to": XSS}
+
+    # The finished refund's journal names who approved it.
+    visit(browser, f"{dashboard.url}/runs/{done.run_id}")
+    rows = browser.find_elements(By.CSS_SELECTOR, "#timeline tbody tr")
+    approval = next(r for r in rows if "__approval" in r.text)
+    assert approval.find_elements(By.TAG_NAME, "td")[-1].text == "sam"
+
+    visit(browser, dashboard.url + "/tools")
+    table = text_of(browser, "tools")
+    assert "lookup" in table and "processRefund" in table
+    lookup_row = next(r for r in browser.find_elements(By.CSS_SELECTOR, "#tools tbody tr")
+                      if r.text.startswith("lookup"))  # fmt: skip
+    cells = [c.text for c in lookup_row.find_elements(By.TAG_NAME, "td")]
+    assert cells[1:4] == ["2", "1", "50.0 %"]
+    bars = browser.find_elements(By.CSS_SELECTOR, "#latency-chart rect")
+    assert len(bars) >= 4
+
+    # Pictures of the three pages as an operator sees them (default refresh, logged in).
+    shots = serve(refresh=REFRESH_SECONDS)
+    login(browser, shots)
+    browser.set_window_size(1280, 1250)
+    try:
+        for name, path in (("runs", "/"), ("run", f"/runs/{payout.run_id}"), ("tools", "/tools")):
+            visit(browser, shots.url + path)
+            screenshot(browser, f"{name}.png", tmp_path)
+    finally:
+        browser.set_window_size(1280, 900)
+
+
+def test_approve_in_the_browser_resumes_the_run_and_its_tool_executes_once(
+    browser: webdriver.Chrome, serve: Callable[..., Dashboard], maker: Maker, ledger_path: Path
+) -> None:
+    paused = maker.refund_paused("s-approve", "42.50")
+    dashboard = serve()
+    run_url = f"{dashboard.url}/runs/{paused.run_id}"
+    login(browser, dashboard, f"/runs/{paused.run_id}")
+    assert browser.current_url == run_url
+    assert text_of(browser, "run-status") == "paused"
+
+    click_and_wait(browser, "approve")  # the confirmation step, not the decision yet
+    assert browser.current_url == run_url + "/approve"
+    assert "Refund $42.50?" in browser.page_source
+    assert refunds(ledger_path) == []
+    browser.find_element(By.ID, "reason").send_keys("customer is right")
+    click_and_wait(browser, "confirm")
+
+    assert browser.current_url.startswith(run_url + "?delivered=dash-")
+    assert "Your decision was delivered" in text_of(browser, "delivered")
+    assert text_of(browser, "run-status") == "finished"
+    assert text_of(browser, "outcome") == "approved"
+    assert [e["amount_cents"] for e in refunds(ledger_path)] == [4250]
+    rows = browser.find_elements(By.CSS_SELECTOR, "#timeline tbody tr")
+    approval = next(r for r in rows if "__approval" in r.text)
+    assert OPERATOR in approval.text and "customer is right" in approval.text
+
+    # The same confirmation submitted again (back, resubmit) is the same signal: a no-op.
+    browser.back()
+    WebDriverWait(browser, 15).until(lambda d: d.current_url == run_url + "/approve")
+    click_and_wait(browser, "confirm")
+    assert text_of(browser, "run-status") == "finished"
+    assert len(refunds(ledger_path)) == 1
+
+
+def test_deny_in_the_browser_declines_and_the_refund_never_executes(
+    browser: webdriver.Chrome, serve: Callable[..., Dashboard], maker: Maker, ledger_path: Path
+) -> None:
+    paused = maker.refund_paused("s-deny", "99")
+    dashboard = serve()
+    login(browser, dashboard, f"/runs/{paused.run_id}")
+    click_and_wait(browser, "deny")
+    browser.find_element(By.ID, "reason").send_keys("outside the window")
+    click_and_wait(browser, "confirm")
+    assert text_of(browser, "run-status") == "finished"
+    assert text_of(browser, "outcome") == "declined"
+    assert refunds(ledger_path) == []
+
+
+def test_a_refused_delivery_is_shown_plainly_and_changes_nothing(
+    browser: webdriver.Chrome, serve: Callable[..., Dashboard], maker: Maker, ledger_path: Path
+) -> None:
+    paused = maker.refund_paused("s-late", "12")
+    quick = maker.flow("s-quick", "quick")
+    dashboard = serve()
+    login(browser, dashboard, f"/runs/{paused.run_id}")
+
+    # Someone else decides while the operator reads the confirmation.
+    click_and_wait(browser, "approve")
+    maker.deliver(paused, "s-late", {"approved": False, "by": "other", "reason": "no"},
+                  "__approval")  # fmt: skip
+    click_and_wait(browser, "confirm")
+    assert text_of(browser, "refused-type") == "SignalMismatchError"
+    assert "Refused: nothing was delivered" in text_of(browser, "refused")
+    assert refunds(ledger_path) == []
+
+    # An approval whose deadline passed is refused, in so many words.
+    visit(browser, f"{dashboard.url}/runs/{quick.run_id}/approve")
+    time.sleep(1.2)
+    click_and_wait(browser, "confirm")
+    assert text_of(browser, "refused-type") == "SignalMismatchError"
+    assert "expired before delivery" in text_of(browser, "refused-message")
+    visit(browser, f"{dashboard.url}/runs/{quick.run_id}")
+    assert text_of(browser, "run-status") == "paused"
+
+
+def test_run_data_renders_as_text_never_as_markup(
+    browser: webdriver.Chrome, serve: Callable[..., Dashboard], maker: Maker
+) -> None:
+    payout = maker.flow("s-xss", "payout")
+    done = maker.deliver(payout, "s-xss", {"approved": True, "by": "sam"}, "__approval")
+    assert done.status == "finished"
+    dashboard = serve()
+    visit(browser, f"{dashboard.url}/runs/{payout.run_id}")
+    assert XSS in text_of(browser, "timeline")  # the tool's result, shown as its text
+    assert browser.execute_script("return window.pwned === undefined") is True
+    assert browser.find_elements(By.CSS_SELECTOR, "main script, main img") == []
+    visit(browser, dashboard.url + "/")
+    assert browser.execute_script("return window.pwned === undefined") is True
+
+
+def test_pages_refresh_themselves(
+    browser: webdriver.Chrome, serve: Callable[..., Dashboard], maker: Maker
+) -> None:
+    paused = maker.refund_paused("s-refresh", "3")
+    dashboard = serve(refresh=1)
+    visit(browser, f"{dashboard.url}/runs/{paused.run_id}")
+    assert text_of(browser, "run-status") == "paused"
+    maker.deliver(paused, "s-refresh", {"approved": True, "by": "sam"}, "__approval")
+    WebDriverWait(browser, 15, poll_frequency=0.3).until(
+        lambda d: d.find_element(By.ID, "run-status").text == "finished"
+    )
+
+
+def test_state_changes_need_the_token_and_a_valid_csrf_token(
+    serve: Callable[..., Dashboard], maker: Maker, ledger_path: Path
+) -> None:
+    paused = maker.refund_paused("s-gate", "8")
+    dashboard = serve()
+    path = f"/runs/{paused.run_id}/approve"
+    anonymous = Http(dashboard.url)
+    csrf = anonymous.csrf()
+    form = {"csrf_token": csrf, "signal_id": "dash-" + "0" * 32}
+    assert anonymous.request(path, form)[0] == 401
+
+    wrong = Http(dashboard.url)
+    status, page = wrong.request("/login", {"csrf_token": wrong.csrf(), "operator": "x",
+                                            "token": "guess"})  # fmt: skip
+    assert status == 401 and "not the dashboard token" in page
+
+    operator = Http(dashboard.url)
+    status, _ = operator.request(
+        "/login", {"csrf_token": operator.csrf(), "operator": OPERATOR, "token": TOKEN}
+    )
+    assert status == 303
+    signal = {"signal_id": "dash-" + "1" * 32}
+    assert operator.request(path, signal)[0] == 403  # no CSRF token
+    assert operator.request(path, {**signal, "csrf_token": "forged"})[0] == 403
+    assert operator.request(path, {**signal, "csrf_token": csrf})[0] == 403  # another browser's
+    assert refunds(ledger_path) == []
+
+    status, _ = operator.request(path, {**signal, "csrf_token": operator.csrf(path)})
+    assert status == 303
+    assert len(refunds(ledger_path)) == 1
+
+    read_only = serve(token=None)
+    client = Http(read_only.url)
+    status, page = client.request(path, {"csrf_token": "none to be had", **signal})
+    assert status == 403 and "KURALLE_DASHBOARD_TOKEN" in page
+
+
+def test_a_dashboard_beyond_loopback_needs_a_token_and_then_a_login_for_every_page(
+    open_store: Any,
+) -> None:
+    store = open_store()
+    with pytest.raises(InvalidArgumentError, match="KURALLE_DASHBOARD_TOKEN"):
+        create_app(store, lambda s: Runtime(agents(), store=s), host="0.0.0.0", token=None)
+    app = create_app(store, lambda s: Runtime(agents(), store=s), host="0.0.0.0", token=TOKEN)
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.05)
+        client = Http(f"http://127.0.0.1:{port}")
+        for page in ("/", "/tools", "/runs/whatever"):
+            status, _ = client.request(page)
+            assert status == 303
+        status, page = client.request("/login")
+        assert status == 200 and 'name="token"' in page
+    finally:
+        server.should_exit = True
+        thread.join(20)
