@@ -1,0 +1,144 @@
+"""Approval notifier: one outbox row each time a run pauses for an approval.
+
+A supervisor should be paged once per approval a run waits for (the refund
+flow's "Refund $42.50?"), even if the notifier is killed mid-way. The
+notifier is a ``Consumer`` named ``approvals``: for each ``RunPaused`` event
+waiting on an approval it inserts a row into the ``kuralle_approval_outbox``
+table of the store's own database, through the ``tx`` its handler is given.
+That insert commits in the same transaction as the consumer's position, so
+on PostgreSQL and SQLite each row is written exactly once across crashes and
+restarts. A mailer (or anything) then drains the outbox; each row carries
+the event's ``position``, a stable key for deduplicating further downstream.
+
+Run it as ``kuralle-es consume approvals`` (or ``python -m
+kuralle_es.examples.approval_notifier``) with ``--store URL`` /
+``KURALLE_STORE`` or ``--sqlite FILE``; ``--once`` catches up and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sqlite3
+import sys
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import urlparse
+
+from eventsourcing.sqlite import SQLiteApplicationRecorder
+
+from ..events import Consumer, RunEvent, RunPaused
+from ..store import RunStore
+
+__all__ = [
+    "CONSUMER_NAME",
+    "OUTBOX_TABLE",
+    "approval_consumer",
+    "consume",
+    "create_outbox",
+    "main",
+    "notify_approval",
+    "open_store",
+]
+
+CONSUMER_NAME = "approvals"
+OUTBOX_TABLE = "kuralle_approval_outbox"
+
+_COLUMNS = "position, run_id, session_id, request_id, title, description, created_at"
+_POSTGRES_DDL = (
+    f"CREATE TABLE IF NOT EXISTS {OUTBOX_TABLE} (id BIGSERIAL PRIMARY KEY, "
+    "position BIGINT NOT NULL, run_id TEXT NOT NULL, session_id TEXT NOT NULL, "
+    "request_id TEXT NOT NULL, title TEXT, description TEXT, created_at TEXT NOT NULL)"
+)
+_SQLITE_DDL = _POSTGRES_DDL.replace("BIGSERIAL PRIMARY KEY", "INTEGER PRIMARY KEY AUTOINCREMENT")
+
+
+def create_outbox(store: RunStore) -> None:
+    """Create the outbox table in the store's database, if it is not there yet."""
+    datastore: Any = getattr(store.recorder, "datastore", None)
+    if datastore is None:
+        msg = "the approval notifier needs a SQLite or PostgreSQL store, not an in-memory one"
+        raise SystemExit(msg)
+    ddl = _SQLITE_DDL if isinstance(store.recorder, SQLiteApplicationRecorder) else _POSTGRES_DDL
+    with datastore.transaction(commit=True) as curs:
+        curs.execute(ddl)
+
+
+def notify_approval(event: RunEvent, tx: Any) -> None:
+    """Write one outbox row for a pause on an approval, through the consumer's transaction."""
+    if not isinstance(event, RunPaused) or event.waiting_for.kind != "approval":
+        return
+    wait = event.waiting_for
+    row = (
+        event.position,
+        event.run_id,
+        event.session_id,
+        wait.request_id,
+        wait.title,
+        wait.description,
+        event.occurred_at.isoformat(),
+    )
+    marks = ", ".join(["?" if isinstance(tx, sqlite3.Connection) else "%s"] * len(row))
+    tx.execute(f"INSERT INTO {OUTBOX_TABLE} ({_COLUMNS}) VALUES ({marks})", row)
+
+
+def approval_consumer(store: RunStore) -> Consumer:
+    """The ``approvals`` consumer over ``store`` (its outbox table must exist)."""
+    return Consumer(store, CONSUMER_NAME, notify_approval)
+
+
+async def consume(store: RunStore, *, once: bool = False) -> int:
+    """Run the notifier until SIGTERM/SIGINT (or, with ``once``, until caught up)."""
+    await asyncio.to_thread(create_outbox, store)
+    consumer = approval_consumer(store)
+    if once:
+        applied = await consumer.run_until_caught_up()
+        print(json.dumps({"consumer": CONSUMER_NAME, "applied": applied}))
+        return 0
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, consumer.stop)
+    print(f"{CONSUMER_NAME}: following run events", file=sys.stderr, flush=True)
+    await consumer.run()
+    return 0
+
+
+def open_store(url: str | None, sqlite_path: str | None) -> RunStore:
+    """The store named by ``--sqlite``, else a URL (``--store`` / ``KURALLE_STORE``),
+    else the ``eventsourcing`` environment variables."""
+    if sqlite_path:
+        return RunStore.sqlite(sqlite_path)
+    url = url or os.environ.get("KURALLE_STORE")
+    if not url:
+        return RunStore()
+    scheme = urlparse(url).scheme
+    if scheme in ("postgresql", "postgres"):
+        return RunStore.postgres(url)
+    if scheme == "sqlite":
+        return RunStore.sqlite(url.removeprefix("sqlite://"))
+    msg = f"--store must be postgresql://... or sqlite:///path, got {url!r}"
+    raise SystemExit(msg)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="approval_notifier", description=__doc__.split("\n\n")[0] if __doc__ else None
+    )
+    parser.add_argument("--store", help="postgresql://... or sqlite:///path (env KURALLE_STORE)")
+    parser.add_argument("--sqlite", help="SQLite file, short for --store sqlite:///FILE")
+    parser.add_argument("--once", action="store_true", help="catch up, then exit")
+    args = parser.parse_args(argv)
+    store = open_store(args.store, args.sqlite)
+    try:
+        return asyncio.run(consume(store, once=args.once))
+    finally:
+        with contextlib.suppress(Exception):
+            store.close()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
