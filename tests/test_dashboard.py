@@ -416,11 +416,14 @@ def test_pages_show_real_runs_by_status_with_waits_oldest_first_a_filter_and_too
     assert text_of(browser, "operation-tool") == "pay"
     assert json.loads(text_of(browser, "operation-args")) == {"cents": 700, "to": XSS}
 
-    # The finished refund's journal names who approved it.
+    # The finished refund's journal names who delivered the approval (the actor,
+    # "library" here, not the payload's "by").
     visit(browser, f"{dashboard.url}/runs/{done.run_id}")
     rows = browser.find_elements(By.CSS_SELECTOR, "#timeline tbody tr")
     approval = next(r for r in rows if "__approval" in r.text)
-    assert approval.find_elements(By.TAG_NAME, "td")[-1].text == "sam"
+    cells = [c.text for c in approval.find_elements(By.TAG_NAME, "td")]
+    assert cells[2:6] == ["approval", "__approval", "finished", "1"]
+    assert cells[-1] == "library" and '"by": "sam"' in cells[-2]
 
     visit(browser, dashboard.url + "/tools")
     table = text_of(browser, "tools")

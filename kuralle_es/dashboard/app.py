@@ -30,6 +30,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ..domain import Run
 from ..errors import InvalidArgumentError, KuralleError
 from ..models import RunState
 from ..runtime import Runtime
@@ -39,7 +40,7 @@ from .decisions import Decision, deliver, new_signal_id, refusal_status, valid_s
 from .overview import overview, tool_overview
 from .security import CSRF_COOKIE, SESSION_COOKIE, TOKEN_ENV, Gate, Operator, is_loopback
 from .security import valid_operator_name as _valid_name
-from .timeline import pretty_json, timeline_rows
+from .timeline import delivery_actors, pretty_json, timeline_rows
 
 __all__ = ["REFRESH_SECONDS", "RuntimeFactory", "check_bind", "create_app", "serve"]
 
@@ -213,6 +214,11 @@ class _Dashboard:
         run = await asyncio.to_thread(self.store.load, run_id)
         return run.to_state() if run is not None else None
 
+    def _actors(self, run: Run) -> dict[int, str]:
+        if not any(s["kind"] in ("approval", "signal") for s in run.steps):
+            return {}  # no delivery to attribute: spare the read of the run's events
+        return delivery_actors(self.store.repository.event_store.get(run.id))
+
     # ---------------------------------------------------------------- pages
     async def index(self, request: Request) -> Response:
         filters = {k: request.query_params.get(k) or None for k in ("status", "session", "flow")}
@@ -228,10 +234,11 @@ class _Dashboard:
         run = await asyncio.to_thread(self.store.load, run_id)
         if run is None:
             return self.problem(request, 404, "No such run", f"There is no run {run_id}.")
+        actors = await asyncio.to_thread(self._actors, run)
         delivered = request.query_params.get("delivered", "")
         context = {
             "run": run.to_state(),
-            "rows": timeline_rows(run.step_records()),
+            "rows": timeline_rows(run.step_records(), actors),
             "delivered": valid_signal_id(delivered) and delivered,
         }
         return self.render(request, "run.html", context, refresh=True)

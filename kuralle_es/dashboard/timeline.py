@@ -8,13 +8,15 @@ rendered as JSON text; the templates escape them.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from ..domain import Run
 from ..models import StepRecord
 
-__all__ = ["TimelineRow", "pretty_json", "timeline_rows"]
+__all__ = ["TimelineRow", "delivery_actors", "pretty_json", "timeline_rows"]
 
 _SHORT = 240
 
@@ -41,11 +43,31 @@ def pretty_json(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, indent=2, default=str, sort_keys=True)
 
 
-def _actor(step: StepRecord) -> str | None:
+def delivery_actors(events: Iterable[object]) -> dict[int, str]:
+    """Step index -> the ``actor`` of the delivery that journaled that step.
+
+    An accepted delivery is stored as ``SignalAccepted`` and, in the same
+    save, the wait's step (``StepStarted``); lease events may sit between.
+    A delivery answering an in-doubt step starts no step, so anything else
+    after it ends the match.
+    """
+    actors: dict[int, str] = {}
+    pending: str | None = None
+    for event in events:
+        if isinstance(event, Run.SignalAccepted):
+            pending = event.actor
+        elif isinstance(event, Run.StepStarted) and pending is not None:
+            actors[event.index] = pending
+            pending = None
+        elif not isinstance(event, Run.LeaseTaken | Run.LeaseReleased):
+            pending = None
+    return actors
+
+
+def _actor(step: StepRecord, actors: dict[int, str]) -> str | None:
     """Who delivered a step's value: the delivery's actor, else an approval's ``by``."""
-    actor = getattr(step, "actor", None)
-    if isinstance(actor, str):
-        return actor
+    if step.index in actors:
+        return actors[step.index]
     if step.kind == "approval" and isinstance(step.result, dict):
         by = step.result.get("by")
         return by if isinstance(by, str) else None
@@ -58,7 +80,7 @@ def _duration_ms(step: StepRecord) -> float | None:
     return (step.finished_at - step.started_at).total_seconds() * 1000.0
 
 
-def _row(step: StepRecord) -> TimelineRow:
+def _row(step: StepRecord, actors: dict[int, str]) -> TimelineRow:
     if step.status == "error" and step.error is not None:
         full = f"{step.error.type}: {step.error.message}"
     elif step.status == "finished":
@@ -77,9 +99,9 @@ def _row(step: StepRecord) -> TimelineRow:
         outcome=short,
         outcome_full=full,
         failed=step.status == "error",
-        actor=_actor(step),
+        actor=_actor(step, actors),
     )
 
 
-def timeline_rows(steps: list[StepRecord]) -> list[TimelineRow]:
-    return [_row(step) for step in steps]
+def timeline_rows(steps: list[StepRecord], actors: dict[int, str]) -> list[TimelineRow]:
+    return [_row(step, actors) for step in steps]
