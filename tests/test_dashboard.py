@@ -346,16 +346,22 @@ class Http:
     def __init__(self, base: str) -> None:
         self.base = base
         self.jar = CookieJar()
+        self.location: str | None = None
         self.opener = urllib.request.build_opener(
             urllib.request.HTTPCookieProcessor(self.jar), _NoRedirect()
         )
 
-    def request(self, path: str, form: dict[str, str] | None = None) -> tuple[int, str]:
+    def request(
+        self, path: str, form: dict[str, str] | None = None, headers: dict[str, str] | None = None
+    ) -> tuple[int, str]:
         data = urllib.parse.urlencode(form).encode() if form is not None else None
+        request = urllib.request.Request(f"{self.base}{path}", data=data, headers=headers or {})
         try:
-            with self.opener.open(f"{self.base}{path}", data=data, timeout=30) as response:
+            with self.opener.open(request, timeout=30) as response:
+                self.location = response.headers.get("location")
                 return int(response.status), response.read().decode()
         except urllib.error.HTTPError as e:
+            self.location = e.headers.get("location")
             return int(e.code), e.read().decode()
 
     def csrf(self, path: str = "/login") -> str:
@@ -568,10 +574,14 @@ def test_state_changes_need_the_token_and_a_valid_csrf_token(
 
     operator = Http(dashboard.url)
     status, _ = operator.request(
-        "/login", {"csrf_token": operator.csrf(), "operator": OPERATOR, "token": TOKEN}
+        "/login",
+        {"csrf_token": operator.csrf(), "operator": OPERATOR, "token": TOKEN, "next": "//evil"},
     )
-    assert status == 303
+    assert status == 303 and operator.location == "/"  # never a redirect off this site
     signal = {"signal_id": "dash-" + "1" * 32}
+    from_elsewhere = {"Origin": "http://evil.example"}
+    good = {**signal, "csrf_token": operator.csrf(path)}
+    assert operator.request(path, good, from_elsewhere)[0] == 403
     assert operator.request(path, signal)[0] == 403  # no CSRF token
     assert operator.request(path, {**signal, "csrf_token": "forged"})[0] == 403
     assert operator.request(path, {**signal, "csrf_token": csrf})[0] == 403  # another browser's
