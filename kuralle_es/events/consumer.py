@@ -120,7 +120,9 @@ class Consumer:
     async def _apply(self, event: RunEvent) -> int:
         """Apply one event; 0 if another instance of this consumer already had."""
         try:
-            if self._wants_tx and self._book.transactional:
+            if not self._async:  # the whole application in one worker-thread hop
+                await asyncio.to_thread(self._apply_sync, event)
+            elif self._wants_tx and self._book.transactional:
                 await self._apply_in_transaction(event)
             else:
                 await self._call(event, None)
@@ -129,9 +131,17 @@ class Consumer:
             return 0
         return 1
 
+    def _apply_sync(self, event: RunEvent) -> None:
+        if self._wants_tx and self._book.transactional:
+            with self._book.begin(self.name, event.position) as tx:
+                self.handler(event, tx)
+            return
+        self.handler(*((event, None) if self._wants_tx else (event,)))
+        self._book.record(self.name, event.position)
+
     async def _apply_in_transaction(self, event: RunEvent) -> None:
-        # The transaction is entered and left in worker threads, and the handler
-        # runs between (in a thread if sync, on the loop if async).
+        # An async handler runs on the loop, between a transaction entered and
+        # left in worker threads.
         stack = contextlib.ExitStack()
         tx = await asyncio.to_thread(
             stack.enter_context, self._book.begin(self.name, event.position)
@@ -144,10 +154,4 @@ class Consumer:
         await asyncio.to_thread(stack.close)
 
     async def _call(self, event: RunEvent, tx: Any) -> None:
-        args = (event, tx) if self._wants_tx else (event,)
-        if self._async:
-            await self.handler(*args)
-        else:
-            result = await asyncio.to_thread(self.handler, *args)
-            if inspect.isawaitable(result):
-                await result
+        await self.handler(*((event, tx) if self._wants_tx else (event,)))

@@ -47,8 +47,8 @@ class _SQLiteConsumerTracking(SQLiteTrackingRecorder):
         )
 
     def construct_create_table_statements(self) -> list[str]:
-        return [s.replace("EXISTS tracking", f"EXISTS {TABLE}") for s in super()
-                .construct_create_table_statements()]  # fmt: skip
+        statements = super().construct_create_table_statements()
+        return [s.replace("EXISTS tracking", f"EXISTS {TABLE}") for s in statements]
 
 
 _memory_books: weakref.WeakKeyDictionary[RunStore, POPOTrackingRecorder] = (
