@@ -79,9 +79,7 @@ class OneTripPostgresRecorder(PostgresApplicationRecorder):
             default_path: Sequence[int] | None = super().insert_events(stored_events, **kwargs)
             return default_path
         rows = [
-            self.construct_pg_stored_event(
-                e.originator_id, e.originator_version, e.topic, e.state
-            )
+            self.construct_pg_stored_event(e.originator_id, e.originator_version, e.topic, e.state)
             for e in stored_events
         ]
         with self.datastore.get_connection() as conn, conn.cursor() as curs:

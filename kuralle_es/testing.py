@@ -1,14 +1,48 @@
-"""Testing kit for users' own suites: a scripted model (more to come)."""
+"""Testing kit for users' own suites: a scripted model and crash injection.
+
+Public API (``kuralle_es.testing``). What it offers, and how to prove a tool
+of your own runs exactly once under crashes, is in docs/howto/testing.md:
+
+- ``ScriptedModel``: a model that answers from a script, offline.
+- ``CrashPlan`` and ``CrashingStore``: a failing disk that kills the turn at a
+  chosen journal boundary, the way ``SIGKILL`` would (``Crash`` is a
+  ``BaseException``, so nothing catches or journals it).
+- ``crash_plans()``: a Hypothesis strategy of crash plans.
+- ``ExactlyOnceLedger``: the external system's view, deduplicated by key.
+- ``drive_through_crash``: start a flow run on a store that dies, then resume
+  it on fresh runtimes and stores until its turn ends.
+"""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
 
+from .domain import Run
 from .errors import KuralleError
 from .llm import ModelRequest, ModelResponse, as_response
+from .models import ToolCall, TurnResult
+from .runtime import Runtime
+from .store import RunStore
 
-__all__ = ["ScriptedModel"]
+if TYPE_CHECKING:
+    from hypothesis.strategies import SearchStrategy
+
+    from .agents import Agent
+
+__all__ = [
+    "BOUNDARIES",
+    "Boundary",
+    "Crash",
+    "CrashPlan",
+    "CrashingStore",
+    "ExactlyOnceLedger",
+    "ScriptedModel",
+    "crash_plans",
+    "drive_through_crash",
+]
 
 Script = Sequence[ModelResponse | str] | Callable[[ModelRequest], ModelResponse | str]
 
@@ -44,3 +78,202 @@ class ScriptedModel:
             answer = self._script[self._next]
             self._next += 1
         return as_response(self._id, answer)
+
+
+# ------------------------------------------------------------------ crashes
+Boundary = Literal["before_intent", "after_intent", "after_execute", "after_finalize"]
+#: Where a turn can die, in the order a step reaches them.
+BOUNDARIES: tuple[Boundary, ...] = (
+    "before_intent",
+    "after_intent",
+    "after_execute",
+    "after_finalize",
+)
+
+
+class Crash(BaseException):
+    """The worker process dies here: not an ``Exception``, so nothing catches it."""
+
+
+@dataclass
+class CrashPlan:
+    """Kill the turn the ``nth`` time (1-based) a step reaches ``boundary``.
+
+    ``before_intent``: nothing of the step is saved. ``after_intent``: the
+    intent is saved, the effect has not run. ``after_execute``: the effect ran,
+    its result is not saved (the step is left in doubt). ``after_finalize``:
+    the result is saved, the turn dies before going on. After it fired,
+    ``key`` is the idempotency key of the step it hit.
+    """
+
+    boundary: Boundary
+    nth: int = 1
+    seen: int = 0
+    fired: bool = False
+    key: str | None = None
+
+    def reach(self, boundary: Boundary, key: str) -> None:
+        """Called at each boundary; raises ``Crash`` at the planned one."""
+        if self.fired or boundary != self.boundary:
+            return
+        self.seen += 1
+        if self.seen == self.nth:
+            self.fired = True
+            self.key = key
+            raise Crash(f"killed {boundary.replace('_', ' ')} #{self.nth} (step {key[:12]})")
+
+
+def _step_keys(run: Run, kinds: tuple[type[Any], ...]) -> list[str]:
+    """Keys of the steps that the run's pending events of ``kinds`` touch."""
+    keys: list[str] = []
+    for pending in run.pending_events:
+        if isinstance(pending, kinds):
+            if isinstance(pending, Run.StepStarted):
+                keys.append(pending.key)
+            else:
+                keys.append(run.steps[pending.index]["key"])
+    return keys
+
+
+class CrashingStore(RunStore):
+    """A ``RunStore`` over a failing disk: its saves die where ``plan`` says.
+
+    A save that carries a step's intent (``StepStarted``, or ``StepRetried`` for
+    a re-execution) is an intent boundary; one that carries its result or error
+    is a finalize boundary ("after execute" is the moment just before that
+    save). A clock read or a uuid saves intent and result at once. After the
+    crash the store saves nothing more, like a dead process. Open it like any
+    store: ``CrashingStore.sqlite(path)``, then set ``plan``.
+    """
+
+    plan: CrashPlan | None = None
+
+    def save_run(self, run: Run) -> None:
+        plan = self.plan
+        if plan is None:
+            super().save_run(run)
+            return
+        if plan.fired:
+            raise Crash("the process is dead: it saves nothing more")
+        intents = _step_keys(run, (Run.StepStarted, Run.StepRetried))
+        finals = _step_keys(run, (Run.StepFinished, Run.StepFailed))
+        for key in intents:
+            plan.reach("before_intent", key)
+        for key in finals:
+            plan.reach("after_execute", key)
+        super().save_run(run)
+        for key in intents:
+            plan.reach("after_intent", key)
+        for key in finals:
+            plan.reach("after_finalize", key)
+
+
+def crash_plans(max_nth: int = 4) -> SearchStrategy[CrashPlan]:
+    """A Hypothesis strategy of crash plans: every boundary, the 1st to ``max_nth`` time.
+
+    A plan whose boundary is never reached that often simply never fires: the
+    run is then crash-free, which is a case worth checking too.
+    """
+    from hypothesis import strategies as st
+
+    return st.builds(
+        CrashPlan,
+        boundary=st.sampled_from(BOUNDARIES),
+        nth=st.integers(min_value=1, max_value=max_nth),
+    )
+
+
+@dataclass
+class ExactlyOnceLedger:
+    """An external system's log of effects, keyed by ``call.idempotency_key``.
+
+    Call ``record(call)`` from inside a tool, where the effect happens. A
+    re-execution after a crash records the same key again; a system that
+    deduplicates on the key shows one effect per key, which is what
+    ``assert_exactly_once`` checks.
+    """
+
+    entries: list[tuple[str, str, Any]] = field(default_factory=list)
+
+    def record(self, call: ToolCall, data: Any = None) -> None:
+        self.entries.append((call.idempotency_key, call.tool_name, data))
+
+    def executions(self, key: str) -> int:
+        """How many times the effect with this key was executed (retries included)."""
+        return sum(1 for entry_key, _, _ in self.entries if entry_key == key)
+
+    def effects(self) -> dict[str, tuple[str, Any]]:
+        """One effect per key, as a deduplicating system keeps them (first wins)."""
+        kept: dict[str, tuple[str, Any]] = {}
+        for key, tool, data in self.entries:
+            kept.setdefault(key, (tool, data))
+        return kept
+
+    def assert_exactly_once(self, *, expected_keys: Sequence[str] | None = None) -> None:
+        """Every re-execution reused its key (same tool, same data), and, when
+        ``expected_keys`` is given, exactly those keys were executed."""
+        by_key: dict[str, set[str]] = {}
+        for key, tool, data in self.entries:
+            by_key.setdefault(key, set()).add(f"{tool}:{data!r}")
+        clashes = {key: sorted(seen) for key, seen in by_key.items() if len(seen) > 1}
+        if clashes:
+            msg = f"one idempotency key carried different effects: {clashes}"
+            raise AssertionError(msg)
+        if expected_keys is not None:
+            missing = set(expected_keys) - set(by_key)
+            extra = set(by_key) - set(expected_keys)
+            if missing or extra:
+                counts = Counter(key for key, _, _ in self.entries)
+                msg = (
+                    f"executed keys differ: missing {sorted(missing)}, unexpected "
+                    f"{sorted(extra)} (executions per key: {dict(counts)})"
+                )
+                raise AssertionError(msg)
+
+
+async def drive_through_crash(
+    agents: Sequence[Agent],
+    open_store: Callable[[], RunStore],
+    plan: CrashPlan,
+    *,
+    session_id: str,
+    flow_name: str,
+    input: str | None = None,
+    max_resumes: int = 20,
+) -> TurnResult:
+    """Start a flow run whose first turn dies at ``plan``, then resume it until a
+    turn ends (finished, paused or errored); returns that turn's result.
+
+    ``open_store`` is called once per turn, so each resume sees only what was
+    durable: give it a new store over the same database (SQLite, PostgreSQL),
+    or the one memory store. The first store must be a ``CrashingStore``; its
+    plan is cleared after the crash. Every turn uses one worker name, as a
+    restarted worker would, so the crashed turn's lease is its own.
+    """
+    first = open_store()
+    if not isinstance(first, CrashingStore):
+        msg = "open_store must return a CrashingStore for the first turn"
+        raise TypeError(msg)
+    first.plan = plan
+    holder = "kuralle-testing-worker"
+    handle = Runtime(list(agents), store=first, holder=holder).run(
+        session_id, input=input, kind="flow", flow_name=flow_name
+    )
+    try:
+        return await handle.result()
+    except Crash:
+        run_id = await handle.run_id
+    finally:
+        first.plan = None
+    for _ in range(max_resumes):
+        store = open_store()
+        try:
+            return (
+                await Runtime(list(agents), store=store, holder=holder)
+                .run(session_id, run_id=run_id)
+                .result()
+            )
+        except Crash:  # a store opened by the caller with its own plan
+            continue
+    msg = f"run {run_id} did not end within {max_resumes} resumes"
+    raise AssertionError(msg)

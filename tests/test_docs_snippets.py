@@ -24,8 +24,7 @@ def python_blocks(page: Path) -> list[tuple[int, str]]:
     """``(first line number, source)`` of each fenced Python block of ``page``."""
     text = page.read_text(encoding="utf-8")
     return [
-        (text.count("\n", 0, match.start(1)) + 1, match.group(1))
-        for match in _BLOCK.finditer(text)
+        (text.count("\n", 0, match.start(1)) + 1, match.group(1)) for match in _BLOCK.finditer(text)
     ]
 
 

@@ -20,7 +20,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-USER_APP = '''
+USER_APP = """
 from __future__ import annotations
 
 from typing import Any
@@ -69,7 +69,7 @@ async def main() -> TurnResult:
         steps: list[StepRecord] = await runtime.get_steps(paused.run_id, "s")
         assert state is not None and not steps
         return await runtime.run("s", run_id=paused.run_id, signal_delivery=delivery).result()
-'''
+"""
 
 
 def _site_packages(env_dir: Path) -> Path:
