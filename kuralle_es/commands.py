@@ -224,8 +224,7 @@ def _input_opening(run: Run, text: str, env: TurnEnv) -> Opening | None:
             return _AcceptInput(message)
         raise SignalMismatchError(
             run.run_id,
-            f"run {run.run_id} waits for {wait.name!r}, not for input; "
-            "deliver that signal first",
+            f"run {run.run_id} waits for {wait.name!r}, not for input; deliver that signal first",
         )
     if run.kind == "conversation" and run.status != "aborted":
         # A conversation inside a flow keeps the flow's epoch (its keys);
@@ -389,8 +388,7 @@ class Deliver(Command):
         if not matches:
             wanted = f" with request_id {delivery.request_id!r}" if delivery.request_id else ""
             msg = (
-                f"no run of session {self.session_id!r} waits for signal "
-                f"{delivery.name!r}{wanted}"
+                f"no run of session {self.session_id!r} waits for signal {delivery.name!r}{wanted}"
             )
         else:
             msg = (

@@ -119,9 +119,7 @@ class _Visit:
 
 async def _run_node(node: Node, state: dict[str, Any], visit: _Visit) -> Any:
     if isinstance(node, ActionNode):
-        ctx = RunContext(
-            visit.journal, visit.cursor, visit.agent.tools, visit.emit, visit.schemas
-        )
+        ctx = RunContext(visit.journal, visit.cursor, visit.agent.tools, visit.emit, visit.schemas)
         return await node.run(state, ctx)
     if isinstance(node, CollectNode):
         return await _collect(node, state, visit)

@@ -35,7 +35,7 @@ from .errors import StaleWriteError
 from .postgres_recorder import OneTripPostgresRecorder
 from .transcoding import EscapingJSONTranscoder
 
-__all__ = ["RunStore", "parse_run_id", "postgres_env"]
+__all__ = ["RunStore", "parse_run_id", "postgres_env", "retry_schema_setup"]
 
 #: Snapshot every this many events, so loading a long run stays cheap.
 SNAPSHOT_INTERVAL = 100
@@ -92,7 +92,7 @@ def postgres_env(dsn_or_params: str | Mapping[str, Any]) -> dict[str, str]:
 _T = TypeVar("_T")
 
 
-def _retry_schema_setup(construct: Callable[[], _T]) -> _T:
+def retry_schema_setup(construct: Callable[[], _T]) -> _T:
     """Construct a recorder, retrying its (idempotent) schema setup.
 
     Workers starting together race on ``eventsourcing``'s ``CREATE TABLE IF NOT
@@ -170,10 +170,10 @@ class RunStore(Application[UUID]):
         return not isinstance(self.recorder, POPOAggregateRecorder)
 
     def construct_recorder(self) -> ApplicationRecorder:
-        return _retry_schema_setup(super().construct_recorder)
+        return retry_schema_setup(super().construct_recorder)
 
     def construct_snapshot_store(self) -> EventStore[UUID]:
-        return _retry_schema_setup(super().construct_snapshot_store)
+        return retry_schema_setup(super().construct_snapshot_store)
 
     def construct_transcoder(self) -> Transcoder:
         """Our transcoder: stores user JSON exactly, whatever keys it uses."""
@@ -244,3 +244,7 @@ class RunStore(Application[UUID]):
             self.save(run)
         except IntegrityError as e:
             raise StaleWriteError(run.run_id, "another writer appended first") from e
+
+
+#: The former private name, kept while other modules move to ``retry_schema_setup``.
+_retry_schema_setup = retry_schema_setup

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ValidationError
 from .errors import InvalidToolArgsError, PayloadTooLargeError
 from .models import ToolCall
 
-__all__ = ["Tool", "define_tool", "encode_json", "max_payload_bytes"]
+__all__ = ["Tool", "define_tool", "encode_json", "max_payload_bytes", "wants_call"]
 
 PolicyAnswer = Literal["allow", "ask", "deny"]
 Policy = Callable[[str, BaseModel, ToolCall | None], PolicyAnswer]
@@ -139,7 +139,8 @@ class Tool:
         }
 
 
-def _wants_call(fn: Callable[..., Any]) -> bool:
+def wants_call(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` takes a second positional argument (a tool's ``ToolCall``)."""
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
@@ -189,5 +190,9 @@ def define_tool(
         parallel_safe=parallel_safe,
         replay=replay,
         on_in_doubt=on_in_doubt,
-        wants_call=_wants_call(execute),
+        wants_call=wants_call(execute),
     )
+
+
+#: The former private name, kept while other modules move to ``wants_call``.
+_wants_call = wants_call

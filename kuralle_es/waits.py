@@ -67,7 +67,6 @@ DEADLINE_DENY: dict[str, Any] = {
 }
 
 
-
 class Schemas:
     """Payload schemas of ``ctx.signal`` seen by one runtime, by topic.
 
@@ -176,9 +175,7 @@ def approval_decision(payload: Any) -> ApprovalDecision:
     )
 
 
-def validate_payload(
-    wait: Wait, payload: Any, schemas: Schemas, *, from_sweeper: bool
-) -> Any:
+def validate_payload(wait: Wait, payload: Any, schemas: Schemas, *, from_sweeper: bool) -> Any:
     """The payload as it will be journaled, or ``InvalidSignalError`` naming the problem."""
     name = wait.name
     try:
