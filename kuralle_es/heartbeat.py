@@ -6,12 +6,14 @@ effect of a turn executes, ``Heartbeat`` calls ``beat`` about every
 compare-and-set save, so another worker never sees the lease lapse and take
 the run over mid-effect. A beat that fails (another writer won) stops the
 heartbeat; the journal remembers the failure and the turn's next save raises it.
+
+An effect shorter than ``interval`` costs one timer, armed and cancelled: no
+task is started unless a beat is due.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Awaitable, Callable
 from types import TracebackType
 
@@ -25,14 +27,13 @@ class Heartbeat:
         self._beat = beat
         self._interval = interval
         self._depth = 0
-        self._task: asyncio.Task[None] | None = None
-        self._stop = asyncio.Event()
+        self._timer: asyncio.TimerHandle | None = None
+        self._beating: asyncio.Task[None] | None = None
+        self._failed = False
 
     async def __aenter__(self) -> None:
         self._depth += 1
-        if self._task is None:
-            self._stop = asyncio.Event()
-            self._task = asyncio.get_running_loop().create_task(self._loop(self._stop))
+        self._arm()
 
     async def __aexit__(
         self,
@@ -41,21 +42,31 @@ class Heartbeat:
         tb: TracebackType | None,
     ) -> None:
         self._depth -= 1
-        if self._depth == 0 and self._task is not None:
+        if self._depth:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._beating is not None:
             # Never cancel a beat mid-save: its save runs on in a thread, and
-            # the run's next save must not overlap it. Ask it to stop instead.
-            task, self._task = self._task, None
-            self._stop.set()
-            await asyncio.shield(task)
+            # the run's next save must not overlap it. Let it finish instead.
+            await asyncio.shield(self._beating)
 
-    async def _loop(self, stop: asyncio.Event) -> None:
-        while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self._interval)
-            if stop.is_set():
-                return
-            try:
-                await self._beat()
-            except Exception:
-                # The journal keeps the failure and raises it at the next save.
-                return
+    def _arm(self) -> None:
+        if self._depth and not self._failed and self._timer is None and self._beating is None:
+            loop = asyncio.get_running_loop()
+            self._timer = loop.call_later(self._interval, self._fire)
+
+    def _fire(self) -> None:
+        self._timer = None
+        self._beating = asyncio.get_running_loop().create_task(self._run_beat())
+
+    async def _run_beat(self) -> None:
+        try:
+            await self._beat()
+        except Exception:
+            # The journal keeps the failure and raises it at the next save.
+            self._failed = True
+        finally:
+            self._beating = None
+        self._arm()
