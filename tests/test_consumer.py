@@ -154,3 +154,22 @@ async def test_follow_and_a_consumer_agree(open_store: Any) -> None:
     got = [await asyncio.wait_for(anext(stream), 5) for _ in full]
     await stream.aclose()
     assert dumps(got) == dumps(full)
+
+
+@pytest.mark.parametrize(
+    "backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+)
+async def test_two_instances_of_one_consumer_apply_each_event_once_through_tx(
+    open_store: Any, backend: str
+) -> None:
+    store = open_store()
+    runtime = Runtime([refund.build_agent()], store=store)
+    for session in ("a", "b"):
+        await refund_run(runtime, session, approve=True)
+    create_seen_table(store)
+    one = Consumer(open_store(), "twins", insert_seen)
+    two = Consumer(open_store(), "twins", insert_seen)
+    applied = await asyncio.gather(one.run_until_caught_up(), two.run_until_caught_up())
+    full = await everything(store)
+    assert sum(applied) == len(full)
+    assert seen_rows(store) == [(e.position, e.type) for e in full]

@@ -14,6 +14,7 @@ import json
 import os
 from pathlib import Path
 from typing import Any
+from uuid import uuid4
 
 import pytest
 from events_kit import dumps, everything, refund_run, take
@@ -28,6 +29,7 @@ from kuralle_es import (
     define_tool,
     end,
 )
+from kuralle_es.domain import new_run
 from kuralle_es.events import (
     RunEvent,
     RunFinished,
@@ -222,3 +224,33 @@ def test_the_public_schema_is_the_pinned_version_1() -> None:
         "publish a new schema_version and regenerate tests/golden/run_events_v1.schema.json "
         "with KURALLE_UPDATE_GOLDEN=1"
     )
+
+
+async def test_a_re_executed_step_is_a_new_attempt_even_for_a_follower_started_after_it(
+    open_store: Any,
+) -> None:
+    """A step left running by a crash and executed again: StepStarted with attempt 2,
+    with the key and name of the first start, read back from the store by a follower
+    that never saw that first start."""
+    store = open_store()
+    run = new_run(uuid4(), "s-retry", "flow", "agent", "ship", "digest")
+    run.start_turn(0, None, None)
+    index = run.start_step(
+        key="k" * 64, kind="tool", name="ship", callsite=0, logical_run="r#0", args={}
+    )
+    store.create_run(run)
+    run.retry_step(index)
+    run.finish_step(index, json.dumps({"shipped": True}))
+    store.save_run(run)
+
+    full = await everything(store)
+    steps = [e for e in full if isinstance(e, StepStarted | StepFinished)]
+    assert [(type(e).__name__, getattr(e, "attempt", None)) for e in steps] == [
+        ("StepStarted", 1), ("StepStarted", 2), ("StepFinished", None),
+    ]  # fmt: skip
+    retried = steps[1]
+    assert isinstance(retried, StepStarted)
+    assert (retried.key, retried.name, retried.session_id) == ("k" * 64, "ship", "s-retry")
+    stream = follow(store, after=steps[0].position)
+    assert dumps(await take(stream, 2)) == dumps(steps[1:])
+    await stream.aclose()
