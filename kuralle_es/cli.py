@@ -1,22 +1,31 @@
-"""The ``kuralle-es`` command: the demo, and operating runs from a shell.
+"""The ``kuralle-es`` command: the demo, and operating runs from a shell (API).
 
-Persistence comes from the same environment variables as ``RunStore()``
-(``PERSISTENCE_MODULE``, ``SQLITE_DBNAME``, ``POSTGRES_*``), or ``--sqlite``.
-Commands that resume runs need the agents that define their flows:
-``--app module:attribute`` (or ``KURALLE_APP``) names a list of agents or a
-callable returning one; the default is the refund example.
+The store: ``--store URL`` (or ``KURALLE_STORE``): ``postgresql://user[:pw]@host[:port]/db``,
+``sqlite:///relative.db``, ``sqlite:////absolute.db`` or ``memory:``; ``--sqlite FILE`` is
+short for a SQLite URL; without either, the ``eventsourcing`` variables
+(``PERSISTENCE_MODULE``, ``SQLITE_DBNAME``, ``POSTGRES_*``). Commands that
+drive a run load the agents that define its flows from ``--app module:attr``
+(or ``KURALLE_APP``), importable from the current folder; read-only commands
+never import it. A store that cannot be reached is one line and exit code 2.
+
+Each command is one ``_add_*`` function (its parser and its handler) listed
+in ``COMMANDS``: adding a command is adding a function to that list.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib
 import json
 import os
+import signal as signals
 import subprocess
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Coroutine, Sequence
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 from uuid import uuid4
@@ -27,70 +36,109 @@ from .examples import refund
 from .models import SignalDelivery, TurnResult
 from .runtime import Runtime
 from .store import RunStore
-from .timeline import format_timeline
+from .store_url import (
+    STORE_ENV,
+    StoreUnavailableError,
+    open_store_from_env,
+    open_store_url,
+)
+from .timeline import format_timeline, read_deliveries
+from .views import RunSummary, RunViews
+from .views.api import open_backend
+from .views.projector import DEFAULT_BATCH, follow
+
+__all__ = ["COMMANDS", "main"]
 
 DEFAULT_APP = "kuralle_es.examples.refund:build_agent"
+APP_ENV = "KURALLE_APP"
+
+Handler = Callable[[argparse.Namespace], Coroutine[Any, Any, int]]
+SubParsers = Any  # argparse's private _SubParsersAction
 
 
-def _load_agents(spec: str) -> list[Agent]:
+# ------------------------------------------------------------------ shared
+def _version() -> str:
+    try:
+        return version("kuralle_es")
+    except PackageNotFoundError:  # pragma: no cover - a source tree without metadata
+        return "unknown"
+
+
+def open_store(args: argparse.Namespace, *, must_exist: bool = False) -> RunStore:
+    """The store the options (or the environment) name; ``StoreUnavailableError`` if away."""
+    if getattr(args, "store", None):
+        return open_store_url(args.store, must_exist=must_exist)
+    if getattr(args, "sqlite", None):
+        return open_store_url(f"sqlite:///{args.sqlite}", must_exist=must_exist)
+    return open_store_from_env(must_exist=must_exist)
+
+
+def load_agents(spec: str) -> list[Agent]:
+    """The agents ``module:attribute`` names (a list, one agent, or a callable returning them)."""
     module_name, _, attribute = spec.partition(":")
     if not module_name or not attribute:
-        msg = f"--app must look like module:attribute, got {spec!r}"
-        raise SystemExit(msg)
-    target: Any = getattr(importlib.import_module(module_name), attribute)
+        raise _CliError(f"--app must look like module:attribute, got {spec!r}")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # the user's app lives in the current folder
+    try:
+        target: Any = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as e:
+        raise _CliError(f"cannot load --app {spec}: {e}") from None
     if callable(target) and not isinstance(target, Agent):
         target = target()
     agents = [target] if isinstance(target, Agent) else list(target)
     if not all(isinstance(a, Agent) for a in agents):
-        msg = f"{spec} is not an agent, a list of agents, or a callable returning them"
-        raise SystemExit(msg)
+        raise _CliError(f"{spec} is not an agent, a list of agents, or a callable returning them")
     return agents
 
 
-def _store(args: argparse.Namespace) -> RunStore:
-    if args.sqlite:
-        return RunStore.sqlite(args.sqlite)
-    return RunStore()
-
-
-def _runtime(args: argparse.Namespace) -> Runtime:
-    return Runtime(_load_agents(args.app), store=_store(args))
+class _CliError(KuralleError):
+    """A bad command line: printed as one line, exit code 2."""
 
 
 def _print_result(result: TurnResult) -> None:
     print(json.dumps(result.model_dump(mode="json"), indent=2))
 
 
-async def _show(runtime: Runtime, run_id: str) -> int:
-    run = await asyncio.to_thread(runtime.store.load, run_id)
-    if run is None:
-        print(f"no run {run_id}", file=sys.stderr)
-        return 1
-    print(format_timeline(run.to_state(), run.step_records()))
-    return 0
-
-
-async def _deliver(runtime: Runtime, run_id: str, delivery: SignalDelivery) -> int:
-    # An operator acts on behalf of the run's session, read from the store.
-    run = await asyncio.to_thread(runtime.store.load, run_id)
-    if run is None:
-        print(f"no run {run_id}", file=sys.stderr)
-        return 1
-    handle = runtime.run(session_id=run.session_id, run_id=run_id, signal_delivery=delivery)
-    _print_result(await handle.result())
-    return 0
-
-
-def _approval(args: argparse.Namespace, approved: bool) -> SignalDelivery:
-    payload: dict[str, Any] = {"approved": approved, "by": args.by}
-    if getattr(args, "reason", None):
-        payload["reason"] = args.reason
-    return SignalDelivery(
-        signal_id=args.signal_id or f"cli-{uuid4().hex}",
-        name="__approval",
-        payload=payload,
-        actor=args.by,
+def _common(parser: argparse.ArgumentParser, *, top: bool) -> None:
+    """The store and app options, accepted before or after the command."""
+    default = None if top else argparse.SUPPRESS
+    parser.add_argument(
+        "--store",
+        default=default,
+        metavar="URL",
+        help=(
+            "postgresql://user[:pw]@host[:port]/db, sqlite:///file.db (sqlite:////abs.db) or "
+            f"memory: (env {STORE_ENV}; else PERSISTENCE_MODULE and its variables)"
+        ),
     )
+    parser.add_argument(
+        "--sqlite", default=default, metavar="FILE", help="SQLite file: short for --store"
+    )
+    parser.add_argument(
+        "--app",
+        default=os.environ.get(APP_ENV, DEFAULT_APP) if top else argparse.SUPPRESS,
+        metavar="MODULE:ATTR",
+        help=f"the agents of commands that drive runs (env {APP_ENV}; default: the refund demo)",
+    )
+
+
+def _command(sub: SubParsers, name: str, help: str, handler: Handler) -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = sub.add_parser(name, help=help, description=help)
+    _common(parser, top=False)
+    parser.set_defaults(handler=handler)
+    return parser
+
+
+# -------------------------------------------------------------------- demo
+def _add_demo(sub: SubParsers) -> None:
+    demo = _command(sub, "demo", "the durable refund flow on SQLite, offline", _demo)
+    demo.add_argument(
+        "--dir",
+        default=os.environ.get("KURALLE_DEMO_DIR", ".demo"),
+        help="where the demo's SQLite file and ledger go (env KURALLE_DEMO_DIR; default .demo)",
+    )
+    demo.add_argument("--model", help="'openai:gpt-4o-mini' for a real model (OPENAI_API_KEY)")
 
 
 def _run_process(command: list[str]) -> None:
@@ -127,8 +175,7 @@ async def _demo(args: argparse.Namespace) -> int:
         os.environ[refund.MODEL_ENV] = args.model
 
     print(f"== process {os.getpid()}: a customer asks for a refund (SQLite: {db})")
-    store = RunStore.sqlite(str(db))
-    try:
+    with RunStore.sqlite(str(db)) as store:
         runtime = Runtime([refund.build_agent()], store=store)
         print("   user: Hi, I'd like a refund for my order.")
         first = await _turn(
@@ -146,23 +193,12 @@ async def _demo(args: argparse.Namespace) -> int:
             {"session_id": "demo-session", "run_id": first.run_id, "input": "It was $42.50."},
         )
         print(f"   the turn ended cleanly: status={second.status}")
-    finally:
-        store.close()
 
     print("== a NEW process resumes the run by id and delivers the supervisor's approval")
     command = [
-        sys.executable,
-        "-m",
-        "kuralle_es.cli",
-        "--sqlite",
-        str(db),
-        "approve",
-        second.run_id,
-        "--by",
-        "supervisor",
-        "--signal-id",
-        "approval-1",
-    ]
+        sys.executable, "-m", "kuralle_es.cli", "--sqlite", str(db), "approve",
+        second.run_id, "--by", "supervisor", "--signal-id", "approval-1",
+    ]  # fmt: skip
     await asyncio.to_thread(_run_process, command)
     print("== the approval webhook is retried from a third process: a no-op")
     await asyncio.to_thread(_run_process, command)
@@ -170,95 +206,271 @@ async def _demo(args: argparse.Namespace) -> int:
     refunds = [e for e in refund.ledger_entries() if e["tool"] == "processRefund"]
     print(f"== processRefund executed {len(refunds)} time(s) (the payment's own ledger)")
 
-    print("== the run's journal")
-    store = RunStore.sqlite(str(db))
-    try:
+    print(f"== the run's journal (kuralle-es --sqlite {db} runs show {second.run_id})")
+    with RunStore.sqlite(str(db)) as store:
         run = store.load(second.run_id)
         assert run is not None
         state = run.to_state()
-        print(format_timeline(state, run.step_records()))
+        print(format_timeline(state, run.step_records(), read_deliveries(store, state.run_id)))
         for message in state.messages:
             print(f"   {message.role}: {message.content}")
-    finally:
-        store.close()
     return 0 if len(refunds) == 1 and state.status == "finished" else 1
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kuralle-es", description=__doc__)
-    parser.add_argument("--sqlite", help="SQLite file (else PERSISTENCE_MODULE and friends)")
-    parser.add_argument(
-        "--app",
-        default=os.environ.get("KURALLE_APP", DEFAULT_APP),
-        help="module:attribute naming the agents (env KURALLE_APP)",
+# -------------------------------------------------------------------- runs
+_COLUMNS = (
+    "RUN_ID",
+    "STATUS",
+    "KIND",
+    "SESSION",
+    "FLOW@NODE",
+    "WAITING",
+    "LEASE",
+    "STEPS",
+    "UPDATED",
+)
+
+
+def _add_runs(sub: SubParsers) -> None:
+    runs = sub.add_parser("runs", help="list and inspect runs (read-only)")
+    runs_sub = runs.add_subparsers(dest="runs_command", required=True, metavar="COMMAND")
+
+    listing = _command(runs_sub, "list", "runs, most recently updated first", _runs_list)
+    listing.add_argument(
+        "--status",
+        choices=("running", "paused", "finished", "error", "aborted"),
+        help="only runs in this status",
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    listing.add_argument("--session", metavar="ID", help="only the runs of this session")
+    listing.add_argument("--flow", metavar="NAME", help="only runs of this flow (ended ones too)")
+    listing.add_argument(
+        "--limit", type=int, default=100, metavar="N", help="at most N runs (default 100)"
+    )
+    listing.add_argument("--json", action="store_true", help="a JSON array of RunSummary")
 
-    demo = sub.add_parser("demo", help="the durable refund flow on SQLite, offline")
-    demo.add_argument("--dir", default=os.environ.get("KURALLE_DEMO_DIR", ".demo"))
-    demo.add_argument("--model", help="'openai:gpt-4o-mini' for a real model (OPENAI_API_KEY)")
+    show = _command(runs_sub, "show", "a run's journal as a timeline", _runs_show)
+    show.add_argument("run_id", metavar="RUN_ID", help="the run's id")
+    show.add_argument("--json", action="store_true", help="the RunState with its steps, as JSON")
 
-    runs = sub.add_parser("runs", help="inspect runs")
-    runs_sub = runs.add_subparsers(dest="runs_command", required=True)
-    show = runs_sub.add_parser("show", help="a run's journal as a timeline")
-    show.add_argument("run_id")
 
-    approve = sub.add_parser("approve", help="approve what a run waits for")
-    approve.add_argument("run_id")
-    approve.add_argument("--by", required=True)
-    approve.add_argument("--signal-id")
+def _row(s: RunSummary) -> tuple[str, ...]:
+    wait = "-"
+    if s.waiting_for is not None:
+        wait = f"{s.waiting_for.kind}:{s.waiting_for.name}"
+        if s.waiting_for.deadline is not None:
+            wait += f" until {s.waiting_for.deadline:%Y-%m-%d %H:%M}"
+    where = f"{s.active_flow}@{s.active_node}" if s.active_flow else "-"
+    lease = s.lease_holder or "-"
+    return (
+        s.run_id, s.status, s.kind, s.session_id, where, wait, lease, str(s.step_count),
+        f"{s.updated_at:%Y-%m-%d %H:%M:%S}",
+    )  # fmt: skip
 
-    deny = sub.add_parser("deny", help="deny what a run waits for")
-    deny.add_argument("run_id")
-    deny.add_argument("--by", required=True)
-    deny.add_argument("--reason", required=True)
-    deny.add_argument("--signal-id")
 
-    signal = sub.add_parser("signal", help="deliver a named signal")
-    signal.add_argument("run_id")
-    signal.add_argument("name")
-    signal.add_argument("--payload", default="null", help="JSON")
-    signal.add_argument("--signal-id")
-    signal.add_argument("--actor")
+def format_runs(summaries: Sequence[RunSummary], *, tty: bool) -> str:
+    """A table for a terminal; tab-separated lines (header first) for a pipe."""
+    rows = [_COLUMNS, *(_row(s) for s in summaries)]
+    if not tty:
+        return "\n".join("\t".join(r) for r in rows)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(_COLUMNS))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines.append(f"{len(summaries)} run(s)")
+    return "\n".join(lines)
+
+
+async def _runs_list(args: argparse.Namespace) -> int:
+    if args.limit < 1:
+        raise _CliError(f"--limit must be at least 1, got {args.limit}")
+    with open_store(args, must_exist=True) as store:
+        summaries = await RunViews(store).list_runs(
+            status=args.status, session_id=args.session, flow=args.flow, limit=args.limit
+        )
+    if args.json:
+        print(json.dumps([s.model_dump(mode="json") for s in summaries], indent=2))
+    else:
+        print(format_runs(summaries, tty=sys.stdout.isatty()))
+    return 0
+
+
+async def _runs_show(args: argparse.Namespace) -> int:
+    with open_store(args, must_exist=True) as store:
+        run = await asyncio.to_thread(store.load, args.run_id)
+        if run is None:
+            print(f"kuralle-es: no run {args.run_id} in this store", file=sys.stderr)
+            return 1
+        state, steps = run.to_state(), run.step_records()
+        deliveries = await asyncio.to_thread(read_deliveries, store, args.run_id)
+    if args.json:
+        shown = {
+            **state.model_dump(mode="json"),
+            "steps": [s.model_dump(mode="json") for s in steps],
+        }
+        print(json.dumps(shown, indent=2))
+    else:
+        print(format_timeline(state, steps, deliveries))
+    return 0
+
+
+# -------------------------------------------------------------- deliveries
+def _add_deliveries(sub: SubParsers) -> None:
+    approve = _command(sub, "approve", "approve what a run waits for", _approve)
+    approve.add_argument("run_id", metavar="RUN_ID", help="the paused run's id")
+    approve.add_argument("--by", required=True, metavar="NAME", help="who approves (the actor)")
+    approve.add_argument("--reason", help="why (kept in the journal)")
+    approve.add_argument("--signal-id", help="makes a retry of this command a no-op")
+
+    deny = _command(sub, "deny", "deny what a run waits for", _deny)
+    deny.add_argument("run_id", metavar="RUN_ID", help="the paused run's id")
+    deny.add_argument("--by", required=True, metavar="NAME", help="who denies (the actor)")
+    deny.add_argument("--reason", required=True, help="why (the model or node sees it)")
+    deny.add_argument("--signal-id", help="makes a retry of this command a no-op")
+
+    signal = _command(sub, "signal", "deliver a named signal to a waiting run", _signal)
+    signal.add_argument("run_id", metavar="RUN_ID", help="the paused run's id")
+    signal.add_argument("name", metavar="NAME", help="the signal the run waits for")
+    signal.add_argument("--payload", default="null", metavar="JSON", help="the payload, as JSON")
+    signal.add_argument("--signal-id", help="makes a retry of this command a no-op")
+    signal.add_argument("--actor", metavar="NAME", help="who sends it (kept in the journal)")
+
+
+async def _deliver(args: argparse.Namespace, delivery: SignalDelivery) -> int:
+    agents = load_agents(args.app)
+    with open_store(args, must_exist=True) as store:
+        runtime = Runtime(agents, store=store)
+        # An operator acts on behalf of the run's session, read from the store.
+        run = await asyncio.to_thread(store.load, args.run_id)
+        if run is None:
+            print(f"kuralle-es: no run {args.run_id} in this store", file=sys.stderr)
+            return 1
+        handle = runtime.run(
+            session_id=run.session_id, run_id=args.run_id, signal_delivery=delivery
+        )
+        _print_result(await handle.result())
+    return 0
+
+
+def _approval(args: argparse.Namespace, approved: bool) -> SignalDelivery:
+    payload: dict[str, Any] = {"approved": approved, "by": args.by}
+    if args.reason:
+        payload["reason"] = args.reason
+    return SignalDelivery(
+        signal_id=args.signal_id or f"cli-{uuid4().hex}",
+        name="__approval",
+        payload=payload,
+        actor=args.by,
+    )
+
+
+async def _approve(args: argparse.Namespace) -> int:
+    return await _deliver(args, _approval(args, True))
+
+
+async def _deny(args: argparse.Namespace) -> int:
+    return await _deliver(args, _approval(args, False))
+
+
+async def _signal(args: argparse.Namespace) -> int:
+    try:
+        payload = json.loads(args.payload)
+    except json.JSONDecodeError as e:
+        raise _CliError(f"--payload is not JSON: {e}") from None
+    delivery = SignalDelivery(
+        signal_id=args.signal_id or f"cli-{uuid4().hex}",
+        name=args.name,
+        payload=payload,
+        actor=args.actor,
+    )
+    return await _deliver(args, delivery)
+
+
+# ------------------------------------------------------------------- views
+def _add_views(sub: SubParsers) -> None:
+    views = sub.add_parser("views", help="keep the run views current, or rebuild them")
+    views_sub = views.add_subparsers(dest="views_command", required=True, metavar="COMMAND")
+    follow_ = _command(
+        views_sub, "follow", "project new events into the views until SIGTERM/Ctrl-C", _follow
+    )
+    follow_.add_argument(
+        "--interval", type=float, default=0.2, help="seconds between polls (SQLite, memory)"
+    )
+    follow_.add_argument(
+        "--batch",
+        type=int,
+        default=DEFAULT_BATCH,
+        help=f"events per transaction while catching up (default {DEFAULT_BATCH})",
+    )
+    _command(views_sub, "rebuild", "empty the views and project the whole log again", _rebuild)
+    _command(views_sub, "status", "the views' position against the log's last event", _status)
+
+
+async def _follow(args: argparse.Namespace) -> int:
+    if args.batch < 1:
+        raise _CliError(f"--batch must be at least 1, got {args.batch}")
+    stop = threading.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signals.SIGTERM, signals.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    with open_store(args) as store:
+        views = open_backend(store)
+        print(f"kuralle-es: following the run views (pid {os.getpid()})", file=sys.stderr)
+        await asyncio.to_thread(
+            follow, store, views, stop, interval=args.interval, batch=args.batch
+        )
+    return 0
+
+
+async def _rebuild(args: argparse.Namespace) -> int:
+    with open_store(args, must_exist=True) as store:
+        applied = await RunViews(store).rebuild()
+    print(f"rebuilt the run views from {applied} event(s)")
+    return 0
+
+
+async def _status(args: argparse.Namespace) -> int:
+    with open_store(args, must_exist=True) as store:
+        position = await RunViews(store).position()
+        head = await asyncio.to_thread(store.recorder.max_notification_id)
+    print(f"views at event {position or 0} of {head or 0}")
+    return 0
+
+
+#: Every command: each adds its parser (and handler) to the subparsers.
+COMMANDS: list[Callable[[SubParsers], None]] = [_add_demo, _add_runs, _add_deliveries, _add_views]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kuralle-es",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+        epilog=f"Store: --store URL or {STORE_ENV}. Agents: --app or {APP_ENV}.",
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"kuralle-es {_version()}", help="print the version"
+    )
+    _common(parser, top=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in COMMANDS:
+        add(sub)
     return parser
 
 
-async def _main(args: argparse.Namespace) -> int:
-    if args.command == "demo":
-        return await _demo(args)
-    runtime = _runtime(args)
-    try:
-        if args.command == "runs":
-            return await _show(runtime, args.run_id)
-        if args.command == "approve":
-            return await _deliver(runtime, args.run_id, _approval(args, True))
-        if args.command == "deny":
-            return await _deliver(runtime, args.run_id, _approval(args, False))
-        try:
-            payload = json.loads(args.payload)
-        except json.JSONDecodeError as e:
-            print(f"--payload is not JSON: {e}", file=sys.stderr)
-            return 2
-        delivery = SignalDelivery(
-            signal_id=args.signal_id or f"cli-{uuid4().hex}",
-            name=args.name,
-            payload=payload,
-            actor=args.actor,
-        )
-        return await _deliver(runtime, args.run_id, delivery)
-    finally:
-        runtime.store.close()
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
+    handler: Handler = args.handler
     try:
-        return asyncio.run(_main(args))
+        return asyncio.run(handler(args))
+    except (StoreUnavailableError, _CliError) as e:
+        print(f"kuralle-es: {e}", file=sys.stderr)
+        return 2
     except KuralleError as e:
         # A refusal is an answer, not a crash: say what and what to do, no traceback.
         print(f"kuralle-es: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    with contextlib.suppress(BrokenPipeError):
+        raise SystemExit(main())
