@@ -30,7 +30,7 @@ from typing import Any
 
 from ..errors import InvalidArgumentError
 from ..store import RunStore
-from ..tools import _wants_call as _wants_tx
+from ..tools import wants_call as _wants_tx
 from .follow import POLL_INTERVAL, EventReader, Tail
 from .positions import AlreadyApplied, PositionBook
 from .types import RunEvent

@@ -25,7 +25,7 @@ from eventsourcing.popo import POPOApplicationRecorder, POPOTrackingRecorder
 from eventsourcing.postgres import PostgresApplicationRecorder, PostgresTrackingRecorder
 from eventsourcing.sqlite import SQLiteApplicationRecorder, SQLiteTrackingRecorder
 
-from ..store import RunStore, _retry_schema_setup
+from ..store import RunStore, retry_schema_setup
 
 __all__ = ["TABLE", "AlreadyApplied", "PositionBook"]
 
@@ -64,7 +64,7 @@ class PositionBook:
         self.recorder: TrackingRecorder
         if isinstance(recorder, PostgresApplicationRecorder):
             datastore = recorder.datastore
-            self.recorder = _retry_schema_setup(
+            self.recorder = retry_schema_setup(
                 lambda: _created(PostgresTrackingRecorder(datastore, tracking_table_name=TABLE))
             )
         elif isinstance(recorder, SQLiteApplicationRecorder):
