@@ -19,13 +19,12 @@ from .agents import Agent
 from .cursor import Cursor, Site
 from .errors import (
     InvalidToolArgsError,
-    KuralleError,
     SuspendError,
     ToolApprovalDeniedError,
     ToolExecutionError,
 )
 from .journal import Journal
-from .llm import ModelRequest, ModelResponse, ToolCallRequest
+from .llm import ModelRequest, ModelResponse, ModelResponseError, ToolCallRequest
 from .model_steps import assistant_message, model_turn, tool_message
 from .models import StreamPart
 from .tool_steps import run_tool
@@ -192,8 +191,8 @@ async def agent_turn(
         if not response.tool_calls:
             return response.content
         await run_tool_calls(journal, cursor, agent, response.tool_calls, emit, max_concurrency)
-    msg = (
+    detail = (
         f"agent {agent.id!r} asked for tools {MAX_MODEL_TURNS} turns in a row without "
-        "replying; the turn was stopped. Check the agent's instructions and tools"
+        "replying, so the turn was stopped. Check the agent's instructions and tools"
     )
-    raise KuralleError(msg)
+    raise ModelResponseError(str(getattr(agent.model, "id", agent.model)), detail)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
+from .errors import InvalidArgumentError
 from .keys import canonical_json, sha256_hex
 
 if TYPE_CHECKING:
@@ -189,7 +190,7 @@ def collect(
             f"collect {id!r}: required fields {unknown!r} are not fields of "
             f"{schema.__name__} ({sorted(schema.model_fields)!r})"
         )
-        raise ValueError(msg)
+        raise InvalidArgumentError(msg)
     return CollectNode(
         id=id, schema=schema, required=tuple(required), ask=ask, on_complete=on_complete
     )
@@ -264,12 +265,12 @@ def define_flow(name: str, description: str, start: Node | str, nodes: Sequence[
             raise TypeError(msg)
         if node.id in by_id:
             msg = f"flow {name!r}: two nodes share the id {node.id!r}"
-            raise ValueError(msg)
+            raise InvalidArgumentError(msg)
         by_id[node.id] = node
     start_id = start.id if isinstance(start, Node) else start
     if start_id not in by_id:
         msg = f"flow {name!r}: start node {start_id!r} is not one of {sorted(by_id)!r}"
-        raise ValueError(msg)
+        raise InvalidArgumentError(msg)
     description_of_flow = {
         "name": name,
         "start": start_id,

@@ -31,7 +31,7 @@ from psycopg.errors import DuplicateObject, DuplicateTable, UniqueViolation
 from psycopg.errors import InternalError as PsycopgInternalError
 
 from .domain import Run, SessionRuns, new_session_runs, session_runs_id
-from .errors import StaleWriteError
+from .errors import InvalidArgumentError, StaleWriteError
 from .postgres_recorder import OneTripPostgresRecorder
 from .transcoding import EscapingJSONTranscoder
 
@@ -58,7 +58,7 @@ def postgres_env(dsn_or_params: str | Mapping[str, Any]) -> dict[str, str]:
                 f"not a PostgreSQL DSN: {dsn_or_params!r}; "
                 "use postgresql://user[:password]@host[:port]/dbname"
             )
-            raise ValueError(msg)
+            raise InvalidArgumentError(msg)
         params: dict[str, Any] = {
             "dbname": url.path.lstrip("/") or None,
             "host": url.hostname,
@@ -74,10 +74,10 @@ def postgres_env(dsn_or_params: str | Mapping[str, Any]) -> dict[str, str]:
             f"unknown PostgreSQL parameters {sorted(unknown)!r}; "
             "use dbname, host, port, user, password"
         )
-        raise ValueError(msg)
+        raise InvalidArgumentError(msg)
     if not params.get("dbname"):
         msg = "a PostgreSQL store needs a database name (dbname)"
-        raise ValueError(msg)
+        raise InvalidArgumentError(msg)
     env = {
         "PERSISTENCE_MODULE": "eventsourcing.postgres",
         "POSTGRES_DBNAME": str(params["dbname"]),

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ValidationError
 
-from .errors import InvalidToolArgsError, PayloadTooLargeError
+from .errors import InvalidArgumentError, InvalidToolArgsError, PayloadTooLargeError
 from .models import ToolCall
 
 __all__ = ["Tool", "define_tool", "encode_json", "max_payload_bytes", "wants_call"]
@@ -36,10 +36,10 @@ def max_payload_bytes() -> int:
         value = int(raw)
     except ValueError:
         msg = f"KURALLE_MAX_PAYLOAD_BYTES must be a whole number of bytes, got {raw!r}"
-        raise ValueError(msg) from None
+        raise InvalidArgumentError(msg) from None
     if value <= 0:
         msg = f"KURALLE_MAX_PAYLOAD_BYTES must be positive, got {value}"
-        raise ValueError(msg)
+        raise InvalidArgumentError(msg)
     return value
 
 
@@ -111,7 +111,7 @@ class Tool:
                     f"policy of tool {self.name!r} answered {answer!r}; "
                     "a policy must answer 'allow', 'ask' or 'deny'"
                 )
-                raise ValueError(msg)
+                raise InvalidArgumentError(msg)
             return answer
         return "ask" if self.needs_approval else "allow"
 
@@ -169,7 +169,7 @@ def define_tool(
     """Define a tool; every argument is checked here so mistakes surface at import."""
     if not isinstance(name, str) or not name or name.startswith("__"):
         msg = f"tool name must be a non-empty string not starting with '__', got {name!r}"
-        raise ValueError(msg)
+        raise InvalidArgumentError(msg)
     if not (isinstance(input, type) and issubclass(input, BaseModel)):
         msg = f"tool {name!r}: input must be a pydantic model class, got {input!r}"
         raise TypeError(msg)
@@ -178,7 +178,7 @@ def define_tool(
         raise TypeError(msg)
     if on_in_doubt not in ("retry", "ask"):
         msg = f"tool {name!r}: on_in_doubt must be 'retry' or 'ask', got {on_in_doubt!r}"
-        raise ValueError(msg)
+        raise InvalidArgumentError(msg)
     return Tool(
         name=name,
         description=description,

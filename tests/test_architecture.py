@@ -13,11 +13,9 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "kuralle_es"
 
 #: Imports of a private name written before the name was made public; each
-#: module named here is to switch to the public name (``tools.wants_call``,
-#: ``store.retry_schema_setup``). Never add to this set.
+#: module named here is to switch to the public name (``store.retry_schema_setup``).
+#: Never add to this set.
 PENDING = {
-    "kuralle_es.events.consumer imports ['_wants_call'] from kuralle_es.tools",
-    "kuralle_es.events.positions imports ['_retry_schema_setup'] from kuralle_es.store",
     "kuralle_es.views.api imports ['_retry_schema_setup'] from kuralle_es.store",
 }
 
