@@ -47,6 +47,14 @@ class Empty(BaseModel):
     pass
 
 
+class Count(BaseModel):
+    i: int
+
+
+#: Tool calls of one run of the "many" flow (about twice as many events).
+MANY = 40
+
+
 class Details(BaseModel):
     amount: float | None = None
 
@@ -57,6 +65,16 @@ def _ping(args: Empty) -> dict[str, Any]:
 
 def _boom(args: Empty) -> dict[str, Any]:
     raise RuntimeError("the payment API said no")
+
+
+def _count(args: Count) -> dict[str, Any]:
+    return {"i": args.i}
+
+
+async def _many(state: dict[str, Any], ctx: Any) -> Any:
+    for i in range(MANY):
+        await ctx.tool("count", {"i": i})
+    return end("counted")
 
 
 async def _quick(state: dict[str, Any], ctx: Any) -> Any:
@@ -110,6 +128,7 @@ def agent(drift_version: int = 1) -> Agent:
     )
     flows = [
         define_flow("quick", "pings twice", "go", [action("go", _quick)]),
+        define_flow("many", "many tool calls", "go", [action("go", _many)]),
         define_flow("flaky", "a tool fails", "go", [action("go", _flaky)]),
         define_flow("crash", "the node raises", "go", [action("go", _crash)]),
         define_flow("approve", "asks a human", "ask", [action("ask", _approve)]),
@@ -125,6 +144,7 @@ def agent(drift_version: int = 1) -> Agent:
     tools = [
         define_tool("ping", "answers", Empty, _ping),
         define_tool("boom", "fails", Empty, _boom),
+        define_tool("count", "echoes its number", Count, _count),
     ]
     return define_agent("views", "test agent", ScriptedModel(_model), tools, flows)
 

@@ -10,11 +10,13 @@ Times are stored as fixed-width UTC text, so comparing text compares times.
 
 from __future__ import annotations
 
+import random
+import time
 from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
 
-from eventsourcing.persistence import Tracking, TrackingRecorder
+from eventsourcing.persistence import OperationalError, Tracking, TrackingRecorder
 from eventsourcing.sqlite import SQLiteCursor, SQLiteDatastore, SQLiteRecorder
 
 from .backend import StepKey, ViewBackend
@@ -37,6 +39,7 @@ from .query import (
 __all__ = ["SQLiteViews"]
 
 _TIME_FORMAT = "%Y-%m-%d %H:%M:%S.%f"
+_CREATE_ATTEMPTS = 100
 
 
 def to_text(value: datetime) -> str:
@@ -93,6 +96,22 @@ class SQLiteViews(SQLiteRecorder, TrackingRecorder, ViewBackend):
             for name, columns in SQL_INDEXES
         ]
         return statements
+
+    def create_table(self) -> None:
+        """Create the tables if missing, waiting out another process's write.
+
+        The creating transaction starts by reading the schema, so a concurrent
+        writer makes it fail with "database is locked" at once rather than wait;
+        the statements are idempotent, so trying again is safe.
+        """
+        for attempt in range(_CREATE_ATTEMPTS):
+            try:
+                super().create_table()
+                return
+            except OperationalError as e:
+                if "locked" not in str(e) or attempt == _CREATE_ATTEMPTS - 1:
+                    raise
+                time.sleep(random.uniform(0.02, 0.1))
 
     # ------------------------------------------------ TrackingRecorder
     def insert_tracking(self, tracking: Tracking) -> None:
