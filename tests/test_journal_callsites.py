@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 from typing import Any
 
 import pytest
@@ -22,6 +23,7 @@ from kuralle_es import (
     RunStore,
     Runtime,
     SignalDelivery,
+    StaleWriteError,
     ToolExecutionError,
     action,
     define_agent,
@@ -219,3 +221,52 @@ async def test_bad_arguments_to_public_calls_are_invalid_argument_errors() -> No
     with pytest.raises(InvalidArgumentError, match="signal name") as caught:
         await flow_runtime.run(SESSION, kind="flow", flow_name="f").result()
     assert isinstance(caught.value, KuralleError)
+
+
+# ------------------------------------------------------------- failed saves
+async def test_a_save_that_fails_for_another_reason_is_not_reported_as_another_writer(
+    tmp_path: Any,
+) -> None:
+    db = tmp_path / "runs.db"
+    env = {
+        "PERSISTENCE_MODULE": "eventsourcing.sqlite",
+        "SQLITE_DBNAME": str(db),
+        "SQLITE_LOCK_TIMEOUT": "1",
+    }
+    store = RunStore(env=env)
+    locker = sqlite3.connect(db, isolation_level=None, check_same_thread=False)
+    calls: list[int] = []
+
+    def lock_the_database(args: NoArgs) -> str:
+        calls.append(1)
+        if len(calls) == 1:
+            locker.execute("BEGIN EXCLUSIVE")  # the result's save cannot get in
+        return "done"
+
+    async def node(state: dict[str, Any], ctx: Any) -> Any:
+        return end(await ctx.tool("lock"))
+
+    tool = define_tool("lock", "holds the database", NoArgs, lock_the_database)
+    runtime = runtime_of(node, [tool], store)
+    handle = runtime.run(SESSION, kind="flow", flow_name="f")
+    run_id = await handle.run_id
+    try:
+        with pytest.raises(Exception) as caught:
+            await handle.result()
+    finally:
+        locker.execute("ROLLBACK")
+        locker.close()
+    assert not isinstance(caught.value, StaleWriteError)
+    assert "another writer" not in str(caught.value)
+    assert "locked" in str(caught.value), repr(caught.value)
+
+    # Nothing after the failed save was stored: the tool's step is still in
+    # doubt, and re-addressing the run executes it again with the same key.
+    steps = await runtime.get_steps(run_id, SESSION)
+    assert [(s.name, s.status) for s in steps] == [("lock", "running")]
+    again = await runtime.run(SESSION, run_id=run_id).result()
+    assert again.status == "finished"
+    assert calls == [1, 1]
+    steps = await runtime.get_steps(run_id, SESSION)
+    assert [(s.name, s.status, s.attempts) for s in steps] == [("lock", "finished", 2)]
+    store.close()
