@@ -8,8 +8,12 @@ A handler is ``handler(event)`` or ``handler(event, tx)``, sync or async
   transaction that records the consumer's new position. What the handler
   writes through it commits together with the position, or not at all: those
   writes apply exactly once, across crashes and even with two instances of
-  the same consumer running. Keep such handlers short: the transaction is
-  open while they run (on SQLite it holds the database's single write lock).
+  the same consumer running. Up to ``batch_size`` events (100) share one
+  transaction when several are waiting; if a handler raises, the batch is
+  rolled back and applied again one event per transaction, so only the failing
+  event is left unapplied (effects a handler has outside ``tx`` may therefore
+  happen again). Keep such handlers short: the transaction is open while they
+  run (on SQLite it holds the database's single write lock).
 - ``handler(event)`` (and every handler on a memory store, where ``tx`` is
   None): the handler runs, then the position is recorded. A crash between the
   two delivers that one event again on restart: at-least-once, so its effect
@@ -35,7 +39,10 @@ from .follow import POLL_INTERVAL, EventReader, Tail
 from .positions import AlreadyApplied, PositionBook
 from .types import RunEvent
 
-__all__ = ["Consumer", "Handler"]
+__all__ = ["BATCH_SIZE", "Consumer", "Handler"]
+
+#: Events applied per transaction by a ``handler(event, tx)``.
+BATCH_SIZE = 100
 
 Handler = Callable[..., Any] | Callable[..., Awaitable[Any]]
 
@@ -58,6 +65,7 @@ class Consumer:
         handler: Handler,
         *,
         poll_interval: float = POLL_INTERVAL,
+        batch_size: int = BATCH_SIZE,
     ) -> None:
         if not isinstance(name, str) or not name.strip():
             msg = f"a consumer needs a non-empty name to keep its position under, got {name!r}"
@@ -69,6 +77,10 @@ class Consumer:
         self.name = name
         self.handler = handler
         self.poll_interval = poll_interval
+        if not isinstance(batch_size, int) or batch_size < 1:
+            msg = f"batch_size must be a positive int, got {batch_size!r}"
+            raise InvalidArgumentError(msg)
+        self.batch_size = batch_size
         self._book = PositionBook(store)
         self._wants_tx = _wants_tx(handler)
         self._async = _is_async(handler)
@@ -86,8 +98,7 @@ class Consumer:
         applied = 0
         while reader.position < target:
             events, more = await asyncio.to_thread(reader.read, target)
-            for event in events:
-                applied += await self._apply(event)
+            applied += await self._apply_all(events)
             if not more:
                 break
         return applied
@@ -101,10 +112,7 @@ class Consumer:
             try:
                 while not self._stop_requested:
                     events, more = await asyncio.to_thread(reader.read)
-                    for event in events:
-                        if self._stop_requested:
-                            return
-                        await self._apply(event)
+                    await self._apply_all(events)
                     if not more:
                         await tail.wait()
             finally:
@@ -117,41 +125,79 @@ class Consumer:
             self._tail.stop()
 
     # -------------------------------------------------------------- applying
-    async def _apply(self, event: RunEvent) -> int:
-        """Apply one event; 0 if another instance of this consumer already had."""
-        try:
-            if not self._async:  # the whole application in one worker-thread hop
-                await asyncio.to_thread(self._apply_sync, event)
-            elif self._wants_tx and self._book.transactional:
-                await self._apply_in_transaction(event)
+    async def _apply_all(self, events: list[RunEvent]) -> int:
+        """Apply events in order until done or stopped; how many were applied."""
+        transactional = self._wants_tx and self._book.transactional
+        size = self.batch_size if transactional else 1
+        applied = 0
+        for start in range(0, len(events), size):
+            if self._stop_requested:
+                break
+            chunk = events[start : start + size]
+            if transactional:
+                applied += await self._apply_batch(chunk)
             else:
-                await self._call(event, None)
-                await asyncio.to_thread(self._book.record, self.name, event.position)
-        except AlreadyApplied:
-            return 0
-        return 1
+                applied += await self._apply_alone(chunk[0])
+        return applied
 
-    def _apply_sync(self, event: RunEvent) -> None:
-        if self._wants_tx and self._book.transactional:
-            with self._book.begin(self.name, event.position) as tx:
-                self.handler(event, tx)
-            return
-        self.handler(*((event, None) if self._wants_tx else (event,)))
-        self._book.record(self.name, event.position)
-
-    async def _apply_in_transaction(self, event: RunEvent) -> None:
-        # An async handler runs on the loop, between a transaction entered and
-        # left in worker threads.
-        stack = contextlib.ExitStack()
-        tx = await asyncio.to_thread(
-            stack.enter_context, self._book.begin(self.name, event.position)
-        )
+    async def _apply_batch(self, chunk: list[RunEvent]) -> int:
+        """Apply ``chunk`` in one transaction; if a handler fails, again one event at a
+        time, so the events before the failing one are kept and it raises alone."""
         try:
-            await self._call(event, tx)
+            if self._async:
+                return await self._batch_async(chunk)
+            return await asyncio.to_thread(self._batch_sync, chunk)
+        except Exception:
+            if len(chunk) == 1:
+                raise
+        applied = 0
+        for event in chunk:
+            applied += await self._apply_batch([event])
+        return applied
+
+    def _batch_sync(self, chunk: list[RunEvent]) -> int:
+        with self._book.begin(self.name) as batch:
+            todo = _after(chunk, batch.position)
+            for event in todo:
+                self.handler(event, batch.tx)
+            if todo:
+                batch.advance(todo[-1].position)
+            return len(todo)
+
+    async def _batch_async(self, chunk: list[RunEvent]) -> int:
+        # The handler runs on the loop, inside a transaction entered and left in
+        # worker threads.
+        stack = contextlib.ExitStack()
+        batch = await asyncio.to_thread(stack.enter_context, self._book.begin(self.name))
+        try:
+            todo = _after(chunk, batch.position)
+            for event in todo:
+                await self.handler(event, batch.tx)
+            if todo:
+                await asyncio.to_thread(batch.advance, todo[-1].position)
         except BaseException:
             await asyncio.to_thread(stack.__exit__, *sys.exc_info())
             raise
         await asyncio.to_thread(stack.close)
+        return len(todo)
 
-    async def _call(self, event: RunEvent, tx: Any) -> None:
-        await self.handler(*((event, tx) if self._wants_tx else (event,)))
+    async def _apply_alone(self, event: RunEvent) -> int:
+        """Run the handler, then record the position: at-least-once."""
+        args = (event, None) if self._wants_tx else (event,)
+        try:
+            if self._async:
+                await self.handler(*args)
+                await asyncio.to_thread(self._book.record, self.name, event.position)
+            else:  # both in one worker-thread hop
+                await asyncio.to_thread(self._call_and_record, args, event.position)
+        except AlreadyApplied:  # another instance of this consumer got further
+            return 0
+        return 1
+
+    def _call_and_record(self, args: tuple[Any, ...], position: int) -> None:
+        self.handler(*args)
+        self._book.record(self.name, position)
+
+
+def _after(events: list[RunEvent], position: int | None) -> list[RunEvent]:
+    return events if position is None else [e for e in events if e.position > position]
