@@ -21,18 +21,17 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import signal
 import sqlite3
 import sys
 from collections.abc import Sequence
 from typing import Any
-from urllib.parse import urlparse
 
 from eventsourcing.sqlite import SQLiteApplicationRecorder
 
 from ..events import Consumer, RunEvent, RunPaused
 from ..store import RunStore
+from ..store_url import StoreUnavailableError, open_store_from_env, open_store_url
 
 __all__ = [
     "CONSUMER_NAME",
@@ -109,19 +108,12 @@ async def consume(store: RunStore, *, once: bool = False) -> int:
 
 def open_store(url: str | None, sqlite_path: str | None) -> RunStore:
     """The store named by ``--sqlite``, else a URL (``--store`` / ``KURALLE_STORE``),
-    else the ``eventsourcing`` environment variables."""
+    else the ``eventsourcing`` environment variables; ``StoreUnavailableError`` if away."""
     if sqlite_path:
-        return RunStore.sqlite(sqlite_path)
-    url = url or os.environ.get("KURALLE_STORE")
-    if not url:
-        return RunStore()
-    scheme = urlparse(url).scheme
-    if scheme in ("postgresql", "postgres"):
-        return RunStore.postgres(url)
-    if scheme == "sqlite":
-        return RunStore.sqlite(url.removeprefix("sqlite://"))
-    msg = f"--store must be postgresql://... or sqlite:///path, got {url!r}"
-    raise SystemExit(msg)
+        return open_store_url(f"sqlite:///{sqlite_path}")
+    if url:
+        return open_store_url(url)
+    return open_store_from_env()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -132,7 +124,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sqlite", help="SQLite file, short for --store sqlite:///FILE")
     parser.add_argument("--once", action="store_true", help="catch up, then exit")
     args = parser.parse_args(argv)
-    store = open_store(args.store, args.sqlite)
+    try:
+        store = open_store(args.store, args.sqlite)
+    except StoreUnavailableError as e:
+        print(f"approval_notifier: {e}", file=sys.stderr)
+        return 2
     try:
         return asyncio.run(consume(store, once=args.once))
     finally:
