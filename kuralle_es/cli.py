@@ -435,8 +435,37 @@ async def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------- dashboard
+def _add_dashboard(sub: SubParsers) -> None:
+    dash = _command(
+        sub, "dashboard", "web pages over the runs; approve or deny from a browser", _dashboard
+    )
+    dash.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="the interface to bind (default 127.0.0.1; another needs KURALLE_DASHBOARD_TOKEN)",
+    )
+    dash.add_argument("--port", type=int, default=8765, help="the port (default 8765)")
+
+
+async def _dashboard(args: argparse.Namespace) -> int:
+    try:  # the `dashboard` extra: imported only by this command
+        from .dashboard import TOKEN_ENV, check_bind, serve
+    except ImportError as e:
+        raise _CliError(f"the dashboard needs: pip install 'kuralle_es[dashboard]' ({e})") from None
+    token = os.environ.get(TOKEN_ENV) or None
+    check_bind(args.host, token)  # before anything is opened
+    # Only a dashboard with a token can deliver decisions, so only it needs the agents.
+    agents = load_agents(args.app) if token else []
+    with open_store(args, must_exist=True) as store:
+        await serve(store, lambda s: Runtime(agents, store=s), args.host, args.port, token)
+    return 0
+
+
 #: Every command: each adds its parser (and handler) to the subparsers.
-COMMANDS: list[Callable[[SubParsers], None]] = [_add_demo, _add_runs, _add_deliveries, _add_views]
+COMMANDS: list[Callable[[SubParsers], None]] = [
+    _add_demo, _add_runs, _add_deliveries, _add_views, _add_dashboard,
+]  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -14,7 +14,10 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -426,10 +429,11 @@ def test_pages_show_real_runs_by_status_with_waits_oldest_first_a_filter_and_too
     # "library" here, not the payload's "by").
     visit(browser, f"{dashboard.url}/runs/{done.run_id}")
     rows = browser.find_elements(By.CSS_SELECTOR, "#timeline tbody tr")
-    approval = next(r for r in rows if "__approval" in r.text)
-    cells = [c.text for c in approval.find_elements(By.TAG_NAME, "td")]
-    assert cells[2:6] == ["approval", "__approval", "finished", "1"]
-    assert cells[-1] == "library" and '"by": "sam"' in cells[-2]
+    cells = [[c.text for c in r.find_elements(By.TAG_NAME, "td")] for r in rows]
+    delivered, step = (c for c in cells if c[3] == "__approval")  # delivery, then its step
+    assert delivered[2:5] == ["signal delivery", "__approval", "accepted"]
+    assert delivered[-1] == "library" and '"by": "sam"' in delivered[-2]
+    assert step[2:6] == ["approval", "__approval", "finished", "1"]
 
     visit(browser, dashboard.url + "/tools")
     table = text_of(browser, "tools")
@@ -475,9 +479,11 @@ def test_approve_in_the_browser_resumes_the_run_and_its_tool_executes_once(
     assert text_of(browser, "run-status") == "finished"
     assert text_of(browser, "outcome") == "approved"
     assert [e["amount_cents"] for e in refunds(ledger_path)] == [4250]
-    rows = browser.find_elements(By.CSS_SELECTOR, "#timeline tbody tr")
-    approval = next(r for r in rows if "__approval" in r.text)
-    assert OPERATOR in approval.text and "customer is right" in approval.text
+    rows = browser.find_elements(By.CSS_SELECTOR, "#timeline tbody tr.delivery")
+    delivered = [r for r in rows if "__approval" in r.text]
+    assert len(delivered) == 1
+    cells = [c.text for c in delivered[0].find_elements(By.TAG_NAME, "td")]
+    assert cells[-1] == OPERATOR and "customer is right" in cells[-2]
 
     # The same confirmation submitted again (back, resubmit) is the same signal: a no-op.
     browser.back()
@@ -620,3 +626,41 @@ def test_a_dashboard_beyond_loopback_needs_a_token_and_then_a_login_for_every_pa
     finally:
         server.should_exit = True
         thread.join(20)
+
+
+def test_the_kuralle_es_dashboard_command_serves_the_store_and_stops_on_sigterm(
+    tmp_path: Path, maker: Maker, open_store: Any, backend: str
+) -> None:
+    paused = maker.refund_paused("s-cli", "7")
+    url = open_store.target if backend == "postgres" else f"sqlite:///{open_store.target}"
+    env = {k: v for k, v in os.environ.items() if k != "KURALLE_DASHBOARD_TOKEN"}
+    command = [sys.executable, "-m", "kuralle_es.cli", "--store", url, "dashboard"]
+
+    refused = subprocess.run([*command, "--host", "0.0.0.0"], env=env, capture_output=True,
+                             text=True, timeout=60)  # fmt: skip
+    assert refused.returncode == 1
+    assert "refusing to serve the dashboard on '0.0.0.0' without KURALLE_DASHBOARD_TOKEN" in (
+        refused.stderr
+    )
+
+    port = _free_port()
+    server = subprocess.Popen([*command, "--port", str(port)], env=env, stderr=subprocess.PIPE,
+                              text=True)  # fmt: skip
+    try:
+        client = Http(f"http://127.0.0.1:{port}")
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                status, page = client.request(f"/runs/{paused.run_id}")
+                break
+            except urllib.error.URLError:
+                assert server.poll() is None and time.monotonic() < deadline
+                time.sleep(0.1)
+        assert status == 200 and paused.run_id in page and "Refund $7.00?" in page
+        assert "read-only" in page  # no token in its environment: no approve buttons
+        assert client.request(f"/runs/{paused.run_id}/approve", {"csrf_token": "x"})[0] == 403
+    finally:
+        server.send_signal(signal.SIGTERM)
+        _, stderr = server.communicate(timeout=30)
+    assert server.returncode == 0, stderr
+    assert f"dashboard on http://127.0.0.1:{port}/ (read-only" in stderr

@@ -12,8 +12,12 @@ never import the user's app.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
-from collections.abc import Awaitable, Callable
+import signal
+import sys
+import threading
+from collections.abc import Awaitable, Callable, Iterator
 from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import quote
@@ -30,17 +34,17 @@ from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..domain import Run
 from ..errors import InvalidArgumentError, KuralleError
 from ..models import RunState
 from ..runtime import Runtime
 from ..store import RunStore
+from ..timeline import read_deliveries
 from ..views import RunViews
 from .decisions import Decision, deliver, new_signal_id, refusal_status, valid_signal_id
 from .overview import overview, tool_overview
 from .security import CSRF_COOKIE, SESSION_COOKIE, TOKEN_ENV, Gate, Operator, is_loopback
 from .security import valid_operator_name as _valid_name
-from .timeline import delivery_actors, pretty_json, timeline_rows
+from .timeline import pretty_json, timeline_rows
 
 __all__ = ["REFRESH_SECONDS", "RuntimeFactory", "check_bind", "create_app", "serve"]
 
@@ -48,6 +52,7 @@ RuntimeFactory = Callable[[RunStore], Runtime]
 Handler = Callable[[Request], Awaitable[Response]]
 REFRESH_SECONDS = 5
 _FAILED_LOGIN_PAUSE = 0.5
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _SECURITY_HEADERS = {
     "Content-Security-Policy": (
         "default-src 'none'; style-src 'self'; img-src 'self' data:; "
@@ -214,11 +219,6 @@ class _Dashboard:
         run = await asyncio.to_thread(self.store.load, run_id)
         return run.to_state() if run is not None else None
 
-    def _actors(self, run: Run) -> dict[int, str]:
-        if not any(s["kind"] in ("approval", "signal") for s in run.steps):
-            return {}  # no delivery to attribute: spare the read of the run's events
-        return delivery_actors(self.store.repository.event_store.get(run.id))
-
     # ---------------------------------------------------------------- pages
     async def index(self, request: Request) -> Response:
         filters = {k: request.query_params.get(k) or None for k in ("status", "session", "flow")}
@@ -234,11 +234,11 @@ class _Dashboard:
         run = await asyncio.to_thread(self.store.load, run_id)
         if run is None:
             return self.problem(request, 404, "No such run", f"There is no run {run_id}.")
-        actors = await asyncio.to_thread(self._actors, run)
+        deliveries = await asyncio.to_thread(read_deliveries, self.store, run_id)
         delivered = request.query_params.get("delivered", "")
         context = {
             "run": run.to_state(),
-            "rows": timeline_rows(run.step_records(), actors),
+            "rows": timeline_rows(run.step_records(), deliveries),
             "delivered": valid_signal_id(delivered) and delivered,
         }
         return self.render(request, "run.html", context, refresh=True)
@@ -377,14 +377,38 @@ def create_app(
     return Starlette(routes=routes, middleware=[Middleware(_SecurityHeaders)])
 
 
-def serve(
+async def serve(
     store: RunStore,
     runtime_factory: RuntimeFactory,
     host: str = "127.0.0.1",
     port: int = 8765,
     token: str | None = None,
 ) -> None:
-    """Serve the dashboard until interrupted; ``token`` defaults to the environment's."""
+    """Serve the dashboard until SIGINT/SIGTERM; ``token`` defaults to the environment's."""
     token = token if token is not None else os.environ.get(TOKEN_ENV) or None
     app = create_app(store, runtime_factory, host=host, token=token)
-    uvicorn.run(app, host=host, port=port, log_level="info", server_header=False)
+    mode = "approve/deny need a login" if token else f"read-only: {TOKEN_ENV} is unset"
+    print(f"kuralle-es: dashboard on http://{host}:{port}/ ({mode})", file=sys.stderr)
+    config = uvicorn.Config(app, host=host, port=port, log_level="info", server_header=False)
+    await _Server(config).serve()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, but a SIGINT/SIGTERM stop returns to the caller.
+
+    uvicorn shuts down gracefully on those signals and then raises the signal
+    again, which ends the process before the caller closes its store; here the
+    stop is a plain return.
+    """
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in _STOP_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)

@@ -1,35 +1,37 @@
-"""A run's journal shaped for the run page: one row per step (internal).
+"""A run's journal shaped for the run page: its steps and deliveries in time order (internal).
 
 The page shows what an operator asks of a step: what it was, how it ended,
-how often it was tried, how long it took, and who delivered it. Values are
-rendered as JSON text; the templates escape them.
+how often it was tried, how long it took; and of each delivery (a signal,
+an approval, input) who sent it and what. Deliveries come from
+``kuralle_es.timeline.read_deliveries``, as in ``kuralle-es runs show``.
+Values are rendered as JSON text; the templates escape them.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
-from ..domain import Run
 from ..models import StepRecord
+from ..timeline import Delivery
 
-__all__ = ["TimelineRow", "delivery_actors", "pretty_json", "timeline_rows"]
+__all__ = ["TimelineRow", "pretty_json", "timeline_rows"]
 
 _SHORT = 240
 
 
 @dataclass(frozen=True)
 class TimelineRow:
-    """One journal step as the page shows it."""
+    """One journal step, or one delivery, as the page shows it."""
 
-    index: int
+    index: int | None  # None for a delivery
     kind: str
     name: str
     status: str
-    attempts: int
+    attempts: int | None
     started_at: datetime | None
     duration_ms: float | None
     outcome: str
@@ -43,51 +45,20 @@ def pretty_json(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, indent=2, default=str, sort_keys=True)
 
 
-def delivery_actors(events: Iterable[object]) -> dict[int, str]:
-    """Step index -> the ``actor`` of the delivery that journaled that step.
-
-    An accepted delivery is stored as ``SignalAccepted`` and, in the same
-    save, the wait's step (``StepStarted``); lease events may sit between.
-    A delivery answering an in-doubt step starts no step, so anything else
-    after it ends the match.
-    """
-    actors: dict[int, str] = {}
-    pending: str | None = None
-    for event in events:
-        if isinstance(event, Run.SignalAccepted):
-            pending = event.actor
-        elif isinstance(event, Run.StepStarted) and pending is not None:
-            actors[event.index] = pending
-            pending = None
-        elif not isinstance(event, Run.LeaseTaken | Run.LeaseReleased):
-            pending = None
-    return actors
+def _shorten(full: str) -> str:
+    return full if len(full) <= _SHORT else full[: _SHORT - 1] + "…"
 
 
-def _actor(step: StepRecord, actors: dict[int, str]) -> str | None:
-    """Who delivered a step's value: the delivery's actor, else an approval's ``by``."""
-    if step.index in actors:
-        return actors[step.index]
-    if step.kind == "approval" and isinstance(step.result, dict):
-        by = step.result.get("by")
-        return by if isinstance(by, str) else None
-    return None
-
-
-def _duration_ms(step: StepRecord) -> float | None:
-    if step.started_at is None or step.finished_at is None:
-        return None
-    return (step.finished_at - step.started_at).total_seconds() * 1000.0
-
-
-def _row(step: StepRecord, actors: dict[int, str]) -> TimelineRow:
+def _step_row(step: StepRecord) -> TimelineRow:
     if step.status == "error" and step.error is not None:
         full = f"{step.error.type}: {step.error.message}"
     elif step.status == "finished":
         full = json.dumps(step.result, ensure_ascii=False, default=str)
     else:
         full = "running (in doubt if its worker died)"
-    short = full if len(full) <= _SHORT else full[: _SHORT - 1] + "…"
+    duration_ms = None
+    if step.started_at is not None and step.finished_at is not None:
+        duration_ms = (step.finished_at - step.started_at).total_seconds() * 1000.0
     return TimelineRow(
         index=step.index,
         kind=step.kind,
@@ -95,13 +66,36 @@ def _row(step: StepRecord, actors: dict[int, str]) -> TimelineRow:
         status=step.status,
         attempts=step.attempts,
         started_at=step.started_at,
-        duration_ms=_duration_ms(step),
-        outcome=short,
+        duration_ms=duration_ms,
+        outcome=_shorten(full),
         outcome_full=full,
         failed=step.status == "error",
-        actor=_actor(step, actors),
+        actor=None,
     )
 
 
-def timeline_rows(steps: list[StepRecord], actors: dict[int, str]) -> list[TimelineRow]:
-    return [_row(step, actors) for step in steps]
+def _delivery_row(delivery: Delivery) -> TimelineRow:
+    full = json.dumps(delivery.payload, ensure_ascii=False, default=str)
+    return TimelineRow(
+        index=None,
+        kind=f"{delivery.kind} delivery",
+        name=delivery.name,
+        status="accepted",
+        attempts=None,
+        started_at=delivery.at,
+        duration_ms=None,
+        outcome=_shorten(full),
+        outcome_full=full,
+        failed=False,
+        actor=delivery.actor,
+    )
+
+
+def timeline_rows(steps: Sequence[StepRecord], deliveries: Sequence[Delivery]) -> list[TimelineRow]:
+    """Steps and deliveries by time; a delivery sorts before the step it journaled."""
+    rows = [(d.at, 0, _delivery_row(d)) for d in deliveries]
+    rows += [(s.started_at or _NEVER, 1, _step_row(s)) for s in steps]
+    return [row for _, _, row in sorted(rows, key=lambda r: (r[0], r[1]))]
+
+
+_NEVER = datetime.max.replace(tzinfo=UTC)
