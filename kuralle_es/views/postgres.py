@@ -69,15 +69,38 @@ class PostgresViews(PostgresTrackingRecorder, ViewBackend):
         step_updates = SQL(", ").join(
             SQL("{0} = EXCLUDED.{0}").format(Identifier(c)) for c in STEP_COLUMNS[2:]
         )
-        self._upsert_run = SQL(
-            "INSERT INTO {0} ({1}) VALUES ({2}) ON CONFLICT (run_id) DO UPDATE SET {3}"
-        ).format(self._runs, _names(RUN_COLUMNS), _slots(RUN_COLUMNS), run_updates)
-        self._upsert_step = SQL(
-            "INSERT INTO {0} ({1}) VALUES ({2}) ON CONFLICT (run_id, idx) DO UPDATE SET {3}"
-        ).format(self._steps, _names(STEP_COLUMNS), _slots(STEP_COLUMNS), step_updates)
+        # The statements of every applied batch are rendered once, here.
+        self._upsert_run = (
+            SQL("INSERT INTO {0} ({1}) VALUES ({2}) ON CONFLICT (run_id) DO UPDATE SET {3}")
+            .format(self._runs, _names(RUN_COLUMNS), _slots(RUN_COLUMNS), run_updates)
+            .as_string()
+        )
+        self._upsert_step = (
+            SQL("INSERT INTO {0} ({1}) VALUES ({2}) ON CONFLICT (run_id, idx) DO UPDATE SET {3}")
+            .format(self._steps, _names(STEP_COLUMNS), _slots(STEP_COLUMNS), step_updates)
+            .as_string()
+        )
+        self._load_runs = (
+            SQL("SELECT * FROM {0} WHERE run_id = ANY(%s)").format(self._runs).as_bytes()
+        )
+        self._load_steps = (
+            SQL(
+                "SELECT s.* FROM {0} s JOIN unnest(%s::text[], %s::int[]) AS k(run_id, idx) "
+                "ON s.run_id = k.run_id AND s.idx = k.idx"
+            )
+            .format(self._steps)
+            .as_bytes()
+        )
+        self._position = (
+            SQL("SELECT notification_id FROM {0}.{1} WHERE application_name = %s")
+            .format(schema, Identifier(tracking_table_name))
+            .as_bytes()
+        )
         # Projectors of these views take turns: one lock per tracking table.
-        self._lock = SQL("SELECT pg_advisory_xact_lock(hashtext({0}))").format(
-            f"{datastore.schema}.{tracking_table_name}"
+        self._lock = (
+            SQL("SELECT pg_advisory_xact_lock(hashtext({0}))")
+            .format(f"{datastore.schema}.{tracking_table_name}")
+            .as_bytes()
         )
 
     def _create_statements(self, runs: str, steps: str) -> list[Composed]:
@@ -110,10 +133,24 @@ class PostgresViews(PostgresTrackingRecorder, ViewBackend):
         ]
         return statements
 
+    def _create_table(self, curs: Cursor[DictRow]) -> None:
+        # Index creation locks the tables it indexes; holding the projectors'
+        # lock first means a projector starting up never deadlocks with one
+        # that is writing rows.
+        curs.execute(self._lock)
+        super()._create_table(curs)
+
     # ------------------------------------------------------ ViewBackend
     @contextmanager
     def view_transaction(self) -> Iterator[_PostgresTransaction]:
-        with self.datastore.transaction(commit=True) as curs:
+        # Pipelined: statements go out together until a result is needed; the
+        # server still runs them in order, so the position is read after the lock.
+        with (
+            self.datastore.get_connection() as conn,
+            conn.pipeline(),
+            conn.transaction(),
+            conn.cursor() as curs,
+        ):
             curs.execute(self._lock)
             yield _PostgresTransaction(self, curs)
 
@@ -165,34 +202,32 @@ class _PostgresTransaction:
         self.curs = curs
 
     def position(self) -> int | None:
-        return self.views._max_tracking_id(self.views.application_name, self.curs)
+        self.curs.execute(self.views._position, (self.views.application_name,))
+        found = self.curs.fetchone()
+        return None if found is None else found["notification_id"]
 
     def load_runs(self, run_ids: Collection[str]) -> dict[str, RunRow]:
         if not run_ids:
             return {}
-        self.curs.execute(
-            SQL("SELECT * FROM {0} WHERE run_id = ANY(%s)").format(self.views._runs),
-            (list(run_ids),),
-        )
+        self.curs.execute(self.views._load_runs, (list(run_ids),))
         return {r["run_id"]: run_row(r, _utc_or_none) for r in self.curs.fetchall()}
 
     def load_steps(self, keys: Collection[StepKey]) -> dict[StepKey, StepRow]:
         if not keys:
             return {}
-        self.curs.execute(
-            SQL(
-                "SELECT s.* FROM {0} s JOIN unnest(%s::text[], %s::int[]) AS k(run_id, idx) "
-                "ON s.run_id = k.run_id AND s.idx = k.idx"
-            ).format(self.views._steps),
-            ([k[0] for k in keys], [k[1] for k in keys]),
-        )
+        self.curs.execute(self.views._load_steps, ([k[0] for k in keys], [k[1] for k in keys]))
         return {(r["run_id"], r["idx"]): step_row(r, _utc_or_none) for r in self.curs.fetchall()}
 
     def write(self, runs: Sequence[RunRow], steps: Sequence[StepRow], position: int) -> None:
-        if runs:
-            self.curs.executemany(self.views._upsert_run, [run_values(r, as_utc) for r in runs])
-        if steps:
-            self.curs.executemany(self.views._upsert_step, [step_values(s, as_utc) for s in steps])
+        for statement, values in (
+            (self.views._upsert_run, [run_values(r, as_utc) for r in runs]),
+            (self.views._upsert_step, [step_values(s, as_utc) for s in steps]),
+        ):
+            if len(values) == 1:
+                self.curs.execute(statement, values[0])
+            elif values:
+                self.curs.executemany(statement, values)
+        # eventsourcing's tracking upsert: an IntegrityError if it would go backwards.
         self.views._insert_tracking(self.curs, Tracking(self.views.application_name, position))
 
 

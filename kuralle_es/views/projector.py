@@ -33,15 +33,17 @@ def catch_up(store: RunStore, views: ViewBackend, batch: int = DEFAULT_BATCH) ->
     a steady stream of writes a catch-up still ends.
     """
     until = store.recorder.max_notification_id() or 0
+    position = views.view_position()
     applied = 0
-    while True:
-        position = views.view_position()
-        if position is not None and position >= until:
-            return applied
+    while position is None or position < until:
         events = read_after(store, position, batch)
         if not events:
-            return applied
+            break
+        # What another projector applied meanwhile, apply() skips; either way
+        # every event up to the batch's last is in the views afterwards.
         applied += views.apply(events, events[-1].notification_id)
+        position = events[-1].notification_id
+    return applied
 
 
 def follow(
