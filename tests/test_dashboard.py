@@ -450,7 +450,12 @@ def test_pages_show_real_runs_by_status_with_waits_oldest_first_a_filter_and_too
     login(browser, shots)
     browser.set_window_size(1280, 1250)
     try:
-        for name, path in (("runs", "/"), ("run", f"/runs/{payout.run_id}"), ("tools", "/tools")):
+        for name, path in (
+            ("runs", "/"),
+            ("run", f"/runs/{payout.run_id}"),
+            ("run-finished", f"/runs/{done.run_id}"),
+            ("tools", "/tools"),
+        ):
             visit(browser, shots.url + path)
             screenshot(browser, f"{name}.png", tmp_path)
     finally:
