@@ -32,7 +32,7 @@ from uuid import uuid4
 
 from .agents import Agent
 from .errors import KuralleError
-from .examples import refund
+from .examples import approval_notifier, refund
 from .models import SignalDelivery, TurnResult
 from .runtime import Runtime
 from .store import RunStore
@@ -462,9 +462,27 @@ async def _dashboard(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----------------------------------------------------------------- consume
+def _add_consume(sub: SubParsers) -> None:
+    consume = _command(
+        sub, "consume", "run an event consumer until SIGTERM/Ctrl-C (README: Run events)", _consume
+    )
+    consume.add_argument(
+        "consumer",
+        choices=[approval_notifier.CONSUMER_NAME],
+        help="approvals: one outbox row per run paused on an approval",
+    )
+    consume.add_argument("--once", action="store_true", help="catch up, then exit")
+
+
+async def _consume(args: argparse.Namespace) -> int:
+    with open_store(args) as store:
+        return await approval_notifier.consume(store, once=args.once)
+
+
 #: Every command: each adds its parser (and handler) to the subparsers.
 COMMANDS: list[Callable[[SubParsers], None]] = [
-    _add_demo, _add_runs, _add_deliveries, _add_views, _add_dashboard,
+    _add_demo, _add_runs, _add_deliveries, _add_views, _add_dashboard, _add_consume,
 ]  # fmt: skip
 
 
