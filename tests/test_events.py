@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 from uuid import uuid4
@@ -22,6 +23,7 @@ from pydantic import BaseModel
 
 from kuralle_es import (
     Runtime,
+    StaleWriteError,
     ToolExecutionError,
     action,
     define_agent,
@@ -254,3 +256,34 @@ async def test_a_re_executed_step_is_a_new_attempt_even_for_a_follower_started_a
     stream = follow(store, after=steps[0].position)
     assert dumps(await take(stream, 2)) == dumps(steps[1:])
     await stream.aclose()
+
+
+async def test_follow_reads_across_the_gap_a_refused_write_leaves(
+    open_store: Any, backend: str
+) -> None:
+    """A write that loses its compare-and-set burns notification ids on PostgreSQL:
+    followers read across the gap, from before it, inside it and after it."""
+    store = open_store()
+    runtime = Runtime([refund.build_agent()], store=store)
+    run_id = await refund_run(runtime, "gap", approve=None)
+    winner, loser = store.load(run_id), store.load(run_id)
+    assert winner is not None and loser is not None
+    later = datetime.now(UTC) + timedelta(minutes=5)
+    winner.take_lease("winner", later)
+    store.save_run(winner)
+    loser.take_lease("loser", later)
+    loser.start_turn(9, None, None)  # a public event that must never appear
+    with pytest.raises(StaleWriteError):
+        store.save_run(loser)
+    await refund_run(runtime, "after-gap", approve=True)
+
+    ids = [n.id for n in store.recorder.select_notifications(start=None, limit=10_000)]
+    if backend == "postgres":
+        assert ids[-1] > len(ids), "the refused write left a gap in the ids"
+    full = await everything(store)
+    assert not any(e.position not in ids for e in full)
+    for after in sorted({0, *range(ids[0], ids[-1] + 1)}):
+        expected = [e for e in full if e.position > after]
+        stream = follow(store, after=after)
+        assert dumps(await take(stream, len(expected))) == dumps(expected), f"after={after}"
+        await stream.aclose()
