@@ -11,8 +11,9 @@ views current until stopped: on PostgreSQL with ``eventsourcing``'s
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, ClassVar
 
+from eventsourcing.persistence import Tracking
 from eventsourcing.postgres import PostgresApplicationRecorder
 from eventsourcing.projection import ProjectionRunner
 
@@ -21,7 +22,7 @@ from .backend import ViewBackend
 from .postgres import PostgresViews, RunViewsProjection
 from .source import ViewSource, read_after
 
-__all__ = ["DEFAULT_BATCH", "catch_up", "follow"]
+__all__ = ["DEFAULT_BATCH", "catch_up", "follow", "run_projection_runner"]
 
 DEFAULT_BATCH = 500
 
@@ -32,6 +33,11 @@ def catch_up(store: RunStore, views: ViewBackend, batch: int = DEFAULT_BATCH) ->
     Events stored meanwhile may be applied too, but are not waited for: under
     a steady stream of writes a catch-up still ends.
     """
+    return _catch_up(store, views, batch)[0]
+
+
+def _catch_up(store: RunStore, views: ViewBackend, batch: int) -> tuple[int, int]:
+    """``catch_up``, also returning a position the views have reached."""
     until = store.recorder.max_notification_id() or 0
     position = views.view_position()
     applied = 0
@@ -43,7 +49,7 @@ def catch_up(store: RunStore, views: ViewBackend, batch: int = DEFAULT_BATCH) ->
         # every event up to the batch's last is in the views afterwards.
         applied += views.apply(events, events[-1].notification_id)
         position = events[-1].notification_id
-    return applied
+    return applied, position or 0
 
 
 def follow(
@@ -57,15 +63,43 @@ def follow(
 ) -> None:
     """Keep the views current until ``stop`` is set; raises what stops the projection."""
     if isinstance(store.recorder, PostgresApplicationRecorder) and isinstance(views, PostgresViews):
-        catch_up(store, views, batch)  # the backlog in batches, then event by event
-        _run_projection_runner(store, name, stop)
+        catch_up(store, views, batch)  # the backlog, then as NOTIFY wakes the runner
+        run_projection_runner(store, name, stop, batch)
         return
     while not stop.is_set():
         catch_up(store, views, batch)
         stop.wait(interval)
 
 
-def _run_projection_runner(store: RunStore, name: str, stop: threading.Event) -> None:
+class _BatchingProjection(RunViewsProjection):
+    """Woken by the runner's subscription, applies all that is stored, in batches.
+
+    The runner hands over events one by one; applying each in its own
+    transaction caps a projector at a few hundred events a second. Instead,
+    an event beyond what this projection has applied triggers a catch-up over
+    the log (which includes it); the events that catch-up covered are then
+    skipped without touching the database. Exactly once still rests on the
+    tracking position checked inside each batch's transaction.
+    """
+
+    source: ClassVar[RunStore]
+    batch: ClassVar[int] = DEFAULT_BATCH
+
+    def __init__(self, view: PostgresViews) -> None:
+        super().__init__(view)
+        self._through = 0
+
+    def process_event(self, domain_event: Any, tracking: Tracking) -> None:
+        if tracking.notification_id <= self._through:
+            return
+        _, position = _catch_up(self.source, self.view, self.batch)
+        self._through = max(self._through, position)
+
+
+def run_projection_runner(
+    store: RunStore, name: str, stop: threading.Event, batch: int = DEFAULT_BATCH
+) -> None:
+    """Run ``eventsourcing``'s ``ProjectionRunner`` into the views ``name`` until ``stop``."""
     env: dict[str, Any] = dict(store.env)
     prefix = name.upper()
     # Size the runner's pools on purpose: the subscription holds one
@@ -74,7 +108,9 @@ def _run_projection_runner(store: RunStore, name: str, stop: threading.Event) ->
     env.setdefault("RUNSTORE_POSTGRES_MAX_OVERFLOW", "2")
     env.setdefault(f"{prefix}_POSTGRES_POOL_SIZE", "1")
     env.setdefault(f"{prefix}_POSTGRES_MAX_OVERFLOW", "2")
-    projection = type(f"{name}Projection", (RunViewsProjection,), {"name": name})
+    projection = type(
+        f"{name}Projection", (_BatchingProjection,), {"name": name, "source": store, "batch": batch}
+    )
     runner: ProjectionRunner[ViewSource, PostgresViews] = ProjectionRunner(
         application_class=ViewSource,
         projection_class=projection,
