@@ -17,11 +17,13 @@ from pathlib import Path
 from typing import Any
 from uuid import uuid4
 
+import psycopg
 import pytest
 from events_kit import dumps, everything, refund_run, take
 from pydantic import BaseModel
 
 from kuralle_es import (
+    RunStore,
     Runtime,
     StaleWriteError,
     ToolExecutionError,
@@ -287,3 +289,30 @@ async def test_follow_reads_across_the_gap_a_refused_write_leaves(
         stream = follow(store, after=after)
         assert dumps(await take(stream, len(expected))) == dumps(expected), f"after={after}"
         await stream.aclose()
+
+
+@pytest.mark.postgres
+async def test_a_follower_outlives_its_listen_connection(pg_dsn: str) -> None:
+    """The server drops the follower's LISTEN connection: it listens again and goes on."""
+    store = RunStore.postgres(pg_dsn)
+    try:
+        runtime = Runtime([refund.build_agent()], store=store)
+        await refund_run(runtime, "before", approve=None)
+        full = await everything(store)
+        stream = follow(store)
+        assert dumps(await take(stream, len(full))) == dumps(full)
+        with psycopg.connect(pg_dsn, autocommit=True) as admin:
+            killed = admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND query LIKE 'LISTEN%'"
+            ).fetchall()
+        assert killed, "the follower had a LISTEN connection"
+        waiting = asyncio.ensure_future(anext(stream))  # survives the dropped connection
+        await asyncio.sleep(0.3)
+        await refund_run(runtime, "after", approve=True)
+        now = await everything(store)
+        got = [await asyncio.wait_for(waiting, 10), *await take(stream, len(now) - len(full) - 1)]
+        assert dumps(got) == dumps(now[len(full) :])
+        await stream.aclose()
+    finally:
+        store.close()

@@ -78,21 +78,27 @@ class Tail:
         self._listener: psycopg.AsyncConnection[Any] | None = None
 
     async def __aenter__(self) -> Tail:
-        recorder = self.store.recorder
-        if isinstance(recorder, PostgresApplicationRecorder):
-            # LISTEN before the first read, so a save during that read still wakes us.
-            kwargs = recorder.datastore.pool.kwargs or {}
-            params: dict[str, Any] = dict(kwargs() if callable(kwargs) else kwargs)
-            params.pop("row_factory", None)
-            self._listener = await psycopg.AsyncConnection.connect(**params, autocommit=True)
-            channel = sql.Identifier(recorder.channel_name)
-            await self._listener.execute(sql.SQL("LISTEN {}").format(channel))
+        # LISTEN before the first read, so a save during that read still wakes us.
+        if isinstance(self.store.recorder, PostgresApplicationRecorder):
+            await self._listen(self.store.recorder)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        if self._listener is not None:
-            await self._listener.close()
-            self._listener = None
+        await self._drop_listener()
+
+    async def _listen(self, recorder: PostgresApplicationRecorder) -> None:
+        kwargs = recorder.datastore.pool.kwargs or {}
+        params: dict[str, Any] = dict(kwargs() if callable(kwargs) else kwargs)
+        params.pop("row_factory", None)
+        self._listener = await psycopg.AsyncConnection.connect(**params, autocommit=True)
+        channel = sql.Identifier(recorder.channel_name)
+        await self._listener.execute(sql.SQL("LISTEN {}").format(channel))
+
+    async def _drop_listener(self) -> None:
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            with contextlib.suppress(psycopg.Error):
+                await listener.close()
 
     def stop(self) -> None:
         self.stopped.set()
@@ -103,10 +109,10 @@ class Tail:
             return
         stop = asyncio.ensure_future(self.stopped.wait())
         try:
-            if self._listener is None:
+            if not isinstance(self.store.recorder, PostgresApplicationRecorder):
                 await asyncio.wait({stop}, timeout=self.poll_interval)
                 return
-            notified = asyncio.ensure_future(self._notified())
+            notified = asyncio.ensure_future(self._notified(self.store.recorder))
             try:
                 await asyncio.wait({stop, notified}, return_when=asyncio.FIRST_COMPLETED)
             finally:
@@ -116,11 +122,17 @@ class Tail:
         finally:
             stop.cancel()
 
-    async def _notified(self) -> None:
-        assert self._listener is not None
-        # The timeout is a safety net against a lost notification, not the mechanism.
-        async for _ in self._listener.notifies(timeout=1.0, stop_after=1):
-            break
+    async def _notified(self, recorder: PostgresApplicationRecorder) -> None:
+        try:
+            if self._listener is None:  # lost: listen again, then read (a NOTIFY may be missed)
+                await self._listen(recorder)
+                return
+            # The timeout is a safety net against a lost notification, not the mechanism.
+            async for _ in self._listener.notifies(timeout=1.0, stop_after=1):
+                break
+        except psycopg.Error:  # the server went away: poll until it is back
+            await self._drop_listener()
+            await asyncio.sleep(self.poll_interval)
 
 
 async def follow(
