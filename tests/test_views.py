@@ -16,7 +16,7 @@ from conftest import StoreFactory
 from eventsourcing.utils import register_topic
 from views_kit import SESSION, TIMERS, agent, expected_summary, leave_run, populate, start
 
-from kuralle_es import RunStore, RunSummary, Runtime, RunViews, ToolStats
+from kuralle_es import InvalidArgumentError, RunStore, RunSummary, Runtime, RunViews, ToolStats
 from kuralle_es.domain import Run
 from kuralle_es.views.query import percentile
 
@@ -192,5 +192,5 @@ async def test_list_runs_refuses_a_limit_that_is_not_a_positive_integer(
     views = RunViews(open_store())
     bad: Any
     for bad in (0, -1, 2.5, True):
-        with pytest.raises(ValueError, match="limit"):
+        with pytest.raises(InvalidArgumentError, match="limit"):
             await views.list_runs(limit=bad)

@@ -18,7 +18,8 @@ from eventsourcing.popo import POPOApplicationRecorder
 from eventsourcing.postgres import PostgresApplicationRecorder
 from eventsourcing.sqlite import SQLiteApplicationRecorder
 
-from ..store import RunStore, _retry_schema_setup
+from ..errors import InvalidArgumentError
+from ..store import RunStore, retry_schema_setup
 from .backend import ViewBackend
 from .fold import RunRow, StepRow, as_utc
 from .memory import MemoryViews
@@ -41,7 +42,7 @@ def open_backend(store: RunStore, name: str = "RunViews") -> ViewBackend:
     prefix = name.lower()
     recorder = store.recorder
     if isinstance(recorder, PostgresApplicationRecorder):
-        return _retry_schema_setup(lambda: _created(PostgresViews(
+        return retry_schema_setup(lambda: _created(PostgresViews(
             recorder.datastore, tracking_table_name=f"{prefix}_tracking"
         )))  # fmt: skip
     if isinstance(recorder, SQLiteApplicationRecorder):
@@ -89,7 +90,7 @@ class RunViews:
         """Runs, most recently updated first; ``flow`` matches finished runs of it too."""
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
             msg = f"limit must be a positive integer, got {limit!r}"
-            raise ValueError(msg)
+            raise InvalidArgumentError(msg)
         return await self._runs(
             RunQuery(status=status, session_id=session_id, flow=flow, limit=limit)
         )
