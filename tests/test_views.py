@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from conftest import StoreFactory
 from eventsourcing.utils import register_topic
-from views_kit import SESSION, TIMERS, agent, expected_summary, leave_run, populate, start
+from views_kit import SESSION, agent, expected_summary, leave_run, populate, start
 
 from kuralle_es import InvalidArgumentError, RunStore, RunSummary, Runtime, RunViews, ToolStats
 from kuralle_es.domain import Run
@@ -58,7 +58,7 @@ async def test_each_query_answers_what_the_fold_of_the_runs_events_says(
         "running", "paused", "finished", "error", "aborted",
     }  # fmt: skip
     waits = {s.waiting_for.kind for s in states.values() if s.waiting_for is not None}
-    assert waits == {"approval", "signal", "input"} | ({"timer"} if TIMERS else set())
+    assert waits == {"approval", "signal", "input", "timer"}
 
     listed = await views.list_runs(limit=1000)
     assert {s.run_id: s.model_dump(mode="json") for s in listed} == {
@@ -80,11 +80,10 @@ async def test_each_query_answers_what_the_fold_of_the_runs_events_says(
     assert _ids(await views.waiting_runs()) == paused
     assert _ids(await views.orphaned_runs(now)) == {runs["orphan"]}
     assert _ids(await views.expired_deadlines(now)) == {runs["approve"]}
-    if TIMERS:
-        assert _ids(await views.due_timers(now)) == {runs["timer"]}
-        assert _ids(await views.due_timers(datetime(3000, 1, 1, tzinfo=UTC))) == {
-            runs["timer"], runs["sleeping"],
-        }  # fmt: skip
+    assert _ids(await views.due_timers(now)) == {runs["timer"]}
+    assert _ids(await views.due_timers(datetime(3000, 1, 1, tzinfo=UTC))) == {
+        runs["timer"], runs["sleeping"],
+    }  # fmt: skip
 
 
 async def test_step_stats_count_calls_and_errors_per_tool_with_latency_percentiles(

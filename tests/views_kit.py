@@ -37,8 +37,6 @@ from kuralle_es.domain import Run, new_run
 from kuralle_es.testing import ScriptedModel
 
 SESSION = "views-session"
-#: Whether this version has durable-sleep waits (``WaitingFor.kind == "timer"``).
-TIMERS = "timer" in str(WaitingFor.model_fields["kind"].annotation)
 PAST = datetime(2001, 1, 1, tzinfo=UTC)
 FUTURE = datetime(2999, 1, 1, tzinfo=UTC)
 
@@ -181,9 +179,8 @@ async def populate(runtime: Runtime, drifted: Runtime | None = None) -> Populate
     now = datetime.now(UTC)
     out.by_case["orphan"] = leave_run(runtime.store, lease_until=now - timedelta(minutes=5))
     out.by_case["leased"] = leave_run(runtime.store, lease_until=now + timedelta(minutes=5))
-    if TIMERS:
-        out.by_case["timer"] = leave_run(runtime.store, timer_due=now - timedelta(seconds=1))
-        out.by_case["sleeping"] = leave_run(runtime.store, timer_due=FUTURE)
+    out.by_case["timer"] = leave_run(runtime.store, timer_due=now - timedelta(seconds=1))
+    out.by_case["sleeping"] = leave_run(runtime.store, timer_due=FUTURE)
     return out
 
 
