@@ -28,7 +28,7 @@ from .errors import (
     ToolTimeoutError,
     UnknownToolError,
 )
-from .flows import Flow, action, collect, define_flow, end, goto, handoff, reply
+from .flows import End, Flow, Goto, Handoff, action, collect, define_flow, end, goto, handoff, reply
 from .handle import TurnHandle
 from .keys import idempotency_key
 from .llm import (
@@ -61,10 +61,13 @@ from .views import RunSummary, RunViews, ToolStats
 __all__ = [
     "Agent",
     "ApprovalDecision",
+    "End",
     "Flow",
     "FlowDriftError",
     "FlowNotFoundError",
     "FrozenOperation",
+    "Goto",
+    "Handoff",
     "InvalidArgumentError",
     "InvalidSignalError",
     "InvalidToolArgsError",

@@ -43,17 +43,23 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Goto:
+    """A transition to another node of the flow (see ``goto``)."""
+
     node: str
     data: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
 class End:
+    """A transition that finishes the flow (see ``end``)."""
+
     reason: str | None = None
 
 
 @dataclass(frozen=True)
 class Handoff:
+    """A transition that leaves the flow for another agent (see ``handoff``)."""
+
     to: str
     reason: str | None = None
 
@@ -62,14 +68,17 @@ Transition = Goto | End | Handoff
 
 
 def goto(node_id: str | Node, data: dict[str, Any] | None = None) -> Goto:
+    """Go to ``node_id`` next; ``data`` is merged into the flow's state bag first."""
     return Goto(node_id.id if isinstance(node_id, Node) else node_id, data)
 
 
 def end(reason: str | None = None) -> End:
+    """Finish the flow; a flow run ends ``finished`` with ``outcome`` set to ``reason``."""
     return End(reason)
 
 
 def handoff(to: str, reason: str | None = None) -> Handoff:
+    """Leave the flow for agent ``to``: a conversation goes on with it next turn."""
     return Handoff(to, reason)
 
 
@@ -103,6 +112,11 @@ class ActionNode(Node):
 
 
 def action(id: str, run: ActionRun) -> ActionNode:
+    """A node of durable logic: ``async def run(state, ctx)`` returns a transition.
+
+    Every side effect it makes through ``ctx`` is journaled and replayed.
+    Raises ``TypeError`` when ``run`` is not callable.
+    """
     if not callable(run):
         msg = f"action {id!r}: run must be an async callable (state, ctx)"
         raise TypeError(msg)
@@ -181,6 +195,13 @@ def collect(
     ask: Callable[[list[str]], str],
     on_complete: Callable[[dict[str, Any]], Any],
 ) -> CollectNode:
+    """A node that gathers ``schema``'s fields from the conversation.
+
+    The model extracts what the user said; while a field of ``required`` is
+    missing the run replies with ``ask(missing)`` and pauses for input. Then
+    ``on_complete(data)`` returns the transition (the fields also enter the
+    state bag).
+    """
     if not (isinstance(schema, type) and issubclass(schema, BaseModel)):
         msg = f"collect {id!r}: schema must be a pydantic model class, got {schema!r}"
         raise TypeError(msg)
@@ -197,6 +218,8 @@ def collect(
 
 
 def reply(id: str, instructions: str, next: Any) -> ReplyNode:
+    """A node that makes one model turn with ``instructions``, then follows ``next``
+    (a transition, or a callable of the state bag returning one)."""
     return ReplyNode(id=id, instructions=instructions, next=next)
 
 

@@ -19,12 +19,20 @@ PartType = Literal["text", "tool-call", "tool-result", "paused", "finished", "er
 
 
 class StepError(BaseModel):
+    """A failed step's error as journaled: the exception class name, its message and fields."""
+
     type: str
     message: str
     data: dict[str, Any] = Field(default_factory=dict)
 
 
 class StepRecord(BaseModel):
+    """One step of a run's journal: a side effect, its idempotency key, status and outcome.
+
+    ``attempts`` counts how many times the effect was started (more than 1 after
+    a re-execution of an in-doubt step or a retry).
+    """
+
     index: int
     key: str
     kind: StepKind
@@ -39,12 +47,20 @@ class StepRecord(BaseModel):
 
 
 class FrozenOperation(BaseModel):
+    """The tool call an approver sees and approves: it executes with exactly these args."""
+
     tool_name: str
     args: Any
     args_hash: str
 
 
 class WaitingFor(BaseModel):
+    """What a paused run waits for: a signal (or approval, input, timer) at a callsite.
+
+    ``request_id`` stays the same while the run waits on the same wait; pass it
+    in a ``SignalDelivery`` to pin the delivery to this very request.
+    """
+
     name: str
     callsite: int
     title: str | None = None
@@ -56,6 +72,8 @@ class WaitingFor(BaseModel):
 
 
 class Message(BaseModel):
+    """A chat message in the OpenAI shape (role, content, tool calls, tool call id, name)."""
+
     role: Literal["system", "user", "assistant", "tool"]
     content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
@@ -64,6 +82,8 @@ class Message(BaseModel):
 
 
 class RunState(BaseModel):
+    """A run as a fold of its events: status, where it is, what it waits for, its lease."""
+
     run_id: str
     session_id: str
     kind: RunKind
@@ -88,6 +108,8 @@ class RunState(BaseModel):
 
 
 class SignalDelivery(BaseModel):
+    """A signal sent to a paused run; ``signal_id`` makes a retried delivery a no-op."""
+
     signal_id: str
     name: str
     payload: Any = None
@@ -96,6 +118,8 @@ class SignalDelivery(BaseModel):
 
 
 class ApprovalDecision(BaseModel):
+    """What ``ctx.approve()`` returns, built from the delivered approval payload."""
+
     approved: bool
     by: str | None = None
     reason: str | None = None
@@ -129,6 +153,8 @@ class StreamPart(BaseModel):
 
 
 class TurnResult(BaseModel):
+    """How a turn ended: the run's status, its output and, when paused, what it waits for."""
+
     run_id: str
     status: RunStatus
     output: Any = None
