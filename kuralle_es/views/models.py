@@ -47,25 +47,24 @@ class ToolStats(BaseModel):
 
 
 def summary(row: RunRow) -> RunSummary:
-    """The ``RunSummary`` of a view row."""
-    wait: WaitingFor | None = None
-    if row.waiting_for is not None:
-        try:
-            wait = WaitingFor.model_validate(row.waiting_for)
-        except ValidationError:  # a wait shape newer than this version: shown as none
-            wait = None
-    return RunSummary.model_validate(
-        {
-            "run_id": row.run_id,
-            "session_id": row.session_id,
-            "kind": row.kind,
-            "status": row.status,
-            "active_flow": row.active_flow,
-            "active_node": row.active_node,
-            "waiting_for": wait,
-            "lease_holder": row.lease_holder,
-            "lease_expires_at": row.lease_expires_at,
-            "step_count": row.step_count,
-            "updated_at": row.updated_at,
-        }
-    )
+    """The ``RunSummary`` of a view row (one validation; a wait shape newer than
+    this version's ``WaitingFor`` is shown as none rather than failing the query)."""
+    fields = {
+        "run_id": row.run_id,
+        "session_id": row.session_id,
+        "kind": row.kind,
+        "status": row.status,
+        "active_flow": row.active_flow,
+        "active_node": row.active_node,
+        "waiting_for": row.waiting_for,
+        "lease_holder": row.lease_holder,
+        "lease_expires_at": row.lease_expires_at,
+        "step_count": row.step_count,
+        "updated_at": row.updated_at,
+    }
+    try:
+        return RunSummary.model_validate(fields)
+    except ValidationError:
+        if row.waiting_for is None:
+            raise
+        return RunSummary.model_validate({**fields, "waiting_for": None})

@@ -63,16 +63,17 @@ STEP_COLUMNS = (
 
 #: (name, columns) of the indexes each SQL backend creates on the runs table.
 SQL_INDEXES = (
-    ("recent", "updated_at DESC, run_id"),
-    ("status", "status, updated_at DESC"),
-    ("session", "session_id, updated_at DESC"),
-    ("flow", "flow, updated_at DESC"),
-    ("lease", "status, lease_expires_at"),
-    ("deadline", "status, wait_deadline"),
+    ("by_recent", "updated_at DESC, run_id DESC"),
+    ("by_status", "status, updated_at DESC, run_id DESC"),
+    ("by_session", "session_id, updated_at DESC, run_id DESC"),
+    ("by_flow", "flow, updated_at DESC, run_id DESC"),
+    ("by_lease", "status, lease_expires_at, run_id"),
+    ("by_deadline", "status, wait_deadline, run_id"),
 )
 
+#: Orders an index above serves (scanned forwards or backwards), with no sort step.
 _ORDER_SQL: dict[str, str] = {
-    "recent": "updated_at DESC, run_id",
+    "recent": "updated_at DESC, run_id DESC",
     "oldest": "updated_at, run_id",
     "deadline": "wait_deadline, run_id",
     "lease": "lease_expires_at, run_id",

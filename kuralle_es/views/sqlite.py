@@ -49,7 +49,7 @@ def to_text(value: datetime) -> str:
 def from_text(value: str | None) -> datetime | None:
     if value is None:
         return None
-    return datetime.strptime(value, _TIME_FORMAT).replace(tzinfo=UTC)
+    return datetime.fromisoformat(value).replace(tzinfo=UTC)  # C-fast; the format is ISO
 
 
 class SQLiteViews(SQLiteRecorder, TrackingRecorder, ViewBackend):
