@@ -266,6 +266,10 @@ class Command(ABC):
         """After losing the opening save: whether the winner did this very turn."""
         return False
 
+    def log_fields(self) -> dict[str, str | None]:
+        """What the turn's log line says about this command (never a payload)."""
+        return {}
+
 
 @dataclass(frozen=True)
 class StartFlow(Command):
@@ -409,6 +413,10 @@ class Deliver(Command):
     def won_elsewhere(self, latest: Run, fresh: bool) -> bool:
         # Two identical deliveries raced: the winner's is the delivery.
         return self.delivery.signal_id in latest.signal_ids
+
+    def log_fields(self) -> dict[str, str | None]:
+        delivery = self.delivery
+        return {"signal": delivery.name, "signal_id": delivery.signal_id, "actor": delivery.actor}
 
 
 @dataclass(frozen=True)
