@@ -22,17 +22,13 @@ class Site:
     """One journal slot: a callsite of a logical run, in a lane.
 
     A ``lane`` keeps a second slot at the same callsite: a tool's approval
-    lives beside the tool's own step, not in place of it.
+    lives beside the tool's own step, not in place of it. The journal files a
+    slot under ``logical_run + lane``.
     """
 
     logical_run: str
     callsite: int
     lane: str = ""
-
-    @property
-    def slot_run(self) -> str:
-        """The logical run the journal files this slot under."""
-        return self.logical_run + self.lane
 
     def key(self, payload: Any, override: str | None = None) -> str:
         """The effect's idempotency key here (``override`` is a caller's own key)."""

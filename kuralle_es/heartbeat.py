@@ -7,66 +7,58 @@ compare-and-set save, so another worker never sees the lease lapse and take
 the run over mid-effect. A beat that fails (another writer won) stops the
 heartbeat; the journal remembers the failure and the turn's next save raises it.
 
-An effect shorter than ``interval`` costs one timer, armed and cancelled: no
-task is started unless a beat is due.
+One task per turn wakes every ``interval``; an effect only counts itself in
+and out (``enter``/``leave``), so a short effect costs two counter updates.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
-from types import TracebackType
 
 __all__ = ["Heartbeat"]
 
 
 class Heartbeat:
-    """Runs ``beat`` every ``interval`` seconds while entered (re-entrant, counted)."""
+    """Calls ``beat`` every ``interval`` seconds while an effect is entered."""
 
     def __init__(self, beat: Callable[[], Awaitable[None]], interval: float) -> None:
         self._beat = beat
         self._interval = interval
-        self._depth = 0
-        self._timer: asyncio.TimerHandle | None = None
-        self._beating: asyncio.Task[None] | None = None
-        self._failed = False
+        self._busy = 0
+        self._task: asyncio.Task[None] | None = None
+        self._stop = asyncio.Event()
 
-    async def __aenter__(self) -> None:
-        self._depth += 1
-        self._arm()
+    def enter(self) -> None:
+        """An effect starts executing (the first one starts the heartbeat's task)."""
+        self._busy += 1
+        if self._task is None and not self._stop.is_set():
+            self._task = asyncio.get_running_loop().create_task(self._loop())
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self._depth -= 1
-        if self._depth:
-            return
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        if self._beating is not None:
-            # Never cancel a beat mid-save: its save runs on in a thread, and
-            # the run's next save must not overlap it. Let it finish instead.
-            await asyncio.shield(self._beating)
+    def leave(self) -> None:
+        """An effect is done executing."""
+        self._busy -= 1
 
-    def _arm(self) -> None:
-        if self._depth and not self._failed and self._timer is None and self._beating is None:
-            loop = asyncio.get_running_loop()
-            self._timer = loop.call_later(self._interval, self._fire)
+    async def stop(self) -> None:
+        """End the heartbeat (at the end of the turn); waits for a beat in progress.
 
-    def _fire(self) -> None:
-        self._timer = None
-        self._beating = asyncio.get_running_loop().create_task(self._run_beat())
+        A beat is never cancelled mid-save: its save runs on in a thread, and
+        the run's next save must not overlap it.
+        """
+        self._stop.set()
+        if self._task is not None:
+            await asyncio.shield(self._task)
 
-    async def _run_beat(self) -> None:
-        try:
-            await self._beat()
-        except Exception:
-            # The journal keeps the failure and raises it at the next save.
-            self._failed = True
-        finally:
-            self._beating = None
-        self._arm()
+    async def _loop(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), self._interval)
+            if self._stop.is_set():
+                return
+            if self._busy:
+                try:
+                    await self._beat()
+                except Exception:
+                    # The journal keeps the failure and raises it at the next save.
+                    return
