@@ -22,6 +22,7 @@ from .flows import Flow, Handoff
 from .handle import TurnSink
 from .journal import Journal, utcnow
 from .models import StepError, StreamPart, TurnResult
+from .observability import log_event, set_status, span
 
 __all__ = ["drive_turn", "result_of"]
 
@@ -47,6 +48,7 @@ class _Turn:
         self.command = command
         self.sink = sink
         self.last_text: str | None = None
+        self.span: Any = None
 
     def emit(self, part: StreamPart) -> None:
         if part.type == "text" and part.text:
@@ -55,6 +57,17 @@ class _Turn:
 
     # ------------------------------------------------------------------ turn
     async def drive(self) -> TurnResult:
+        attributes = {
+            "kuralle.session_id": self.command.session_id,
+            "kuralle.command": type(self.command).__name__,
+        }
+        with span("kuralle.turn", attributes) as current:
+            self.span = current
+            result = await self._drive()
+            set_status(current, result.status)
+            return result
+
+    async def _drive(self) -> TurnResult:
         command, env = self.command, self.env
         run, fresh = await command.address(env)
         key = command.idempotency_key
@@ -93,6 +106,7 @@ class _Turn:
                 return self._noop(latest, result_of(latest))
             raise
         self.sink.opened(run.run_id)
+        self._log_opened(run)
         try:
             driven = await drive(
                 journal,
@@ -112,6 +126,20 @@ class _Turn:
             await self._close_errored(run, journal, exc)
             raise
         return await self._close_finished(run, journal, driven)
+
+    def _log_opened(self, run: Run) -> None:
+        if self.span is not None:
+            self.span.set_attribute("kuralle.run_id", run.run_id)
+        log_event(
+            "turn opened",
+            run.run_id,
+            session=run.session_id,
+            command=type(self.command).__name__,
+            flow=run.active_flow,
+            node=run.active_node,
+            holder=self.env.holder,
+            **self.command.log_fields(),
+        )
 
     def _noop(self, run: Run, result: TurnResult) -> TurnResult:
         self.sink.opened(run.run_id)
@@ -153,5 +181,15 @@ class _Turn:
         if self.command.idempotency_key:
             run.record_turn(self.command.idempotency_key, result.model_dump(mode="json"))
         await journal.persist()
+        wait = result.waiting_for
+        log_event(
+            "turn closed",
+            run.run_id,
+            status=run.status,
+            waiting_for=wait.name if wait is not None else None,
+            wait_kind=wait.kind if wait is not None else None,
+            outcome=run.outcome if run.status != "paused" else None,
+            error=run.error["type"] if run.error else None,
+        )
         self.sink.emit(part.model_copy(update={"data": result.model_dump(mode="json")}))
         return result
