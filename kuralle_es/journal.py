@@ -42,6 +42,7 @@ from .errors import (
 )
 from .heartbeat import Heartbeat
 from .models import Message, StepError
+from .observability import traced_step
 from .retry import NO_RETRY, RetryPolicy
 from .store import RunStore
 from .tools import encode_json
@@ -250,6 +251,7 @@ class Journal:
         )
 
     # ---------------------------------------------------------------- funnel
+    @traced_step
     async def effect(
         self,
         site: Site,
@@ -316,6 +318,7 @@ class Journal:
         finally:
             self._leave()
 
+    @traced_step
     async def record_value(
         self,
         site: Site,

@@ -12,11 +12,14 @@ the spans cost nothing. See docs/observability.md.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar, cast
+
+from .errors import SuspendError
 
 __all__ = [
     "LOGGER_NAME",
@@ -24,6 +27,7 @@ __all__ = [
     "payloads_logged",
     "set_status",
     "span",
+    "traced_step",
 ]
 
 LOGGER_NAME = "kuralle_es"
@@ -65,15 +69,24 @@ def log_event(event: str, run_id: str, payload: Any = None, **fields: Any) -> No
     )
 
 
+def _tracing() -> bool:
+    """Whether spans are worth making: the extra is installed and a provider is set
+    (until then OpenTelemetry's global provider is a proxy that records nothing)."""
+    return _trace is not None and not isinstance(
+        _trace.get_tracer_provider(), _trace.ProxyTracerProvider
+    )
+
+
 @contextlib.contextmanager
 def span(name: str, attributes: Mapping[str, str | int | bool | None]) -> Iterator[Any]:
-    """An OpenTelemetry span when the ``otel`` extra is installed, else nothing.
+    """An OpenTelemetry span when the ``otel`` extra is installed and a tracer
+    provider is configured, else nothing (and next to no cost).
 
     ``None`` attributes are dropped (OpenTelemetry refuses them). An exception
     leaving the block is recorded on the span and re-raised; a suspend is not
     an error, so callers mark the status themselves with ``set_status``.
     """
-    if _trace is None:
+    if _trace is None or not _tracing():
         yield None
         return
     clean = {k: v for k, v in attributes.items() if v is not None}
@@ -86,3 +99,36 @@ def set_status(current: Any, status: str) -> None:
     """Record a run or step status on a span from ``span`` (no-op without one)."""
     if current is not None:
         current.set_attribute("kuralle.status", status)
+
+
+_Step = TypeVar("_Step", bound=Callable[..., Awaitable[Any]])
+
+
+def traced_step(method: _Step) -> _Step:
+    """Make each call of a journal funnel method (``effect``, ``record_value``) a
+    ``kuralle.step`` span: run id, step kind, name, callsite, and how it ended
+    (``finished``, ``error``, ``suspended``). A replayed step is a span too."""
+
+    @functools.wraps(method)
+    async def traced(journal: Any, site: Any, **kwargs: Any) -> Any:
+        if not _tracing():
+            return await method(journal, site, **kwargs)
+        attributes = {
+            "kuralle.run_id": journal.run_id,
+            "kuralle.step.kind": kwargs.get("kind"),
+            "kuralle.step.name": kwargs.get("name"),
+            "kuralle.step.callsite": site.callsite,
+        }
+        with span("kuralle.step", attributes) as current:
+            try:
+                result = await method(journal, site, **kwargs)
+            except SuspendError:
+                set_status(current, "suspended")
+                raise
+            except Exception:
+                set_status(current, "error")
+                raise
+            set_status(current, "finished")
+            return result
+
+    return cast(_Step, traced)

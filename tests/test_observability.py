@@ -125,3 +125,26 @@ async def test_each_turn_is_a_span_with_its_run_id_and_status(
         "StartFlow",
         "Deliver",
     ]
+
+
+async def test_each_step_is_a_span_with_its_kind_name_and_how_it_ended(
+    spans: InMemorySpanExporter,
+) -> None:
+    run_id = await paused_then_resumed(make_runtime())
+    steps = [dict(s.attributes or {}) for s in spans.get_finished_spans() if s.name == "kuralle.step"]
+    assert all(step["kuralle.run_id"] == run_id for step in steps)
+    seen = [(s["kuralle.step.kind"], s["kuralle.step.name"], s["kuralle.status"]) for s in steps]
+    # The delivery journals the approval; the re-run node replays it, then
+    # charges and reads the clock.
+    assert seen == [
+        ("approval", "__approval", "finished"),
+        ("tool", "charge", "finished"),
+        ("now", "now", "finished"),
+    ]
+    turns = [s for s in spans.get_finished_spans() if s.name == "kuralle.turn"]
+    resumed = turns[-1].context.span_id
+    assert all(
+        s.parent is not None and s.parent.span_id == resumed
+        for s in spans.get_finished_spans()
+        if s.name == "kuralle.step"
+    )
