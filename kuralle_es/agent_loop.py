@@ -37,7 +37,7 @@ MAX_MODEL_TURNS = 24
 
 
 def denied_result(tool_name: str, denied_by: str | None, reason: str | None) -> dict[str, Any]:
-    """What the model reads for a denied tool call (SPEC §6)."""
+    """What the model reads for a denied tool call (docs/howto/approvals.md)."""
     message = (
         f"The call to {tool_name} was declined"
         f"{' by ' + denied_by if denied_by else ''}{': ' + reason if reason else ''}. "

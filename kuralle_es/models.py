@@ -1,4 +1,4 @@
-"""The public data shapes (SPEC §2), as pydantic v2 models.
+"""The public data shapes (docs/concepts.md, docs/reference.md), as pydantic v2 models.
 
 These are read models: the ``Run`` aggregate folds its events into plain data
 and ``Run.to_state()`` / ``Run.step_records()`` build these from it.

@@ -1,5 +1,5 @@
-"""The agent loop (SPEC §5, §6): model -> tool calls -> results -> model, until
-a reply; on memory, SQLite and PostgreSQL.
+"""The agent loop (docs/concepts.md: replay; docs/howto/approvals.md): model ->
+tool calls -> results -> model, until a reply; on memory, SQLite and PostgreSQL.
 
 The model is a ``ScriptedModel``; its ``requests`` are what the model was
 really asked, so they show both the tool messages it was given back and how

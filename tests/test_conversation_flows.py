@@ -1,4 +1,4 @@
-"""A conversation run inside a flow (SPEC §4 handoff, §7 addressing): a plain
+"""A conversation run inside a flow (docs/contract.md: flows' handoff, turns' addressing): a plain
 call with ``flow_name`` enters the flow in the session's conversation run, its
 input continues the flow, ``end`` returns the conversation to its agent, and
 ``handoff`` makes another agent answer the next turn.

@@ -1,7 +1,7 @@
-"""Conversation runs and run addressing (SPEC §3, §7): one conversation run per
-session, a new epoch per user turn, ``kind="flow"`` minting runs, ``run_id``
-winning over ``kind``, fail-closed addressing, inbound idempotency keys and
-streaming.
+"""Conversation runs and run addressing (docs/concepts.md: keys; docs/contract.md:
+turns): one conversation run per session, a new epoch per user turn,
+``kind="flow"`` minting runs, ``run_id`` winning over ``kind``, fail-closed
+addressing, inbound idempotency keys and streaming.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ Invariants (one guarantee each):
 - every value a node ever saw (tool results, frozen tool errors, ``now``,
   ``uuid``) is the journaled one, in every pass;
 - a finished run has one finished step per callsite and none ``running``, the
-  SPEC §3 keys, the reference run's kinds, names and deterministic results,
+  documented keys, the reference run's kinds, names and deterministic results,
   and the ledger deduplicated by key shows exactly one effect per tool call;
 - a killed turn leaves its run ``running`` under the worker's lease, a
   finished one leaves no lease.
@@ -282,7 +282,7 @@ class Program:
         return out
 
     def sites(self) -> list[tuple[str, str, Any]]:
-        """(kind, name, key payload) per callsite: SPEC §3's payloads."""
+        """(kind, name, key payload) per callsite: the documented key payloads."""
         out: list[tuple[str, str, Any]] = []
         for effect in self.effects:
             for name, args in self.calls(effect):
@@ -453,7 +453,7 @@ async def reference_run(program: Program) -> Reference:
         steps = await runtime.get_steps(run_id, session)
     finally:
         del REGISTRY[session]
-    # A crash-free run executes every tool exactly once, under the SPEC §3 keys.
+    # A crash-free run executes every tool exactly once, under the documented keys.
     assert [s.key for s in steps] == spec_keys(run_id, program)
     assert Counter(e.key for e in ledger.executions) == Counter(
         s.key for s in steps if s.kind == "tool"

@@ -1,4 +1,4 @@
-"""A webhook that starts a flow and is retried starts it once (SPEC §7, inbound
+"""A webhook that starts a flow and is retried starts it once (docs/contract.md: turns, inbound
 ``idempotency_key``): the run's id is derived from the session, the flow and
 the key, so a retry — sequential or racing — finds the run the first one made.
 """

@@ -1,4 +1,4 @@
-"""Flow nodes and transitions (SPEC §4, §7): collect, reply, every transition
+"""Flow nodes and transitions (docs/contract.md: flows, turns): collect, reply, every transition
 form, the flow digest, drift and its resolution, unknown flows.
 """
 

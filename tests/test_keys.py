@@ -1,8 +1,8 @@
-"""Idempotency keys and flow digests (SPEC §3, §4).
+"""Idempotency keys and flow digests (docs/concepts.md: callsites and idempotency keys).
 
 Every expected key here is computed independently of ``kuralle_es``: either a
 literal hex digest obtained once with ``printf '%s' '<canonical json>' | sha256sum``,
-or ``hashlib.sha256`` over JSON built with exactly the settings the SPEC
+or ``hashlib.sha256`` over JSON built with exactly the settings docs/concepts.md
 pins (keys sorted, separators ``(",", ":")``, ``ensure_ascii=False``, UTF-8,
 no NaN/Infinity).
 """
@@ -39,7 +39,7 @@ HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 def spec_key(logical_run_id: str, callsite: int, payload: Any) -> str:
-    """The SPEC §3 key, written out independently of the library."""
+    """The documented key (docs/concepts.md), written out independently of the library."""
     text = json.dumps(
         {"run": logical_run_id, "callsite": callsite, "payload": payload},
         sort_keys=True,
@@ -129,7 +129,7 @@ def test_idempotency_key_matches_golden_sha256_vectors(
 ) -> None:
     # The hand-written canonical text really hashes to the golden digest ...
     assert sha256_of(canonical) == digest
-    # ... the SPEC's json.dumps settings produce exactly that text ...
+    # ... the documented json.dumps settings produce exactly that text ...
     assert spec_key(run, callsite, payload) == digest
     # ... and the library agrees.
     assert idempotency_key(run, callsite, payload) == digest

@@ -19,8 +19,17 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from pydantic import BaseModel
 
-from kuralle_es import RunContext, RunStore, Runtime, SignalDelivery, action, define_agent
-from kuralle_es import define_flow, define_tool, end
+from kuralle_es import (
+    RunContext,
+    RunStore,
+    Runtime,
+    SignalDelivery,
+    action,
+    define_agent,
+    define_flow,
+    define_tool,
+    end,
+)
 from kuralle_es.observability import log_event
 
 SECRET = "card-4242-4242"
@@ -131,7 +140,8 @@ async def test_each_step_is_a_span_with_its_kind_name_and_how_it_ended(
     spans: InMemorySpanExporter,
 ) -> None:
     run_id = await paused_then_resumed(make_runtime())
-    steps = [dict(s.attributes or {}) for s in spans.get_finished_spans() if s.name == "kuralle.step"]
+    finished = spans.get_finished_spans()
+    steps = [dict(s.attributes or {}) for s in finished if s.name == "kuralle.step"]
     assert all(step["kuralle.run_id"] == run_id for step in steps)
     seen = [(s["kuralle.step.kind"], s["kuralle.step.name"], s["kuralle.status"]) for s in steps]
     # The delivery journals the approval; the re-run node replays it, then

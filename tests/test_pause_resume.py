@@ -1,4 +1,5 @@
-"""Pause, signals, approval and denial (SPEC §6), on memory, SQLite and PostgreSQL.
+"""Pause, signals, approval and denial (docs/contract.md: deliveries), on memory,
+SQLite and PostgreSQL.
 
 Every test goes through the public API: ``Runtime.run`` / ``TurnHandle`` /
 ``get_run`` / ``get_steps``. A refused delivery must leave the run exactly as

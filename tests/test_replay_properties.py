@@ -11,7 +11,7 @@ run_id=...)`` then completes it. Whatever the failure, these must hold:
 - every value the first pass saw is the value the second pass sees, and
   both equal the journal's recorded results;
 - the journal never holds two finished steps with one key; its callsites are
-  exactly ``0..n-1``; its keys are the SPEC §3 hashes, computed independently.
+  exactly ``0..n-1``; its keys are the documented hashes (docs/concepts.md), computed independently.
 """
 
 from __future__ import annotations
