@@ -41,6 +41,7 @@ from .errors import (
 )
 from .heartbeat import Heartbeat
 from .models import Message, StepError
+from .observability import traced_step
 from .store import RunStore
 from .tools import encode_json
 from .waiting import Wait
@@ -231,6 +232,7 @@ class Journal:
         )
 
     # ---------------------------------------------------------------- funnel
+    @traced_step
     async def effect(
         self,
         site: Site,
@@ -298,6 +300,7 @@ class Journal:
         finally:
             self._leave()
 
+    @traced_step
     async def record_value(
         self,
         site: Site,
