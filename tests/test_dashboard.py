@@ -11,6 +11,7 @@ except in CI, where they fail.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -633,8 +634,40 @@ def test_a_dashboard_beyond_loopback_needs_a_token_and_then_a_login_for_every_pa
         thread.join(20)
 
 
+@contextlib.contextmanager
+def cli_dashboard(command: list[str], env: dict[str, str]) -> Iterator[tuple[Http, list[str]]]:
+    """``kuralle-es ... dashboard`` in its own process; SIGTERM must stop it with exit 0."""
+    port = _free_port()
+    server = subprocess.Popen([*command, "--port", str(port)], env=env, stderr=subprocess.PIPE,
+                              text=True)  # fmt: skip
+    client = Http(f"http://127.0.0.1:{port}")
+    log: list[str] = []
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                client.request("/login")
+                break
+            except urllib.error.URLError:
+                assert server.poll() is None and time.monotonic() < deadline
+                time.sleep(0.1)
+        yield client, log
+    finally:
+        server.send_signal(signal.SIGTERM)
+        _, stderr = server.communicate(timeout=30)
+        log.append(stderr)
+    assert server.returncode == 0, stderr
+    assert f"dashboard on http://127.0.0.1:{port}/" in stderr
+
+
+def hidden(page: str, name: str) -> str:
+    marker = f'name="{name}" value="'
+    start = page.index(marker) + len(marker)
+    return page[start : page.index('"', start)]
+
+
 def test_the_kuralle_es_dashboard_command_serves_the_store_and_stops_on_sigterm(
-    tmp_path: Path, maker: Maker, open_store: Any, backend: str
+    maker: Maker, open_store: Any, backend: str, ledger_path: Path
 ) -> None:
     paused = maker.refund_paused("s-cli", "7")
     url = open_store.target if backend == "postgres" else f"sqlite:///{open_store.target}"
@@ -648,24 +681,22 @@ def test_the_kuralle_es_dashboard_command_serves_the_store_and_stops_on_sigterm(
         refused.stderr
     )
 
-    port = _free_port()
-    server = subprocess.Popen([*command, "--port", str(port)], env=env, stderr=subprocess.PIPE,
-                              text=True)  # fmt: skip
-    try:
-        client = Http(f"http://127.0.0.1:{port}")
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                status, page = client.request(f"/runs/{paused.run_id}")
-                break
-            except urllib.error.URLError:
-                assert server.poll() is None and time.monotonic() < deadline
-                time.sleep(0.1)
+    with cli_dashboard(command, env) as (client, log):  # no token: read-only
+        status, page = client.request(f"/runs/{paused.run_id}")
         assert status == 200 and paused.run_id in page and "Refund $7.00?" in page
-        assert "read-only" in page  # no token in its environment: no approve buttons
+        assert "read-only" in page and 'id="approve"' not in page
         assert client.request(f"/runs/{paused.run_id}/approve", {"csrf_token": "x"})[0] == 403
-    finally:
-        server.send_signal(signal.SIGTERM)
-        _, stderr = server.communicate(timeout=30)
-    assert server.returncode == 0, stderr
-    assert f"dashboard on http://127.0.0.1:{port}/ (read-only" in stderr
+    assert "(read-only: KURALLE_DASHBOARD_TOKEN is unset)" in log[0]
+
+    # With a token, the command loads the agents (--app default: the refund example)
+    # and a decision resumes the run in the dashboard's process.
+    with cli_dashboard(command, {**env, "KURALLE_DASHBOARD_TOKEN": TOKEN}) as (client, _):
+        form = {"csrf_token": client.csrf(), "operator": OPERATOR, "token": TOKEN}
+        assert client.request("/login", form)[0] == 303
+        _, confirm = client.request(f"/runs/{paused.run_id}/approve")
+        decision = {k: hidden(confirm, k) for k in ("csrf_token", "signal_id", "request_id")}
+        status, _ = client.request(f"/runs/{paused.run_id}/approve", decision)
+        assert status == 303
+        _, page = client.request(f"/runs/{paused.run_id}")
+        assert 'id="run-status">finished<' in page
+    assert [e["amount_cents"] for e in refunds(ledger_path)] == [700]
