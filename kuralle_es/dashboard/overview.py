@@ -40,6 +40,7 @@ class Overview:
     session: str | None
     flow: str | None
     statuses: tuple[str, ...]
+    limit: int = LIST_LIMIT
 
 
 @dataclass(frozen=True)
