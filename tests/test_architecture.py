@@ -8,6 +8,7 @@ cycle that only type checkers see is still a cycle in the design.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "kuralle_es"
@@ -120,3 +121,34 @@ def test_no_module_imports_another_modules_private_names() -> None:
             ):
                 offences.append(f"{name} uses {node.value.id}.{node.attr}")
     assert [o for o in offences if o not in PENDING] == []
+
+
+def runtime_imports(tree: ast.Module) -> ast.Module:
+    """The module without its ``if TYPE_CHECKING:`` blocks (imports for type hints only)."""
+    body = [
+        node
+        for node in tree.body
+        if not (
+            isinstance(node, ast.If)
+            and isinstance(node.test, ast.Name)
+            and node.test.id == "TYPE_CHECKING"
+        )
+    ]
+    return ast.Module(body=body, type_ignores=[])
+
+
+def test_the_readme_lists_modules_so_that_each_imports_only_those_above_it() -> None:
+    readme = (PACKAGE.parent / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Architecture", 1)[1].split("```", 2)[1]
+    listed = [f"kuralle_es.{name}" for name in re.findall(r"\b([a-z_]+)\.py\b", section)]
+    found = modules()
+    known = set(found)
+    assert set(listed) <= known, "the README names a module that does not exist"
+    position = {name: i for i, name in enumerate(listed)}
+    upward = []
+    for name in listed:
+        path, tree = found[name]
+        for target, _ in internal_imports(name, path, runtime_imports(tree), known):
+            if target in position and position[target] > position[name]:
+                upward.append(f"{name} imports {target}, listed below it")
+    assert upward == []
