@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 from uuid import UUID
@@ -127,14 +127,6 @@ class StepRow:
         if self.finished_at is None:
             return None
         return (self.finished_at - self.started_at).total_seconds() * 1000.0
-
-
-@dataclass
-class Folded:
-    """The rows ``fold`` produced: the run's row, and the steps it touched."""
-
-    run: RunRow | None
-    steps: dict[int, StepRow] = field(default_factory=dict)
 
 
 def as_utc(value: datetime) -> datetime:
@@ -297,6 +289,17 @@ def _step_retried(run: RunRow, event: RunEvent, step: StepLookup) -> tuple[RunRo
     return run, replace(current, attempts=current.attempts + 1)
 
 
+def _attempt_failed(
+    run: RunRow, event: RunEvent, step: StepLookup
+) -> tuple[RunRow, StepRow | None]:
+    """A failed attempt that will be retried: the step runs on, with its last error."""
+    current = step(int(event.data["index"]))
+    error = event.data.get("error")
+    if current is None or not isinstance(error, Mapping):
+        return run, None
+    return run, replace(current, error_type=str(error.get("type")))
+
+
 _HANDLERS: dict[str, _Handler] = {
     "TurnStarted": _set(status="running"),
     "NodeEntered": _node_entered,
@@ -304,6 +307,7 @@ _HANDLERS: dict[str, _Handler] = {
     "StepFinished": _step_ended("finished"),
     "StepFailed": _step_ended("error"),
     "StepRetried": _step_retried,
+    "StepAttemptFailed": _attempt_failed,
     "Paused": _paused,
     "InputAccepted": _set(status="running", waiting_for=None),
     "SignalAccepted": _set(status="running", waiting_for=None),
