@@ -5,7 +5,8 @@ A handler is ``handler(event)`` or ``handler(event, tx)``, sync or async
 
 - ``handler(event, tx)`` on PostgreSQL or SQLite: ``tx`` is the driver
   connection (``psycopg.Connection`` / ``sqlite3.Connection``) inside the open
-  transaction that records the consumer's new position. What the handler
+  transaction that records the consumer's new position (the psycopg one
+  comes from the store's pool and returns rows as dicts). What the handler
   writes through it commits together with the position, or not at all: those
   writes apply exactly once, across crashes and even with two instances of
   the same consumer running. Up to ``batch_size`` events (100) share one
