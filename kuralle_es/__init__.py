@@ -53,6 +53,7 @@ from .models import (
     TurnResult,
     WaitingFor,
 )
+from .retry import RetryPolicy
 from .runtime import Runtime
 from .store import RunStore
 from .tools import Tool, define_tool
@@ -81,6 +82,7 @@ __all__ = [
     "NonDeterminismError",
     "OpenAIModel",
     "PayloadTooLargeError",
+    "RetryPolicy",
     "RunContext",
     "RunNotFoundError",
     "RunState",

@@ -28,12 +28,12 @@ from collections.abc import Callable, Coroutine, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
-from uuid import uuid4
 
 from .agents import Agent
+from .cancel import cancel_run
 from .errors import KuralleError
 from .examples import approval_notifier, refund
-from .models import SignalDelivery, TurnResult
+from .models import TurnResult
 from .runtime import Runtime
 from .store import RunStore
 from .store_url import (
@@ -334,7 +334,11 @@ def _add_deliveries(sub: SubParsers) -> None:
     signal.add_argument("--actor", metavar="NAME", help="who sends it (kept in the journal)")
 
 
-async def _deliver(args: argparse.Namespace, delivery: SignalDelivery) -> int:
+#: What an operator command does to a run, given the runtime and the run's session.
+_Act = Callable[[Runtime, str], Coroutine[Any, Any, TurnResult]]
+
+
+async def _deliver(args: argparse.Namespace, act: _Act) -> int:
     agents = load_agents(args.app)
     with open_store(args, must_exist=True) as store:
         runtime = Runtime(agents, store=store)
@@ -343,31 +347,26 @@ async def _deliver(args: argparse.Namespace, delivery: SignalDelivery) -> int:
         if run is None:
             print(f"kuralle-es: no run {args.run_id} in this store", file=sys.stderr)
             return 1
-        handle = runtime.run(
-            session_id=run.session_id, run_id=args.run_id, signal_delivery=delivery
-        )
-        _print_result(await handle.result())
+        _print_result(await act(runtime, run.session_id))
     return 0
 
 
-def _approval(args: argparse.Namespace, approved: bool) -> SignalDelivery:
-    payload: dict[str, Any] = {"approved": approved, "by": args.by}
-    if args.reason:
-        payload["reason"] = args.reason
-    return SignalDelivery(
-        signal_id=args.signal_id or f"cli-{uuid4().hex}",
-        name="__approval",
-        payload=payload,
-        actor=args.by,
+async def _approve(args: argparse.Namespace) -> int:
+    return await _deliver(
+        args,
+        lambda runtime, session: runtime.approve(
+            args.run_id, session, by=args.by, reason=args.reason, signal_id=args.signal_id
+        ),
     )
 
 
-async def _approve(args: argparse.Namespace) -> int:
-    return await _deliver(args, _approval(args, True))
-
-
 async def _deny(args: argparse.Namespace) -> int:
-    return await _deliver(args, _approval(args, False))
+    return await _deliver(
+        args,
+        lambda runtime, session: runtime.deny(
+            args.run_id, session, by=args.by, reason=args.reason, signal_id=args.signal_id
+        ),
+    )
 
 
 async def _signal(args: argparse.Namespace) -> int:
@@ -375,13 +374,38 @@ async def _signal(args: argparse.Namespace) -> int:
         payload = json.loads(args.payload)
     except json.JSONDecodeError as e:
         raise _CliError(f"--payload is not JSON: {e}") from None
-    delivery = SignalDelivery(
-        signal_id=args.signal_id or f"cli-{uuid4().hex}",
-        name=args.name,
-        payload=payload,
-        actor=args.actor,
+    return await _deliver(
+        args,
+        lambda runtime, session: runtime.signal(
+            args.run_id, session, args.name, payload, signal_id=args.signal_id, actor=args.actor
+        ),
     )
-    return await _deliver(args, delivery)
+
+
+# ------------------------------------------------------------------ cancel
+def _add_cancel(sub: SubParsers) -> None:
+    cancel = _command(
+        sub,
+        "cancel",
+        "cancel a run: a flow run is aborted, a conversation's current turn ends",
+        _cancel,
+    )
+    cancel.add_argument("run_id", metavar="RUN_ID", help="the run's id")
+    cancel.add_argument(
+        "--reason", required=True, help="why (the run's outcome becomes 'cancelled: REASON')"
+    )
+
+
+async def _cancel(args: argparse.Namespace) -> int:
+    # Never imports --app: cancelling needs no flow definition.
+    with open_store(args, must_exist=True) as store:
+        run = await asyncio.to_thread(store.load, args.run_id)
+        if run is None:
+            print(f"kuralle-es: no run {args.run_id} in this store", file=sys.stderr)
+            return 1
+        state = await cancel_run(store, args.run_id, run.session_id, args.reason)
+    print(f"run {state.run_id} is {state.status} ({state.outcome})")
+    return 0
 
 
 # ------------------------------------------------------------------- views
@@ -482,7 +506,7 @@ async def _consume(args: argparse.Namespace) -> int:
 
 #: Every command: each adds its parser (and handler) to the subparsers.
 COMMANDS: list[Callable[[SubParsers], None]] = [
-    _add_demo, _add_runs, _add_deliveries, _add_views, _add_dashboard, _add_consume,
+    _add_demo, _add_runs, _add_deliveries, _add_cancel, _add_views, _add_dashboard, _add_consume,
 ]  # fmt: skip
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import json
 from datetime import datetime, timedelta
-from typing import Any, TypedDict, cast
+from typing import Any, NotRequired, TypedDict, cast
 from uuid import UUID, uuid5
 
 from eventsourcing.domain import Aggregate
@@ -49,6 +49,14 @@ class StepData(TypedDict):
     finished_at: datetime | None
     retry_allowed: bool
     attempts: int
+    #: Failed attempts so far (a retried tool); absent in steps journaled before retries.
+    failures: NotRequired[int]
+    #: When the next attempt is due, while the step waits between attempts.
+    retry_at: NotRequired[datetime | None]
+
+
+#: How the outcome of a cancelled run begins.
+CANCELLED = "cancelled: "
 
 
 def _slot(logical_run: str, callsite: int) -> str:
@@ -102,8 +110,6 @@ class Run(Aggregate):
         self.turn_keys: dict[str, dict[str, Any]] = {}
         #: The inbound idempotency key of the turn that started last, if any.
         self.turn_key: str | None = None
-        #: ``{"run_id": ..., "at_step": ...}`` when this run is a fork of another.
-        self.forked_from: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ ids
     @property
@@ -111,16 +117,6 @@ class Run(Aggregate):
         return str(self.id)
 
     # --------------------------------------------------------------- events
-    class Forked(Event):
-        """This run is a fork of ``from_run_id`` at step ``at_step`` (README: Forking a run)."""
-
-        TOPIC = "kuralle_es:Run.Forked"
-        from_run_id: str
-        at_step: int
-
-        def apply(self, run: Run) -> None:
-            run.forked_from = {"run_id": self.from_run_id, "at_step": self.at_step}
-
     class TurnStarted(Event):
         """A turn began: a fresh epoch for a conversation's new user input."""
 
@@ -182,6 +178,8 @@ class Run(Aggregate):
                     finished_at=None,
                     retry_allowed=False,
                     attempts=1,
+                    failures=0,
+                    retry_at=None,
                 )
             )
             run.slots.setdefault(_slot(self.logical_run, self.callsite), []).append(self.index)
@@ -209,6 +207,25 @@ class Run(Aggregate):
             step["error"] = self.error
             step["finished_at"] = self.timestamp
 
+    class StepAttemptFailed(Event):
+        """An attempt failed and the tool's retry policy allows another (same key).
+
+        The step stays ``running`` with this error until the next attempt,
+        due at ``retry_at``; a resume then is not in doubt: it waits until
+        ``retry_at`` and starts that attempt.
+        """
+
+        TOPIC = "kuralle_es:Run.StepAttemptFailed"
+        index: int
+        error: dict[str, Any]
+        retry_at: datetime
+
+        def apply(self, run: Run) -> None:
+            step = run.steps[self.index]
+            step["error"] = self.error
+            step["failures"] = step.get("failures", 0) + 1
+            step["retry_at"] = self.retry_at
+
     class StepRetryAllowed(Event):
         """A human answered an in-doubt step with "retry": execute it again, same key."""
 
@@ -232,6 +249,7 @@ class Run(Aggregate):
             step = run.steps[self.index]
             step["retry_allowed"] = False
             step["attempts"] += 1
+            step["retry_at"] = None
             # A read that is never replayed (``replay=False``) runs again on
             # the same step: it is running once more until this pass records.
             step["status"] = "running"
@@ -410,6 +428,13 @@ class Run(Aggregate):
         self._require_step_running(index)
         self.trigger_event(self.StepFailed, index=index, error=error.model_dump())
 
+    def fail_attempt(self, index: int, error: StepError, retry_at: datetime) -> None:
+        """Journal a failed attempt that will be retried at ``retry_at``."""
+        self._require_step_running(index)
+        self.trigger_event(
+            self.StepAttemptFailed, index=index, error=error.model_dump(), retry_at=retry_at
+        )
+
     def append_message(self, message: Message) -> None:
         self.trigger_event(self.MessageAppended, message=message.model_dump(exclude_none=True))
 
@@ -465,12 +490,31 @@ class Run(Aggregate):
     def abort(self, reason: str) -> None:
         self.trigger_event(self.Aborted, reason=reason)
 
-    def mark_forked(self, from_run_id: str, at_step: int) -> None:
-        self.trigger_event(self.Forked, from_run_id=from_run_id, at_step=at_step)
-
-    def copy_event(self, event_class: type[Run.Event], fields: dict[str, Any]) -> None:
-        """Append an event copied from another run's history (a fork's opening)."""
-        self.trigger_event(event_class, **fields)
+    def cancel(self, reason: str) -> bool:
+        """Stop the run for good (a flow: ``aborted``) or end its current turn (a
+        conversation: ``finished``), outcome ``"cancelled: <reason>"``, whoever
+        holds the lease. Returns False (nothing triggered) when it already is
+        cancelled or aborted; a finished run has nothing to cancel
+        (``InvalidArgumentError``).
+        """
+        outcome = f"{CANCELLED}{reason}"
+        if self.status == "aborted" or (
+            self.status == "finished" and (self.outcome or "").startswith(CANCELLED)
+        ):
+            return False
+        if self.status == "finished":
+            msg = (
+                f"run {self.run_id} is finished (outcome {self.outcome!r}); "
+                "there is nothing to cancel"
+            )
+            raise InvalidArgumentError(msg)
+        if self.kind == "conversation":
+            # The conversation stays usable: the next user message opens a new epoch.
+            self.finish(outcome, None, self.active_agent, self.state)
+        else:
+            self.abort(outcome)
+        self.release_lease()
+        return True
 
     def record_turn(self, idempotency_key: str, result: dict[str, Any]) -> None:
         self.trigger_event(self.TurnRecorded, idempotency_key=idempotency_key, result=result)
@@ -529,8 +573,6 @@ class Run(Aggregate):
             updated_at=self.modified_on,
             error=StepError.model_validate(self.error) if self.error else None,
             outcome=self.outcome,
-            # Snapshots taken before forks existed lack the attribute.
-            forked_from=copy.deepcopy(getattr(self, "forked_from", None)),
         )
 
     def step_records(self) -> list[StepRecord]:

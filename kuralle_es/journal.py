@@ -37,11 +37,13 @@ from .errors import (
     SuspendError,
     ToolExecutionError,
     ToolResultTypeError,
+    ToolTimeoutError,
     error_fields,
 )
 from .heartbeat import Heartbeat
 from .models import Message, StepError
 from .observability import traced_step
+from .retry import NO_RETRY, RetryPolicy
 from .store import RunStore
 from .tools import encode_json
 from .waiting import Wait
@@ -50,6 +52,8 @@ __all__ = ["Journal", "decode", "frozen_error", "utcnow"]
 
 #: ``StepError.data`` marker of a result the journal could not hold.
 _UNRECORDABLE = "unrecordable_result"
+#: ``StepError.data`` marker of an attempt cancelled by the tool's timeout.
+_TIMEOUT = "timeout"
 
 
 def utcnow() -> datetime:
@@ -64,7 +68,22 @@ def frozen_error(step: StepData) -> ToolExecutionError:
     data = error.get("data") or {}
     if data.get("reason") == _UNRECORDABLE:
         return ToolResultTypeError(step["name"], error_type, message, data)
+    if data.get("reason") == _TIMEOUT:
+        return ToolTimeoutError(step["name"], error_type, message, data)
     return ToolExecutionError(step["name"], error_type, message, data)
+
+
+def _step_error(exc: Exception) -> StepError:
+    """What the journal keeps of an attempt's error."""
+    if isinstance(exc, ToolTimeoutError):
+        return StepError(
+            type=exc.error_type, message=exc.message, data={**exc.data, "reason": _TIMEOUT}
+        )
+    return StepError(type=type(exc).__name__, message=str(exc), data=error_fields(exc))
+
+
+def _as_utc(at: datetime) -> datetime:
+    return at.replace(tzinfo=UTC) if at.tzinfo is None else at
 
 
 def decode(step: StepData) -> Any:
@@ -245,6 +264,7 @@ class Journal:
         replay: bool = True,
         on_running: Callable[[StepData], Awaitable[None]] | None = None,
         on_executed: Callable[[Any], None] | None = None,
+        retry: RetryPolicy = NO_RETRY,
     ) -> Any:
         """Run one effect through the journal; returns its (recorded) JSON result.
 
@@ -252,10 +272,12 @@ class Journal:
         (it may suspend to ask a human instead of re-executing). With
         ``replay=False`` (a read re-run on every pass) a recorded step is run
         again on the same record: one step per key, its ``attempts`` counting
-        the passes.
+        the passes. ``retry`` says which failed attempts are journaled and
+        tried again (same key) instead of being frozen.
         """
         self._enter()
         try:
+            retry_at: datetime | None = None
             async with self._lock:
                 step = self.recorded(site, kind, name, key)
                 if step is None:
@@ -267,22 +289,18 @@ class Journal:
                     done, result = _settled(step)
                     if done:
                         return result
-                    # Running: the process died between intent and result.
-                    if on_running is not None and not step["retry_allowed"]:
-                        await on_running(step)
                     index = step["index"]
-                    self._run.retry_step(index)
+                    retry_at = step.get("retry_at")
+                    if retry_at is None:
+                        # Running: the process died between intent and result.
+                        if on_running is not None and not step["retry_allowed"]:
+                            await on_running(step)
+                        self._run.retry_step(index)
+                    # else between attempts of a retried tool: not in doubt.
                 await self._persist_locked()
-            self._heartbeat.enter()
-            try:
-                value = await execute()
-            except (SuspendError, asyncio.CancelledError):
-                raise
-            except Exception as exc:
-                error = StepError(type=type(exc).__name__, message=str(exc), data=error_fields(exc))
-                raise await self._record_failure(index, error) from exc
-            finally:
-                self._heartbeat.leave()
+            if retry_at is not None:
+                await self._next_attempt(index, retry_at)
+            value = await self._attempts(index, execute, retry)
             try:
                 result_json = encode_json(value, f"the result of {kind} {name!r}")
             except (TypeError, KuralleError) as exc:
@@ -363,6 +381,45 @@ class Journal:
         else:
             message = str(answer.get("message") or "failed by a human after a crash")
             self._run.fail_step(index, StepError(type="InDoubtFailed", message=message, data={}))
+
+    async def _attempts(
+        self, index: int, execute: Callable[[], Awaitable[Any]], retry: RetryPolicy
+    ) -> Any:
+        """Execute until an attempt succeeds; a failure the policy retries is
+        journaled (the step stays running) and waited out, the last one frozen."""
+        while True:
+            self._heartbeat.enter()
+            try:
+                return await execute()
+            except (SuspendError, asyncio.CancelledError):
+                raise
+            except Exception as exc:
+                error = _step_error(exc)
+                failures = self._run.steps[index].get("failures", 0) + 1
+                if not retry.retries(exc, failures):
+                    raise await self._record_failure(index, error) from exc
+                retry_at = utcnow() + timedelta(seconds=retry.delay(failures))
+                async with self._lock:
+                    self._run.fail_attempt(index, error, retry_at)
+                    await self._persist_locked()
+            finally:
+                self._heartbeat.leave()
+            await self._next_attempt(index, retry_at)
+
+    async def _next_attempt(self, index: int, retry_at: datetime) -> None:
+        """Wait until the next attempt is due (the lease kept by the heartbeat
+        meanwhile), then journal its start; a crash before that save resumes
+        the wait, never the count."""
+        delay = (_as_utc(retry_at) - utcnow()).total_seconds()
+        if delay > 0:
+            self._heartbeat.enter()
+            try:
+                await asyncio.sleep(delay)
+            finally:
+                self._heartbeat.leave()
+        async with self._lock:
+            self._run.retry_step(index)
+            await self._persist_locked()
 
     async def _record_failure(self, index: int, error: StepError) -> ToolExecutionError:
         async with self._lock:

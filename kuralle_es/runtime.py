@@ -14,15 +14,15 @@ import os
 import socket
 from collections.abc import Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from uuid import uuid4
 
 from .agents import Agent
+from .cancel import cancel_run
 from .commands import (
     Command,
     Converse,
     Deliver,
-    Fork,
     Input,
     RestartFlow,
     Resume,
@@ -39,6 +39,7 @@ from .models import RunState, SignalDelivery, StepRecord, TurnResult
 from .registry import Registry
 from .store import RunStore
 from .turn import drive_turn
+from .waits import APPROVAL
 
 if TYPE_CHECKING:
     from .views import RunViews
@@ -156,36 +157,6 @@ class Runtime:
         run = await load_run(self.store, run_id, session_id)
         return run.step_records() if run is not None else []
 
-    # ------------------------------------------------------------------ fork
-    async def fork(
-        self, run_id: str, session_id: str, at_step: int, *, into_session: str | None = None
-    ) -> TurnResult:
-        """Fork a flow run at step ``at_step``; the fork's turn result (its errors raised).
-
-        The fork is a new flow run (a fresh id, in ``into_session`` or the
-        original's session) standing where the original stood just before
-        step ``at_step`` started: the same node entries, messages and state
-        bag, and copies of steps ``0 .. at_step - 1`` with their recorded
-        results, re-keyed under the fork's own logical run (a tool's
-        ``idempotency_key=`` override keeps its key). It is pinned to the
-        flow's current digest and driven within this call, like a resumed
-        run, to its next pause or its end: the active node re-executes,
-        replaying the copies (``NonDeterminismError`` if the code no longer
-        matches them) and executing afresh from ``at_step``. The original is
-        only read. ``RunState.forked_from`` says where the fork came from.
-
-        ``at_step`` is ``0 .. len(steps)``: 0 re-executes everything from the
-        original's first message, ``len(steps)`` replays everything. Refused
-        with ``InvalidArgumentError``: a conversation run, ``at_step`` out of
-        range or inside a parallel batch; ``RunNotFoundError``: an unknown or
-        foreign run. A refusal writes nothing.
-        """
-        if into_session is not None and (not isinstance(into_session, str) or not into_session):
-            msg = f"into_session must be a non-empty session id or None, got {into_session!r}"
-            raise InvalidArgumentError(msg)
-        command = Fork(session_id, run_id, at_step, into_session)
-        return await TurnHandle(lambda sink: drive_turn(self._env, command, sink)).result()
-
     # ----------------------------------------------------------------- drift
     async def resolve_drift(self, run_id: str, session_id: str, recovery: str) -> RunState:
         """Settle a run whose flow changed since it started; returns its state after.
@@ -213,6 +184,86 @@ class Runtime:
         run.abort(ABANDONED)
         await asyncio.to_thread(self.store.save_run, run)
         return run.to_state()
+
+    # ------------------------------------------------------ execution control
+    async def cancel(self, run_id: str, session_id: str, reason: str) -> RunState:
+        """Stop a run, whoever holds its lease; returns its state after.
+
+        A flow run becomes ``aborted`` with outcome ``"cancelled: <reason>"``
+        and its wait cleared; a conversation run's current turn ends the same
+        way but the run stays usable (``finished``; the next user message opens
+        a new epoch). A turn driving the run elsewhere loses its next save and
+        stops without executing anything further. Cancelling an aborted (or
+        already cancelled) run is a no-op; a finished run is refused with
+        ``InvalidArgumentError``; an unknown or foreign run is
+        ``RunNotFoundError``.
+        """
+        return await cancel_run(self.store, run_id, session_id, reason)
+
+    async def approve(
+        self,
+        run_id: str,
+        session_id: str,
+        *,
+        by: str,
+        reason: str | None = None,
+        signal_id: str | None = None,
+    ) -> TurnResult:
+        """Approve what the run waits for, as ``by``; the turn's result (its errors raised).
+
+        Exactly ``run(..., signal_delivery=...)`` of an ``__approval`` with
+        ``actor=by`` and a fresh ``signal_id`` unless one is given (give one to
+        make a retry a no-op).
+        """
+        return await self._decide(run_id, session_id, True, by, reason, signal_id)
+
+    async def deny(
+        self,
+        run_id: str,
+        session_id: str,
+        *,
+        by: str,
+        reason: str | None = None,
+        signal_id: str | None = None,
+    ) -> TurnResult:
+        """Deny what the run waits for, as ``by``; like ``approve`` with ``approved`` false."""
+        return await self._decide(run_id, session_id, False, by, reason, signal_id)
+
+    async def signal(
+        self,
+        run_id: str,
+        session_id: str,
+        name: str,
+        payload: Any,
+        *,
+        signal_id: str | None = None,
+        actor: str | None = None,
+    ) -> TurnResult:
+        """Deliver signal ``name`` with ``payload``; the turn's result (its errors raised).
+
+        Exactly ``run(..., signal_delivery=SignalDelivery(...))`` with a fresh
+        ``signal_id`` unless one is given.
+        """
+        delivery = SignalDelivery(
+            signal_id=signal_id or uuid4().hex, name=name, payload=payload, actor=actor
+        )
+        return await self.run(session_id, run_id=run_id, signal_delivery=delivery).result()
+
+    async def _decide(
+        self,
+        run_id: str,
+        session_id: str,
+        approved: bool,
+        by: str,
+        reason: str | None,
+        signal_id: str | None,
+    ) -> TurnResult:
+        payload: dict[str, Any] = {"approved": approved, "by": by}
+        if reason is not None:
+            payload["reason"] = reason
+        return await self.signal(
+            run_id, session_id, APPROVAL, payload, signal_id=signal_id, actor=by
+        )
 
     # ----------------------------------------------------------- definitions
     def default_agent(self) -> Agent:

@@ -95,6 +95,8 @@ def _step_line(step: StepRecord) -> str:
         outcome = f"-> {_short(step.result)}"
     elif step.status == "error" and step.error is not None:
         outcome = f"!! {step.error.type}: {step.error.message}"
+    elif step.error is not None:  # a retried tool between attempts
+        outcome = f"… running, retried after {step.error.type}: {step.error.message}"
     else:
         outcome = "… running (in doubt if its process died)"
     return (

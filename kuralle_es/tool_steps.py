@@ -77,6 +77,7 @@ async def run_tool(
 ) -> Any:
     """Run ``tool`` at ``site``; returns its (recorded) result.
 
+    Failed attempts are retried as ``tool.retry`` allows, each with the same key.
     Raises ``ToolExecutionError`` (frozen failure), ``ToolApprovalDeniedError``
     or ``SuspendError`` (approval or in-doubt pending). ``emit`` receives the
     tool-call and tool-result parts of a call that really executes.
@@ -102,8 +103,12 @@ async def run_tool(
                 step_index=step["index"],
             )
 
+    announced = False
+
     async def execute() -> Any:
-        if emit is not None:
+        nonlocal announced
+        if emit is not None and not announced:  # one tool-call part, whatever the attempts
+            announced = True
             emit(
                 StreamPart(
                     type="tool-call", tool_name=tool.name, tool_call_id=tool_call_id, args=args_json
@@ -132,4 +137,5 @@ async def run_tool(
         replay=tool.replay,
         on_running=ask_in_doubt,
         on_executed=executed,
+        retry=tool.retry,
     )

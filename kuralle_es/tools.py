@@ -6,17 +6,27 @@ A tool knows nothing of journals: the funnel in ``journal`` decides whether
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import inspect
 import json
+import math
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ValidationError
 
-from .errors import InvalidArgumentError, InvalidToolArgsError, PayloadTooLargeError
+from .errors import (
+    InvalidArgumentError,
+    InvalidToolArgsError,
+    PayloadTooLargeError,
+    ToolTimeoutError,
+)
 from .models import ToolCall
+from .retry import NO_RETRY, RetryPolicy
 
 __all__ = ["Tool", "define_tool", "encode_json", "max_payload_bytes", "wants_call"]
 
@@ -84,6 +94,12 @@ class Tool:
     on_in_doubt: InDoubt = "retry"
     #: Whether ``execute`` takes the ``ToolCall`` too (decided once, not per call).
     wants_call: bool = False
+    #: How failed attempts are retried (default: one attempt, never retried).
+    retry: RetryPolicy = NO_RETRY
+    #: Seconds one attempt may run before it is cancelled (None: no limit).
+    timeout: float | None = None
+    #: Whether ``execute`` is a coroutine function (decided once, not per call).
+    is_async: bool = False
 
     def validate(self, args: Any) -> BaseModel:
         """The tool's input model built from ``args``, or ``InvalidToolArgsError``."""
@@ -121,11 +137,33 @@ class Tool:
         return bool(self.parallel_safe)
 
     async def invoke(self, args: BaseModel, call: ToolCall) -> Any:
-        """Run ``execute`` (sync or async, with or without ``call``)."""
-        outcome = self.execute(args, call) if self.wants_call else self.execute(args)
-        if inspect.isawaitable(outcome):
-            outcome = await outcome
-        return outcome
+        """Run ``execute`` (sync or async, with or without ``call``), within ``timeout``.
+
+        Past the timeout an async tool is cancelled; a sync tool, which Python
+        cannot interrupt, runs in a thread of its own that is abandoned (it
+        runs on, its result ignored). Either way ``ToolTimeoutError`` is raised.
+        """
+        if self.timeout is None:
+            outcome = self._call(args, call)
+            if inspect.isawaitable(outcome):
+                outcome = await outcome
+            return outcome
+        try:
+            if self.is_async:
+                return await asyncio.wait_for(self._call(args, call), self.timeout)
+            return await asyncio.wait_for(
+                _in_own_thread(lambda: self._call(args, call)), self.timeout
+            )
+        except TimeoutError:
+            raise ToolTimeoutError(
+                self.name,
+                "ToolTimeoutError",
+                f"the attempt ran longer than its timeout of {self.timeout} s and was cancelled",
+                {"timeout": self.timeout},
+            ) from None
+
+    def _call(self, args: BaseModel, call: ToolCall) -> Any:
+        return self.execute(args, call) if self.wants_call else self.execute(args)
 
     def json_schema(self) -> dict[str, Any]:
         """The OpenAI function-tool description of this tool."""
@@ -137,6 +175,45 @@ class Tool:
                 "parameters": self.input.model_json_schema(),
             },
         }
+
+
+async def _in_own_thread(fn: Callable[[], Any]) -> Any:
+    """Run a sync tool in a daemon thread of its own (awaiting an awaitable it returns).
+
+    Not the loop's default executor: an abandoned attempt would hold one of
+    its threads, and ``asyncio.run`` waits for that executor at exit.
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+
+    def settle(value: Any, error: BaseException | None) -> None:
+        if future.done():  # abandoned after a timeout
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(value)
+
+    def work() -> None:
+        try:
+            value, error = fn(), None
+        except BaseException as exc:  # handed to the awaiting task
+            value, error = None, exc
+        # RuntimeError: the loop is gone, nobody waits for this attempt any more.
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(settle, value, error)
+
+    threading.Thread(target=work, name="kuralle-tool", daemon=True).start()
+    outcome = await future
+    if inspect.isawaitable(outcome):
+        outcome = await outcome
+    return outcome
+
+
+def _is_async(fn: Callable[..., Any]) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None)  # noqa: B004 - a callable object's async __call__
+    )
 
 
 def wants_call(fn: Callable[..., Any]) -> bool:
@@ -165,8 +242,15 @@ def define_tool(
     parallel_safe: bool | Callable[[BaseModel], bool] = False,
     replay: bool = True,
     on_in_doubt: InDoubt = "retry",
+    retry: RetryPolicy | None = None,
+    timeout: float | None = None,
 ) -> Tool:
-    """Define a tool; every argument is checked here so mistakes surface at import."""
+    """Define a tool; every argument is checked here so mistakes surface at import.
+
+    ``retry`` retries failed attempts (same idempotency key, backoff between
+    them); ``timeout`` cancels an attempt that runs longer (``ToolTimeoutError``,
+    retryable). Bad values raise ``InvalidArgumentError``.
+    """
     if not isinstance(name, str) or not name or name.startswith("__"):
         msg = f"tool name must be a non-empty string not starting with '__', got {name!r}"
         raise InvalidArgumentError(msg)
@@ -178,6 +262,17 @@ def define_tool(
         raise TypeError(msg)
     if on_in_doubt not in ("retry", "ask"):
         msg = f"tool {name!r}: on_in_doubt must be 'retry' or 'ask', got {on_in_doubt!r}"
+        raise InvalidArgumentError(msg)
+    if retry is not None and not isinstance(retry, RetryPolicy):
+        msg = f"tool {name!r}: retry must be a RetryPolicy, got {retry!r}"
+        raise InvalidArgumentError(msg)
+    if timeout is not None and (
+        not isinstance(timeout, int | float)
+        or isinstance(timeout, bool)
+        or not math.isfinite(timeout)
+        or timeout <= 0
+    ):
+        msg = f"tool {name!r}: timeout must be a positive number of seconds, got {timeout!r}"
         raise InvalidArgumentError(msg)
     return Tool(
         name=name,
@@ -191,6 +286,9 @@ def define_tool(
         replay=replay,
         on_in_doubt=on_in_doubt,
         wants_call=wants_call(execute),
+        retry=retry if retry is not None else NO_RETRY,
+        timeout=float(timeout) if timeout is not None else None,
+        is_async=_is_async(execute),
     )
 
 

@@ -107,6 +107,12 @@ def _step_failed(e: Run.StepFailed, ctx: _RunContext, base: _Base) -> RunEvent:
     return StepFailed(**base, index=e.index, name=ctx.steps[e.index].name, error=error, final=final)
 
 
+def _attempt_failed(e: Run.StepAttemptFailed, ctx: _RunContext, base: _Base) -> RunEvent:
+    # An attempt the tool's retry policy tries again: not frozen.
+    error = EventError.model_validate(e.error)
+    return StepFailed(**base, index=e.index, name=ctx.steps[e.index].name, error=error, final=False)
+
+
 def _paused(e: Run.Paused, ctx: _RunContext, base: _Base) -> RunEvent:
     # The stored wait also holds what only the runtime reads back: keep public keys only.
     public = {k: v for k, v in e.waiting_for.items() if k in EventWaitingFor.model_fields}
@@ -154,6 +160,7 @@ _RULES: Mapping[type[Any], _Rule] = {
     Run.StepRetried: _Rule(_step_retried),
     Run.StepFinished: _Rule(_step_finished),
     Run.StepFailed: _Rule(_step_failed),
+    Run.StepAttemptFailed: _Rule(_attempt_failed),
     Run.Paused: _Rule(_paused, "paused"),
     Run.InputAccepted: _Rule(_resumed("input"), "running"),
     Run.SignalAccepted: _Rule(_signal, "running"),

@@ -1,0 +1,460 @@
+"""Tool retries and timeouts (README: Retries and timeouts), on memory, SQLite and PostgreSQL.
+
+Each failed attempt is journaled and retried with the same idempotency key,
+the error frozen only after the last one; non-retryable errors never are;
+backoffs are waited out (measured); a SIGKILL during a backoff resumes the
+count in another process; a timeout cancels an attempt and is retried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import StoreFactory
+from procs import control
+from procs.worker import wait_lease_expired
+from pydantic import BaseModel
+
+from kuralle_es import (
+    InvalidArgumentError,
+    InvalidToolArgsError,
+    ModelResponse,
+    RetryPolicy,
+    Runtime,
+    SuspendError,
+    ToolApprovalDeniedError,
+    ToolCall,
+    ToolCallRequest,
+    ToolExecutionError,
+    ToolResultTypeError,
+    ToolTimeoutError,
+    action,
+    define_agent,
+    define_flow,
+    define_tool,
+    end,
+)
+from kuralle_es.events import StepFailed, StepStarted, follow
+from kuralle_es.testing import ScriptedModel
+
+SESSION = "retries"
+FAST = RetryPolicy(max_attempts=3, initial_interval=0.01, backoff=1.0)
+
+
+class Empty(BaseModel):
+    pass
+
+
+class Calls:
+    """An external ledger: every execution of a tool, with its key and time."""
+
+    def __init__(self) -> None:
+        self.keys: list[str] = []
+        self.times: list[float] = []
+
+    def record(self, call: ToolCall) -> int:
+        self.keys.append(call.idempotency_key)
+        self.times.append(time.monotonic())
+        return len(self.keys)
+
+
+def one_tool_runtime(
+    store: Any,
+    execute: Callable[..., Any],
+    *,
+    retry: RetryPolicy | None = FAST,
+    timeout: float | None = None,
+    catch: bool = False,
+    **tool_options: Any,
+) -> Runtime:
+    """A flow ``use`` whose one node calls the tool ``t`` (catching its error if asked)."""
+
+    async def use(state: dict[str, Any], ctx: Any) -> Any:
+        try:
+            state["result"] = await ctx.tool("t", {})
+        except SuspendError:
+            raise
+        except Exception as e:
+            if not catch:
+                raise
+            state["caught"] = {"type": type(e).__name__, "message": str(e)}
+            return end("caught")
+        return end("done")
+
+    tool = define_tool("t", "a tool", Empty, execute, retry=retry, timeout=timeout, **tool_options)
+    flow = define_flow("use", "call t", "use", [action("use", use)])
+    return Runtime([define_agent("a", "retries", None, [tool], [flow])], store=store)
+
+
+async def start(runtime: Runtime) -> Any:
+    handle = runtime.run(SESSION, input="go", kind="flow", flow_name="use")
+    return await handle.result()
+
+
+async def start_failing(runtime: Runtime, error: type[Exception]) -> tuple[str, Exception]:
+    """Start ``use`` when its turn is to raise ``error``: the run id and the error."""
+    handle = runtime.run(SESSION, input="go", kind="flow", flow_name="use")
+    run_id = await handle.run_id
+    with pytest.raises(error) as raised:
+        await handle.result()
+    return run_id, raised.value
+
+
+# ------------------------------------------------------------------ policy
+def test_policy_intervals_grow_by_the_backoff_up_to_the_cap() -> None:
+    policy = RetryPolicy(max_attempts=5, initial_interval=0.5, backoff=3.0, max_interval=2.0)
+    assert [policy.delay(n) for n in (1, 2, 3, 4)] == [0.5, 1.5, 2.0, 2.0]
+    assert policy.retries(ConnectionError(), 4) and not policy.retries(ConnectionError(), 5)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"max_attempts": 0},
+        {"max_attempts": 1.5},
+        {"initial_interval": -1},
+        {"backoff": 0.5},
+        {"max_interval": float("nan")},
+        {"retry_on": ("not an error",)},
+    ],
+)
+def test_a_bad_policy_is_refused_when_it_is_made(bad: dict[str, Any]) -> None:
+    with pytest.raises(InvalidArgumentError):
+        RetryPolicy(**bad)
+
+
+def test_define_tool_refuses_a_bad_retry_or_timeout() -> None:
+    with pytest.raises(InvalidArgumentError):
+        define_tool("t", "t", Empty, lambda a: 1, retry=3)  # type: ignore[arg-type]
+    for timeout in (0, -1, float("inf"), True):
+        with pytest.raises(InvalidArgumentError):
+            define_tool("t", "t", Empty, lambda a: 1, timeout=timeout)
+
+
+def test_a_tool_without_retry_is_attempted_once_as_before() -> None:
+    tool = define_tool("t", "t", Empty, lambda a: 1)
+    assert tool.retry.max_attempts == 1 and tool.timeout is None
+
+
+# ----------------------------------------------------------------- retries
+async def test_a_tool_failing_twice_then_succeeding_runs_three_times_with_one_key(
+    open_store: StoreFactory,
+) -> None:
+    calls = Calls()
+
+    def flaky(args: Empty, call: ToolCall) -> Any:
+        n = calls.record(call)
+        if n < 3:
+            raise ConnectionError(f"down ({n})")
+        return {"ok": n}
+
+    runtime = one_tool_runtime(open_store(), flaky)
+    result = await start(runtime)
+    assert result.status == "finished"
+    assert len(calls.keys) == 3 and len(set(calls.keys)) == 1
+    (step,) = await runtime.get_steps(result.run_id, SESSION)
+    assert (step.status, step.attempts, step.result, step.error) == ("finished", 3, {"ok": 3}, None)
+    assert step.key == calls.keys[0]
+    state = await runtime.get_run(result.run_id, SESSION)
+    assert state is not None and state.state["result"] == {"ok": 3}
+
+
+async def test_failing_past_the_limit_freezes_the_last_error_and_replays_it(
+    open_store: StoreFactory,
+) -> None:
+    calls = Calls()
+
+    def always(args: Empty, call: ToolCall) -> Any:
+        raise ConnectionError(f"down ({calls.record(call)})")
+
+    runtime = one_tool_runtime(open_store(), always)
+    run_id, first = await start_failing(runtime, ToolExecutionError)
+    assert len(calls.keys) == 3
+    assert isinstance(first, ToolExecutionError)
+    assert (first.error_type, first.message) == ("ConnectionError", "down (3)")
+    (step,) = await runtime.get_steps(run_id, SESSION)
+    assert (step.status, step.attempts) == ("error", 3)
+    assert step.error is not None and step.error.message == "down (3)"
+    # Re-addressed, the node runs again and the frozen error is replayed, not executed.
+    with pytest.raises(ToolExecutionError) as replayed:
+        await runtime.run(SESSION, run_id=run_id).result()
+    assert (replayed.value.error_type, replayed.value.message) == ("ConnectionError", "down (3)")
+    assert len(calls.keys) == 3
+
+
+async def test_a_caught_final_failure_is_the_same_error_the_node_sees_on_replay(
+    open_store: StoreFactory,
+) -> None:
+    calls = Calls()
+
+    def always(args: Empty, call: ToolCall) -> Any:
+        raise ConnectionError(f"down ({calls.record(call)})")
+
+    runtime = one_tool_runtime(open_store(), always, catch=True)
+    result = await start(runtime)
+    state = await runtime.get_run(result.run_id, SESSION)
+    assert state is not None and state.outcome == "caught"
+    assert state.state["caught"]["type"] == "ToolExecutionError"
+    assert len(calls.keys) == 3
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        ValueError("bad input upstream"),
+        InvalidToolArgsError("t", "amount: must be positive"),
+        ToolApprovalDeniedError("t", "bank", "declined"),
+    ],
+    ids=["no_retry_on", "InvalidToolArgsError", "ToolApprovalDeniedError"],
+)
+async def test_errors_that_are_not_retryable_are_attempted_once(
+    open_store: StoreFactory, error: Exception
+) -> None:
+    calls = Calls()
+
+    def fails(args: Empty, call: ToolCall) -> Any:
+        calls.record(call)
+        raise error
+
+    policy = RetryPolicy(max_attempts=5, initial_interval=0.01, no_retry_on=(ValueError,))
+    runtime = one_tool_runtime(open_store(), fails, retry=policy, catch=True)
+    result = await start(runtime)
+    assert result.status == "finished" and len(calls.keys) == 1
+    (step,) = await runtime.get_steps(result.run_id, SESSION)
+    assert (step.status, step.attempts) == ("error", 1)
+
+
+async def test_an_unrecordable_result_is_never_retried(open_store: StoreFactory) -> None:
+    calls = Calls()
+
+    def returns_a_set(args: Empty, call: ToolCall) -> Any:
+        calls.record(call)
+        return {1, 2}
+
+    runtime = one_tool_runtime(open_store(), returns_a_set, catch=True)
+    result = await start(runtime)
+    state = await runtime.get_run(result.run_id, SESSION)
+    assert state is not None and state.state["caught"]["type"] == ToolResultTypeError.__name__
+    assert len(calls.keys) == 1
+
+
+async def test_a_denied_approval_never_executes_or_retries_the_tool(
+    open_store: StoreFactory,
+) -> None:
+    calls = Calls()
+
+    def guarded(args: Empty, call: ToolCall) -> Any:
+        calls.record(call)
+        return {"ok": True}
+
+    runtime = one_tool_runtime(open_store(), guarded, catch=True, needs_approval=True)
+    paused = await start(runtime)
+    assert paused.status == "paused"
+    result = await runtime.deny(paused.run_id, SESSION, by="bob", reason="no")
+    state = await runtime.get_run(result.run_id, SESSION)
+    assert state is not None and state.state["caught"]["type"] == "ToolApprovalDeniedError"
+    assert calls.keys == []
+
+
+async def test_invalid_arguments_are_refused_before_any_attempt(open_store: StoreFactory) -> None:
+    calls = Calls()
+
+    class Amount(BaseModel):
+        amount: int
+
+    async def bad_args(state: dict[str, Any], ctx: Any) -> Any:
+        try:
+            await ctx.tool("t", {"amount": "lots"})
+        except InvalidToolArgsError:
+            return end("refused")
+        return end("executed")
+
+    tool = define_tool("t", "t", Amount, lambda a, c: calls.record(c), retry=FAST)
+    flow = define_flow("use", "bad args", "use", [action("use", bad_args)])
+    runtime = Runtime([define_agent("a", "x", None, [tool], [flow])], store=open_store())
+    result = await start(runtime)
+    state = await runtime.get_run(result.run_id, SESSION)
+    assert state is not None and state.outcome == "refused"
+    assert calls.keys == [] and await runtime.get_steps(result.run_id, SESSION) == []
+
+
+async def test_backoff_intervals_are_waited_out(open_store: StoreFactory) -> None:
+    calls = Calls()
+
+    def always(args: Empty, call: ToolCall) -> Any:
+        calls.record(call)
+        raise ConnectionError("down")
+
+    policy = RetryPolicy(max_attempts=4, initial_interval=0.2, backoff=2.0, max_interval=0.5)
+    runtime = one_tool_runtime(open_store(), always, retry=policy, catch=True)
+    await start(runtime)
+    gaps = [b - a for a, b in zip(calls.times, calls.times[1:], strict=False)]
+    assert len(gaps) == 3
+    # 0.2, then 0.4, then 0.8 capped at 0.5; a loaded machine only adds time.
+    for gap, wanted in zip(gaps, (0.2, 0.4, 0.5), strict=True):
+        assert wanted - 0.01 <= gap < wanted + 1.5, (gaps, wanted)
+
+
+async def test_each_failed_attempt_is_a_public_non_final_failure(
+    open_store: StoreFactory,
+) -> None:
+    calls = Calls()
+
+    def flaky(args: Empty, call: ToolCall) -> Any:
+        if calls.record(call) < 3:
+            raise ConnectionError("down")
+        return {"ok": True}
+
+    store = open_store()
+    result = await start(one_tool_runtime(store, flaky))
+    seen: list[Any] = []
+    async for event in follow(store):
+        if event.run_id == result.run_id and isinstance(event, StepStarted | StepFailed):
+            seen.append(event)
+        if getattr(event, "outcome", None) == "done":
+            break
+    assert [(type(e).__name__, getattr(e, "attempt", None)) for e in seen] == [
+        ("StepStarted", 1), ("StepFailed", None), ("StepStarted", 2), ("StepFailed", None),
+        ("StepStarted", 3),
+    ]  # fmt: skip
+    assert [e.final for e in seen if isinstance(e, StepFailed)] == [False, False]
+
+
+async def test_model_requested_tool_calls_honour_the_same_policy(open_store: StoreFactory) -> None:
+    calls = Calls()
+
+    def flaky(args: Empty, call: ToolCall) -> Any:
+        n = calls.record(call)
+        if n < 3:
+            raise ConnectionError("down")
+        return {"ok": n}
+
+    script = [
+        ModelResponse(tool_calls=[ToolCallRequest(id="c1", name="t", args={})]),
+        "done",
+    ]
+    tool = define_tool("t", "t", Empty, flaky, retry=FAST)
+    agent = define_agent("a", "x", ScriptedModel(script), [tool])
+    runtime = Runtime([agent], store=open_store())
+    result = await runtime.run(SESSION, input="use t").result()
+    assert (result.status, result.output) == ("finished", "done")
+    assert len(calls.keys) == 3 and len(set(calls.keys)) == 1
+    steps = await runtime.get_steps(result.run_id, SESSION)
+    (tool_step,) = [s for s in steps if s.kind == "tool"]
+    assert (tool_step.attempts, tool_step.result) == (3, {"ok": 3})
+
+
+# ---------------------------------------------------------------- timeouts
+async def test_a_timeout_cancels_an_async_attempt_and_it_is_retried(
+    open_store: StoreFactory,
+) -> None:
+    calls = Calls()
+    cancelled: list[int] = []
+
+    async def hangs_once(args: Empty, call: ToolCall) -> Any:
+        n = calls.record(call)
+        if n == 1:
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                cancelled.append(n)
+                raise
+        return {"attempt": n}
+
+    runtime = one_tool_runtime(open_store(), hangs_once, timeout=0.2)
+    began = time.monotonic()
+    result = await start(runtime)
+    assert result.status == "finished" and time.monotonic() - began < 10
+    assert cancelled == [1] and len(set(calls.keys)) == 1
+    (step,) = await runtime.get_steps(result.run_id, SESSION)
+    assert (step.attempts, step.result) == (2, {"attempt": 2})
+
+
+async def test_a_timeout_past_the_last_attempt_is_a_tool_timeout_error_also_on_replay(
+    open_store: StoreFactory,
+) -> None:
+    async def hangs(args: Empty) -> Any:
+        await asyncio.sleep(30)
+
+    runtime = one_tool_runtime(open_store(), hangs, retry=None, timeout=0.1)
+    run_id, first = await start_failing(runtime, ToolTimeoutError)
+    with pytest.raises(ToolTimeoutError) as replayed:
+        await runtime.run(SESSION, run_id=run_id).result()
+    assert str(first) == str(replayed.value)
+    assert isinstance(first, ToolExecutionError) and first.tool_name == "t"
+
+
+async def test_a_sync_attempt_past_its_timeout_is_abandoned_on_its_thread(
+    open_store: StoreFactory,
+) -> None:
+    calls = Calls()
+    finished: list[int] = []
+
+    def blocks_once(args: Empty, call: ToolCall) -> Any:
+        n = calls.record(call)
+        if n == 1:
+            time.sleep(1.0)  # cannot be interrupted: it runs on, its result ignored
+            finished.append(n)
+        return {"attempt": n}
+
+    runtime = one_tool_runtime(open_store(), blocks_once, timeout=0.2)
+    result = await start(runtime)
+    (step,) = await runtime.get_steps(result.run_id, SESSION)
+    assert (step.attempts, step.result) == (2, {"attempt": 2})
+    assert finished == []  # the turn did not wait for the abandoned attempt
+
+
+# --------------------------------------------------- crash between attempts
+async def _until(check: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + 30.0
+    while not check():
+        assert time.monotonic() < deadline, "timed out waiting"
+        await asyncio.sleep(0.02)
+
+
+@pytest.mark.parametrize(
+    "backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+)
+async def test_a_sigkill_during_a_backoff_resumes_the_count_in_another_process(
+    open_store: StoreFactory, tmp_path: Path
+) -> None:
+    assert open_store.target is not None
+    ledger = tmp_path / "ledger.jsonl"
+    child = control.spawn(
+        open_store.backend, open_store.target, ledger, SESSION, "start", control.ALWAYS_FAILING,
+        KT_INTERVAL="1.5", KT_LEASE_TTL="0.6",
+    )  # fmt: skip
+    try:
+        assert child.stdout is not None
+        run_id = json.loads(await asyncio.to_thread(child.stdout.readline))["opened"]
+        store = open_store()
+
+        def first_failure_journaled() -> bool:
+            run = store.load(run_id)
+            return run is not None and bool(run.steps) and run.steps[0].get("failures") == 1
+
+        await _until(first_failure_journaled)
+        child.send_signal(signal.SIGKILL)  # mid-backoff: attempt 2 is 1.5 s away
+        assert await asyncio.to_thread(child.wait, 30) == -signal.SIGKILL
+    finally:
+        if child.poll() is None:
+            child.kill()
+        child.communicate()
+    assert len(control.read_ledger(ledger)) == 1
+    runtime = Runtime([control.make_agent(ledger)], store=store)
+    await wait_lease_expired(runtime, run_id, SESSION)
+    with pytest.raises(ToolExecutionError):
+        await runtime.run(SESSION, run_id=run_id).result()
+    entries = control.read_ledger(ledger)
+    assert len(entries) == control.MAX_ATTEMPTS and len({e["key"] for e in entries}) == 1
+    # The backoff was waited out from the failed attempt's time, not restarted.
+    assert entries[1]["at"] - entries[0]["at"] >= 1.5 - 0.05
+    (step,) = await runtime.get_steps(run_id, SESSION)
+    assert (step.status, step.attempts) == ("error", control.MAX_ATTEMPTS)
