@@ -9,6 +9,10 @@ loops N times:
 * ``now``:  ``await ctx.now()``: a clock read, journaled through the funnel
   (intent and result in one save in the current library).
 
+On PostgreSQL both run twice: through the one-round-trip recorder that
+``RunStore`` uses by default (``journal:`` rows) and through
+``eventsourcing``'s own ``PostgresApplicationRecorder`` (``es recorder:`` rows).
+
 The ``saves/step`` column counts the ``RunStore.save_run`` calls the loop
 actually made (a counter wrapped around the store instance), so the table
 stays true if the library changes how many saves a step takes.
@@ -66,9 +70,13 @@ from kuralle_es import (
     end,
 )
 from kuralle_es.context import RunContext
+from kuralle_es.store import postgres_env
 
 DEFAULT_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
 DSN_ENV = "KURALLE_BENCH_POSTGRES_DSN"
+
+#: eventsourcing's own PostgreSQL recorder: the rows "without the one-round-trip save".
+DEFAULT_RECORDER = "eventsourcing.postgres:PostgresApplicationRecorder"
 
 #: Bytes written per floor row: about the size of one stored StepStarted event.
 FLOOR_PAYLOAD = b"x" * 400
@@ -205,7 +213,12 @@ async def one_flow_run(runtime: Runtime, kind: str, steps: int) -> float:
 
 
 async def bench_journal(
-    result: BackendResult, store: RunStore, steps: int, reps: int, breakdown: bool
+    result: BackendResult,
+    store: RunStore,
+    steps: int,
+    reps: int,
+    breakdown: bool,
+    label: str = "journal",
 ) -> None:
     runtime = Runtime([AGENT], store=store)
     save_run = store.save_run
@@ -217,7 +230,7 @@ async def bench_journal(
     store.save_run = counted_save  # type: ignore[method-assign]
     try:
         for kind in ("tool", "now"):
-            measure = Measure(result.backend, f"journal: {kind} step", steps)
+            measure = Measure(result.backend, f"{label}: {kind} step", steps)
             await one_flow_run(runtime, kind, min(steps, WARMUP_CAP))
             for _ in range(reps):
                 gc.collect()
@@ -414,8 +427,14 @@ async def run_postgres(
     try:
         print(f"postgres: {server_settings(dsn)}; benchmark database {name}")
         result = BackendResult("postgres")
-        with RunStore.postgres(dsn) as store:
+        with RunStore.postgres(dsn) as store:  # the one-round-trip recorder (the default)
             await bench_journal(result, store, steps, reps, breakdown)
+        # eventsourcing's own recorder, named in this store's env only (in os.environ
+        # it would reach the SQLite store too).
+        env = postgres_env(dsn)
+        env["APPLICATION_RECORDER_TOPIC"] = DEFAULT_RECORDER
+        with RunStore(env=env) as store:
+            await bench_journal(result, store, steps, reps, False, "es recorder")
         result.floor_one, result.floor_two = postgres_floors(dsn, steps, reps)
         return result
     finally:

@@ -1,0 +1,159 @@
+"""Throughput with 1, 2 and 4 worker processes on one PostgreSQL database.
+
+Each worker is a separate Python process with its own ``RunStore`` and
+``Runtime`` on the same database; it drives flow runs of ``--steps`` no-op
+tool steps (default 20) one after another for ``--seconds`` (default 10)
+after a common start, and counts the runs and steps it finished. The
+figures are the totals over all workers per second, and the ratio to one
+worker, measured in the same run on the same (fresh) database. The rounds
+(``--rounds``, default 3) interleave the worker counts; medians are
+reported.
+
+Server: ``KURALLE_BENCH_POSTGRES_DSN`` (default
+``postgresql://postgres@127.0.0.1:5432/postgres``). ``--json FILE`` writes
+the medians for ``chart.py``.
+
+Usage: ``python benchmarks/throughput.py [--workers 1,2,4] [--steps 20] [--seconds 10]
+[--rounds 3] [--json FILE]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+import uuid
+from typing import Any
+
+from journal_overhead import (
+    DEFAULT_DSN,
+    DSN_ENV,
+    create_database,
+    drop_database,
+    server_settings,
+    with_dbname,
+)
+from pydantic import BaseModel
+
+from kuralle_es import RunStore, Runtime, action, define_agent, define_flow, define_tool, end
+from kuralle_es.context import RunContext
+
+
+class NoopArgs(BaseModel):
+    x: int
+
+
+STEPS = {"n": 20}
+
+
+async def loop_node(state: dict[str, Any], ctx: RunContext) -> Any:
+    for i in range(STEPS["n"]):
+        await ctx.tool("noop", {"x": i})
+    return end("done")
+
+
+NOOP = define_tool("noop", "does nothing", NoopArgs, lambda a: {"x": a.x})
+LOOP = define_flow("bench_loop", "N no-op tool steps", "n", [action("n", loop_node)])
+AGENT = define_agent("bench", "benchmark agent", None, [NOOP], [LOOP])
+
+
+async def work(dsn: str, steps: int, ready: Any, seconds: float) -> tuple[int, int]:
+    STEPS["n"] = steps
+    runs = 0
+    with RunStore.postgres(dsn) as store:
+        runtime = Runtime([AGENT], store=store)
+        await runtime.run(f"w-{uuid.uuid4().hex}", kind="flow", flow_name=LOOP.name).result()
+        ready.wait()  # every worker warmed up: start together
+        stop = time.time() + seconds
+        while time.time() < stop:
+            result = await runtime.run(
+                f"t-{uuid.uuid4().hex}", kind="flow", flow_name=LOOP.name
+            ).result()
+            if result.status != "finished":
+                raise RuntimeError(f"run ended {result.status}")
+            runs += 1
+    return runs, runs * steps
+
+
+def worker(dsn: str, steps: int, ready: Any, seconds: float, out: Any) -> None:
+    try:
+        out.put(asyncio.run(work(dsn, steps, ready, seconds)))
+    except BaseException as e:  # reported by the parent, which would otherwise wait forever
+        out.put(f"{type(e).__name__}: {e}")
+        raise
+
+
+def one_round(dsn: str, workers: int, steps: int, seconds: float) -> tuple[float, float]:
+    """(runs/s, steps/s) of ``workers`` processes together."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    ready = ctx.Barrier(workers)
+    procs = [
+        ctx.Process(target=worker, args=(dsn, steps, ready, seconds, out)) for _ in range(workers)
+    ]
+    for p in procs:
+        p.start()
+    totals = [out.get(timeout=seconds + 300) for _ in procs]
+    for p in procs:
+        p.join()
+    errors = [t for t in totals if isinstance(t, str)]
+    if errors:
+        raise RuntimeError(f"a worker failed: {errors[0]}")
+    runs = sum(t[0] for t in totals)
+    done_steps = sum(t[1] for t in totals)
+    return runs / seconds, done_steps / seconds
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--workers", default="1,2,4", help="worker counts, comma-separated")
+    parser.add_argument("--steps", type=int, default=20, help="tool steps per run (default 20)")
+    parser.add_argument("--seconds", type=float, default=10.0, help="timed seconds per round")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
+    parser.add_argument("--json", help="write the medians to this file (for chart.py)")
+    args = parser.parse_args()
+    counts = [int(x) for x in args.workers.split(",")]
+    admin_dsn = os.environ.get(DSN_ENV, DEFAULT_DSN)
+    print(f"kuralle_es throughput: python {sys.version.split()[0]}, {os.cpu_count()} cpus")
+    name = create_database(admin_dsn)
+    if name is None:
+        raise SystemExit(f"PostgreSQL at {admin_dsn} is unreachable")
+    dsn = with_dbname(admin_dsn, name)
+    samples: dict[int, list[tuple[float, float]]] = {n: [] for n in counts}
+    try:
+        print(f"postgres: {server_settings(dsn)}", flush=True)
+        RunStore.postgres(dsn).close()  # create the tables once, before the workers race
+        for r in range(args.rounds):
+            for n in counts:
+                samples[n].append(one_round(dsn, n, args.steps, args.seconds))
+            print(f"round {r + 1}/{args.rounds} done", flush=True)
+    finally:
+        drop_database(admin_dsn, name)
+    base_steps = statistics.median(s[1] for s in samples[counts[0]])
+    print()
+    print(
+        f"runs of {args.steps} tool steps, {args.seconds:.0f} s a round, "
+        f"median of {args.rounds} interleaved rounds"
+    )
+    print(f"{'workers':>7} | {'runs/s':>7} | {'steps/s':>8} | vs {counts[0]} worker(s)")
+    medians: dict[str, dict[str, float]] = {}
+    for n in counts:
+        runs_s = statistics.median(s[0] for s in samples[n])
+        steps_s = statistics.median(s[1] for s in samples[n])
+        medians[str(n)] = {"runs_per_s": runs_s, "steps_per_s": steps_s}
+        print(f"{n:>7} | {runs_s:>7.1f} | {steps_s:>8.0f} | {steps_s / base_steps:.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {"steps": args.steps, "seconds": args.seconds, "workers": medians}, f, indent=2
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
