@@ -26,6 +26,7 @@ from .errors import (
     SignalMismatchError,
 )
 from .flows import Flow
+from .fork import ForkPlan, plan_fork
 from .journal import Journal, utcnow
 from .keys import canonical_json
 from .models import Message, SignalDelivery
@@ -36,6 +37,7 @@ __all__ = [
     "Command",
     "Converse",
     "Deliver",
+    "Fork",
     "Input",
     "Opening",
     "RestartFlow",
@@ -449,3 +451,57 @@ class RestartFlow(Command):
     def prepare(self, run: Run, fresh: bool, env: TurnEnv) -> Opening | None:
         _, flow = env.registry.flow(str(run.active_flow))
         return _Repin(flow)
+
+
+@dataclass
+class _ForkOpening(Opening):
+    """A fork's journal: the original's history up to the fork point, then its own."""
+
+    plan: ForkPlan
+
+    async def open(self, run: Run, journal: Journal, env: TurnEnv) -> None:
+        self.plan.apply(run)
+        await asyncio.to_thread(env.store.create_run, run)
+
+
+@dataclass
+class Fork(Command):
+    """``runtime.fork``: a new flow run standing where another stood before a step.
+
+    The original is read, never written; every refusal (a conversation run,
+    ``at_step`` out of range or inside a parallel batch, a node the current
+    flow lacks) is raised while addressing, before anything is saved.
+    """
+
+    session_id: str
+    run_id: str
+    at_step: int
+    into_session: str | None = None
+    idempotency_key: str | None = None
+    _plan: ForkPlan | None = None
+
+    async def address(self, env: TurnEnv) -> tuple[Run, bool]:
+        original = await _addressed(env, self.run_id, self.session_id)
+        if original.kind != "flow":
+            msg = f"run {self.run_id} is a {original.kind} run; only flow runs fork"
+            raise InvalidArgumentError(msg)
+        events: list[Any] = await asyncio.to_thread(lambda: list(env.store.events.get(original.id)))
+        agent, flow = env.registry.flow(str(events[0].flow))
+        fork_id = uuid4()
+        self._plan = plan_fork(events, self.at_step, str(fork_id), flow.digest)
+        if self._plan.node not in flow.nodes:
+            msg = (
+                f"cannot fork run {self.run_id} at step {self.at_step}: it stood at node "
+                f"{self._plan.node!r}, which flow {flow.name!r} no longer has; fork at an "
+                "earlier step"
+            )
+            raise InvalidArgumentError(msg)
+        session = self.into_session if self.into_session is not None else self.session_id
+        return new_run(fork_id, session, "flow", agent.id, flow.name, flow.digest), True
+
+    def prepare(self, run: Run, fresh: bool, env: TurnEnv) -> Opening | None:
+        assert self._plan is not None, "address() plans the fork"
+        return _ForkOpening(self._plan)
+
+    def log_fields(self) -> dict[str, str | None]:
+        return {"forked_from": self.run_id, "at_step": str(self.at_step)}

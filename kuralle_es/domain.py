@@ -110,6 +110,8 @@ class Run(Aggregate):
         self.turn_keys: dict[str, dict[str, Any]] = {}
         #: The inbound idempotency key of the turn that started last, if any.
         self.turn_key: str | None = None
+        #: ``{"run_id": ..., "at_step": ...}`` when this run is a fork of another.
+        self.forked_from: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ ids
     @property
@@ -117,6 +119,16 @@ class Run(Aggregate):
         return str(self.id)
 
     # --------------------------------------------------------------- events
+    class Forked(Event):
+        """This run is a fork of ``from_run_id`` at step ``at_step`` (README: Forking a run)."""
+
+        TOPIC = "kuralle_es:Run.Forked"
+        from_run_id: str
+        at_step: int
+
+        def apply(self, run: Run) -> None:
+            run.forked_from = {"run_id": self.from_run_id, "at_step": self.at_step}
+
     class TurnStarted(Event):
         """A turn began: a fresh epoch for a conversation's new user input."""
 
@@ -490,6 +502,13 @@ class Run(Aggregate):
     def abort(self, reason: str) -> None:
         self.trigger_event(self.Aborted, reason=reason)
 
+    def mark_forked(self, from_run_id: str, at_step: int) -> None:
+        self.trigger_event(self.Forked, from_run_id=from_run_id, at_step=at_step)
+
+    def copy_event(self, event_class: type[Run.Event], fields: dict[str, Any]) -> None:
+        """Append an event copied from another run's history (a fork's opening)."""
+        self.trigger_event(event_class, **fields)
+
     def cancel(self, reason: str) -> bool:
         """Stop the run for good (a flow: ``aborted``) or end its current turn (a
         conversation: ``finished``), outcome ``"cancelled: <reason>"``, whoever
@@ -573,6 +592,8 @@ class Run(Aggregate):
             updated_at=self.modified_on,
             error=StepError.model_validate(self.error) if self.error else None,
             outcome=self.outcome,
+            # Snapshots taken before forks existed lack the attribute.
+            forked_from=copy.deepcopy(getattr(self, "forked_from", None)),
         )
 
     def step_records(self) -> list[StepRecord]:

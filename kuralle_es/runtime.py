@@ -23,6 +23,7 @@ from .commands import (
     Command,
     Converse,
     Deliver,
+    Fork,
     Input,
     RestartFlow,
     Resume,
@@ -156,6 +157,36 @@ class Runtime:
         (like ``get_run``'s None: a read never says whether a foreign run exists)."""
         run = await load_run(self.store, run_id, session_id)
         return run.step_records() if run is not None else []
+
+    # ------------------------------------------------------------------ fork
+    async def fork(
+        self, run_id: str, session_id: str, at_step: int, *, into_session: str | None = None
+    ) -> TurnResult:
+        """Fork a flow run at step ``at_step``; the fork's turn result (its errors raised).
+
+        The fork is a new flow run (a fresh id, in ``into_session`` or the
+        original's session) standing where the original stood just before
+        step ``at_step`` started: the same node entries, messages and state
+        bag, and copies of steps ``0 .. at_step - 1`` with their recorded
+        results, re-keyed under the fork's own logical run (a tool's
+        ``idempotency_key=`` override keeps its key). It is pinned to the
+        flow's current digest and driven within this call, like a resumed
+        run, to its next pause or its end: the active node re-executes,
+        replaying the copies (``NonDeterminismError`` if the code no longer
+        matches them) and executing afresh from ``at_step``. The original is
+        only read. ``RunState.forked_from`` says where the fork came from.
+
+        ``at_step`` is ``0 .. len(steps)``: 0 re-executes everything from the
+        original's first message, ``len(steps)`` replays everything. Refused
+        with ``InvalidArgumentError``: a conversation run, ``at_step`` out of
+        range or inside a parallel batch; ``RunNotFoundError``: an unknown or
+        foreign run. A refusal writes nothing.
+        """
+        if into_session is not None and (not isinstance(into_session, str) or not into_session):
+            msg = f"into_session must be a non-empty session id or None, got {into_session!r}"
+            raise InvalidArgumentError(msg)
+        command = Fork(session_id, run_id, at_step, into_session)
+        return await TurnHandle(lambda sink: drive_turn(self._env, command, sink)).result()
 
     # ----------------------------------------------------------------- drift
     async def resolve_drift(self, run_id: str, session_id: str, recovery: str) -> RunState:

@@ -107,6 +107,11 @@ class _Turn:
             raise
         self.sink.opened(run.run_id)
         self._log_opened(run)
+        if run.status == "paused":
+            # An opening that stands the run on a wait (a fork at a pending input)
+            # ends the turn there: driving would re-enter a node that already asked.
+            waiting = StreamPart(type="paused", waiting_for=run.to_state().waiting_for)
+            return await self._close(run, journal, waiting)
         try:
             driven = await drive(
                 journal,
