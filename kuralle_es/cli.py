@@ -232,7 +232,7 @@ _COLUMNS = (
 
 
 def _add_runs(sub: SubParsers) -> None:
-    runs = sub.add_parser("runs", help="list and inspect runs (read-only)")
+    runs = sub.add_parser("runs", help="list and inspect runs (read-only), or fork one")
     runs_sub = runs.add_subparsers(dest="runs_command", required=True, metavar="COMMAND")
 
     listing = _command(runs_sub, "list", "runs, most recently updated first", _runs_list)
@@ -251,6 +251,25 @@ def _add_runs(sub: SubParsers) -> None:
     show = _command(runs_sub, "show", "a run's journal as a timeline", _runs_show)
     show.add_argument("run_id", metavar="RUN_ID", help="the run's id")
     show.add_argument("--json", action="store_true", help="the RunState with its steps, as JSON")
+
+    fork = _command(
+        runs_sub,
+        "fork",
+        "a new run replaying a flow run's steps before N, executing afresh from N (loads --app)",
+        _runs_fork,
+    )
+    fork.add_argument("run_id", metavar="RUN_ID", help="the flow run to fork (only read)")
+    fork.add_argument(
+        "--at",
+        dest="at_step",
+        type=int,
+        required=True,
+        metavar="N",
+        help="the first step to execute afresh: 0 to the run's step count",
+    )
+    fork.add_argument(
+        "--into-session", metavar="ID", help="the fork's session (default: the run's)"
+    )
 
 
 def _row(s: RunSummary) -> tuple[str, ...]:
@@ -309,6 +328,21 @@ async def _runs_show(args: argparse.Namespace) -> int:
         print(json.dumps(shown, indent=2))
     else:
         print(format_timeline(state, steps, deliveries))
+    return 0
+
+
+async def _runs_fork(args: argparse.Namespace) -> int:
+    agents = load_agents(args.app)
+    with open_store(args, must_exist=True) as store:
+        # The run's session is read from the store: the operator acts on its behalf.
+        run = await asyncio.to_thread(store.load, args.run_id)
+        if run is None:
+            print(f"kuralle-es: no run {args.run_id} in this store", file=sys.stderr)
+            return 1
+        result = await Runtime(agents, store=store).fork(
+            args.run_id, run.session_id, args.at_step, into_session=args.into_session
+        )
+    _print_result(result)
     return 0
 
 

@@ -129,6 +129,9 @@ def format_timeline(
     ]
     if state.active_flow:
         lines.append(f"  flow {state.active_flow} at node {state.active_node}")
+    if state.forked_from:
+        origin = state.forked_from
+        lines.append(f"  forked from run {origin['run_id']} at step {origin['at_step']}")
     if state.lease_holder:
         lines.append(f"  lease held by {state.lease_holder} until {_when(state.lease_expires_at)}")
     timed: list[tuple[datetime, int, str]] = [

@@ -3,8 +3,10 @@
 ``_RULES`` is the whole mapping: a stored event class, the public event it
 becomes (or none), and the run status it leaves behind. A stored event type
 absent from the table (leases, node entries, messages, turn records, session
-indexes) has no public meaning and is skipped, so each stored event yields at
-most one public event and positions stay unique.
+indexes, a fork's origin) has no public meaning and is skipped, so each stored
+event yields at most one public event and positions stay unique. A fork opens
+like any run (its ``Created`` is a ``RunOpened``), and the steps it copied from
+the original are its own ``StepStarted``/``StepFinished`` events.
 
 Some public fields are not on the stored event alone (the session of a run,
 the name and key of a step, its attempt count). ``Translator`` keeps that

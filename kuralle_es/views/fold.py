@@ -316,6 +316,8 @@ _HANDLERS: dict[str, _Handler] = {
     "Errored": _set(status="error"),
     "Resumed": _set(status="running"),
     "Aborted": _set(status="aborted", waiting_for=None),
+    # Where a fork came from is on RunState (runtime.get_run), not a column of the list.
+    "Forked": _set(),
     "LeaseTaken": _lease_taken,
     "LeaseReleased": _set(lease_holder=None, lease_expires_at=None),
 }
