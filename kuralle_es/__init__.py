@@ -53,6 +53,17 @@ from .models import (
     TurnResult,
     WaitingFor,
 )
+from .recovery import (
+    Scheduler,
+    Sweeper,
+    SweepJob,
+    SweepReport,
+    create_sweep_job_runner,
+    fire_timers,
+    recover_orphaned_runs,
+    start_run_sweeper,
+    sweep_deadlines,
+)
 from .retry import RetryPolicy
 from .runtime import Runtime
 from .store import RunStore
@@ -90,6 +101,7 @@ __all__ = [
     "RunSummary",
     "RunViews",
     "Runtime",
+    "Scheduler",
     "SignalDelivery",
     "SignalMismatchError",
     "StaleWriteError",
@@ -97,6 +109,9 @@ __all__ = [
     "StepRecord",
     "StreamPart",
     "SuspendError",
+    "SweepJob",
+    "SweepReport",
+    "Sweeper",
     "Tool",
     "ToolApprovalDeniedError",
     "ToolCall",
@@ -111,13 +126,18 @@ __all__ = [
     "WaitingFor",
     "action",
     "collect",
+    "create_sweep_job_runner",
     "define_agent",
     "define_flow",
     "define_tool",
     "end",
+    "fire_timers",
     "goto",
     "handoff",
     "idempotency_key",
     "openai_model",
+    "recover_orphaned_runs",
     "reply",
+    "start_run_sweeper",
+    "sweep_deadlines",
 ]

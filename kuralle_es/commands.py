@@ -40,10 +40,12 @@ __all__ = [
     "Fork",
     "Input",
     "Opening",
+    "Recover",
     "RestartFlow",
     "Resume",
     "StartFlow",
     "TurnEnv",
+    "Wake",
     "conversation_run_id",
     "drifted_run",
     "load_run",
@@ -74,6 +76,8 @@ class TurnEnv:
     holder: str
     lease_ttl: float
     max_tool_concurrency: int
+    #: A durable sleep up to this many seconds waits inline; a longer one pauses the run.
+    inline_sleep_limit: float = 1.0
 
 
 async def load_run(store: RunStore, run_id: str, session_id: str) -> Run | None:
@@ -213,6 +217,28 @@ class _Repin(Opening):
 class _Resume(Opening):
     async def open(self, run: Run, journal: Journal, env: TurnEnv) -> None:
         run.resume()
+        await journal.persist()
+
+
+@dataclass
+class _Recovered(Opening):
+    """An orphan taken over: the new lease, and who held the expired one."""
+
+    previous_holder: str | None
+
+    async def open(self, run: Run, journal: Journal, env: TurnEnv) -> None:
+        run.recover(self.previous_holder)
+        await journal.persist()
+
+
+@dataclass
+class _TimerFired(Opening):
+    """A due durable sleep ends: the run re-executes its node, where the sleep returns."""
+
+    request_id: str
+
+    async def open(self, run: Run, journal: Journal, env: TurnEnv) -> None:
+        run.fire_timer(self.request_id)
         await journal.persist()
 
 
@@ -434,6 +460,73 @@ class Resume(Command):
 
     def prepare(self, run: Run, fresh: bool, env: TurnEnv) -> Opening | None:
         return _resume_opening(run, env)
+
+
+@dataclass(frozen=True)
+class Recover(Command):
+    """A sweeper drives a ``running`` run whose worker's lease expired (an orphan).
+
+    A run that is no longer an orphan when it is loaded (it finished, paused,
+    or its own holder still drives it) is left alone; a live lease of another
+    holder is ``LeaseHeldError``, raised by the turn before anything is written.
+    """
+
+    session_id: str
+    run_id: str
+    idempotency_key: str | None = None
+
+    async def address(self, env: TurnEnv) -> tuple[Run, bool]:
+        return await _addressed(env, self.run_id, self.session_id), False
+
+    def prepare(self, run: Run, fresh: bool, env: TurnEnv) -> Opening | None:
+        if run.status != "running":
+            return None
+        require_current_flow(run, env.registry)
+        if run.lease_holder == env.holder and run.lease_is_live(utcnow()):
+            return None  # this worker's own turn still drives it
+        return _Recovered(run.lease_holder)
+
+    def won_elsewhere(self, latest: Run, fresh: bool) -> bool:
+        # Another sweeper (or the original worker after all) holds it now.
+        return latest.status != "running" or latest.lease_is_live(utcnow())
+
+
+@dataclass(frozen=True)
+class Wake(Command):
+    """A sweeper wakes a run paused on a due durable sleep (the wait ``request_id``).
+
+    Compare-and-set like every opening: of two sweepers waking one timer, one
+    saves the wake and the other finds the wait gone, a no-op.
+    """
+
+    session_id: str
+    run_id: str
+    request_id: str
+    idempotency_key: str | None = None
+
+    async def address(self, env: TurnEnv) -> tuple[Run, bool]:
+        return await _addressed(env, self.run_id, self.session_id), False
+
+    def prepare(self, run: Run, fresh: bool, env: TurnEnv) -> Opening | None:
+        if not self._sleeping(run):
+            return None  # woken already, or never this timer
+        require_current_flow(run, env.registry)
+        wait = run.waiting
+        if wait is not None and wait.deadline is not None and wait.deadline > utcnow():
+            return None  # not due yet (a view ahead of this clock)
+        return _TimerFired(self.request_id)
+
+    def won_elsewhere(self, latest: Run, fresh: bool) -> bool:
+        return not self._sleeping(latest)
+
+    def _sleeping(self, run: Run) -> bool:
+        wait = run.waiting
+        return (
+            run.status == "paused"
+            and wait is not None
+            and wait.kind == "timer"
+            and wait.request_id == self.request_id
+        )
 
 
 @dataclass(frozen=True)

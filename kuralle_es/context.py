@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable, Mapping
 from datetime import datetime, timedelta
 from typing import Any
@@ -15,7 +16,7 @@ from .journal import Journal, decode, utcnow
 from .models import ApprovalDecision, StreamPart
 from .tool_steps import run_tool
 from .tools import Tool
-from .waits import APPROVAL, Schemas, approval_decision, is_deadline_deny, suspend
+from .waits import APPROVAL, TIMER, Schemas, approval_decision, is_deadline_deny, suspend
 
 __all__ = ["RunContext"]
 
@@ -128,6 +129,37 @@ class RunContext:
             schemas=self._schemas,
         )
 
+    # ----------------------------------------------------------------- sleep
+    async def sleep(self, duration: float | timedelta) -> None:
+        """Sleep durably for ``duration`` (seconds, or a ``timedelta``).
+
+        Takes one callsite and journals one ``timer`` step whose result is the
+        wake time, so a replay waits only for what is left of it (nothing,
+        once past it). A wake time within the runtime's ``inline_sleep_limit``
+        is waited out in this turn (the heartbeat keeps the lease); a later one
+        pauses the run on a ``timer`` wait that takes no delivery, until a
+        sweeper's ``fire_timers`` wakes it once it is due (docs/howto/recovery.md).
+        ``InvalidArgumentError`` for a negative or non-finite duration.
+        """
+        seconds = _seconds(duration)
+        site = self._cursor.take()
+        recorded = await self._journal.record_value(
+            site,
+            kind="timer",
+            name="sleep",
+            key=site.key("timer"),
+            args={"seconds": seconds},
+            make=lambda: {"wake_at": (utcnow() + timedelta(seconds=seconds)).isoformat()},
+        )
+        wake_at = datetime.fromisoformat(recorded["wake_at"])
+        left = (wake_at - utcnow()).total_seconds()
+        if left <= 0:
+            return
+        if left <= self._journal.inline_sleep_limit:
+            await self._journal.hold(left)
+            return
+        suspend(self._journal, site, name=TIMER, kind="timer", deadline=wake_at)
+
     # ---------------------------------------------------------- clock, uuid
     async def now(self) -> datetime:
         """The current UTC time, recorded once and replayed identically."""
@@ -152,6 +184,20 @@ class RunContext:
     def reserve_callsites(self, n: int) -> list[int]:
         """Reserve ``n`` ordinals now; pass them as ``callsite=`` to later calls."""
         return self._cursor.reserve(n)
+
+
+def _seconds(duration: float | timedelta) -> float:
+    """A sleep's length in seconds, or ``InvalidArgumentError``."""
+    if isinstance(duration, timedelta):
+        seconds = duration.total_seconds()
+    elif isinstance(duration, int | float) and not isinstance(duration, bool):
+        seconds = float(duration)
+    else:
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds < 0:
+        msg = f"sleep takes a number of seconds or a timedelta, 0 or more; got {duration!r}"
+        raise InvalidArgumentError(msg)
+    return seconds
 
 
 def _explicit_site(callsite: int | None, index: int | None) -> int | None:

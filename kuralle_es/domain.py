@@ -359,6 +359,25 @@ class Run(Aggregate):
             run.status = "running"
             run.error = None
 
+    class TimerFired(Event):
+        """A durable sleep's wake time came: a sweeper wakes the run paused on it."""
+
+        TOPIC = "kuralle_es:Run.TimerFired"
+        request_id: str
+
+        def apply(self, run: Run) -> None:
+            run.status = "running"
+            run.waiting_for = None
+
+    class Recovered(Event):
+        """A worker takes over a run whose previous worker's lease expired mid-turn."""
+
+        TOPIC = "kuralle_es:Run.Recovered"
+        previous_holder: str | None
+
+        def apply(self, run: Run) -> None:
+            run.status = "running"
+
     class Aborted(Event):
         TOPIC = "kuralle_es:Run.Aborted"
         reason: str
@@ -501,6 +520,22 @@ class Run(Aggregate):
 
     def abort(self, reason: str) -> None:
         self.trigger_event(self.Aborted, reason=reason)
+
+    def fire_timer(self, request_id: str) -> None:
+        """Wake the run from the durable sleep it is paused on (that wait only)."""
+        wait = self.waiting
+        if self.status != "paused" or wait is None or wait.kind != "timer":
+            msg = f"cannot fire a timer: run {self.run_id} is {self.status} on no timer"
+            raise InvalidArgumentError(msg)
+        if wait.request_id != request_id:
+            msg = f"cannot fire timer {request_id!r}: run {self.run_id} sleeps on another"
+            raise InvalidArgumentError(msg)
+        self.trigger_event(self.TimerFired, request_id=request_id)
+
+    def recover(self, previous_holder: str | None) -> None:
+        """Record that this turn takes the run over from a worker that is gone."""
+        self._require_status("running", "recover the run")
+        self.trigger_event(self.Recovered, previous_holder=previous_holder)
 
     def mark_forked(self, from_run_id: str, at_step: int) -> None:
         self.trigger_event(self.Forked, from_run_id=from_run_id, at_step=at_step)

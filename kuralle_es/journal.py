@@ -105,11 +105,21 @@ def _settled(step: StepData) -> tuple[bool, Any]:
 class Journal:
     """A run's journal during one turn: lookups, appends, saves, the lease."""
 
-    def __init__(self, store: RunStore, run: Run, *, holder: str, lease_ttl: float) -> None:
+    def __init__(
+        self,
+        store: RunStore,
+        run: Run,
+        *,
+        holder: str,
+        lease_ttl: float,
+        inline_sleep_limit: float = 1.0,
+    ) -> None:
         self._store = store
         self._run = run
         self._holder = holder
         self.lease_ttl = timedelta(seconds=lease_ttl)
+        #: A durable sleep that wakes within this many seconds waits inline.
+        self.inline_sleep_limit = inline_sleep_limit
         self._lock = asyncio.Lock()
         self._inflight = 0
         self._idle = asyncio.Event()
@@ -207,6 +217,14 @@ class Journal:
             if expires is not None and expires - utcnow() > self.lease_ttl - self._beat_every:
                 return
             await self._persist_locked(renew=True)
+
+    async def hold(self, seconds: float) -> None:
+        """Wait inline (a short durable sleep) with the lease kept by the heartbeat."""
+        self._heartbeat.enter()
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            self._heartbeat.leave()
 
     async def close(self) -> None:
         """End the turn's heartbeat; call once the turn has stopped executing effects."""

@@ -67,9 +67,20 @@ class Runtime:
         lease_ttl: float = 30.0,
         holder: str | None = None,
         max_tool_concurrency: int = 8,
+        inline_sleep_limit: float = 1.0,
     ) -> None:
         if not isinstance(lease_ttl, int | float) or lease_ttl <= 0:
             msg = f"lease_ttl must be a positive number of seconds, got {lease_ttl!r}"
+            raise InvalidArgumentError(msg)
+        if (
+            not isinstance(inline_sleep_limit, int | float)
+            or isinstance(inline_sleep_limit, bool)
+            or inline_sleep_limit < 0
+        ):
+            msg = (
+                "inline_sleep_limit must be a number of seconds, 0 or more, "
+                f"got {inline_sleep_limit!r}"
+            )
             raise InvalidArgumentError(msg)
         self._registry = Registry(agents)
         self._owns_store = store is None
@@ -77,18 +88,27 @@ class Runtime:
         self.lease_ttl = float(lease_ttl)
         self.holder = holder or _default_holder()
         self.max_tool_concurrency = max_tool_concurrency
+        #: A ``ctx.sleep`` that wakes within this many seconds sleeps inline; a
+        #: longer one pauses the run until a sweeper's ``fire_timers`` wakes it.
+        self.inline_sleep_limit = float(inline_sleep_limit)
         self._env = TurnEnv(
             registry=self._registry,
             store=self.store,
             holder=self.holder,
             lease_ttl=self.lease_ttl,
             max_tool_concurrency=max_tool_concurrency,
+            inline_sleep_limit=self.inline_sleep_limit,
         )
 
     @property
     def agents(self) -> dict[str, Agent]:
         """The runtime's agents, by id."""
         return self._registry.agents
+
+    @property
+    def env(self) -> TurnEnv:
+        """What this runtime's turns work with (internal: the sweeps drive turns with it)."""
+        return self._env
 
     @functools.cached_property
     def views(self) -> RunViews:

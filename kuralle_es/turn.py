@@ -82,7 +82,13 @@ class _Turn:
             return self._noop(run, result_of(run))
         agent, flow = opening.enters or self._definitions(run)
         run.require_lease_free(env.holder, utcnow())
-        journal = Journal(env.store, run, holder=env.holder, lease_ttl=env.lease_ttl)
+        journal = Journal(
+            env.store,
+            run,
+            holder=env.holder,
+            lease_ttl=env.lease_ttl,
+            inline_sleep_limit=env.inline_sleep_limit,
+        )
         try:
             return await self._open_and_drive(run, fresh, journal, opening, agent, flow)
         finally:

@@ -42,6 +42,7 @@ __all__ = [
     "DEADLINE_DENY",
     "INPUT",
     "IN_DOUBT",
+    "TIMER",
     "Duplicate",
     "Schemas",
     "accept",
@@ -56,6 +57,8 @@ __all__ = [
 APPROVAL = "__approval"
 IN_DOUBT = "__in_doubt"
 INPUT = "__input"
+#: The wait of a run paused on a durable sleep (``ctx.sleep``); nothing is delivered to it.
+TIMER = "__timer"
 #: The journal lane of a tool's approval (beside the tool's own step).
 APPROVAL_LANE = "!approval"
 #: What the deadline sweeper delivers to a wait whose deadline passed.
@@ -269,6 +272,13 @@ def check(
             run.run_id,
             f"run {run.run_id} is {_state_of(run)} and waits for no signal; "
             f"signal {delivery.name!r} was not delivered",
+        )
+    if wait.kind == "timer":
+        until = wait.deadline.isoformat() if wait.deadline is not None else "its wake time"
+        raise SignalMismatchError(
+            run.run_id,
+            f"run {run.run_id} sleeps on a durable timer until {until} and takes no "
+            f"delivery; signal {delivery.name!r} was not delivered (fire_timers wakes it)",
         )
     if delivery.name != wait.name:
         raise SignalMismatchError(

@@ -168,6 +168,8 @@ _RULES: Mapping[type[Any], _Rule] = {
     Run.SignalAccepted: _Rule(_signal, "running"),
     Run.FlowPinned: _Rule(_flow_pinned, "running"),
     Run.Resumed: _Rule(_resumed("error"), "running"),
+    Run.TimerFired: _Rule(_resumed("timer"), "running"),
+    Run.Recovered: _Rule(_resumed("recovery"), "running"),
     Run.Finished: _Rule(_finished, "finished"),
     Run.Errored: _Rule(_errored, "error"),
     Run.Aborted: _Rule(_aborted, "aborted"),

@@ -315,6 +315,8 @@ _HANDLERS: dict[str, _Handler] = {
     "Finished": _finished,
     "Errored": _set(status="error"),
     "Resumed": _set(status="running"),
+    "TimerFired": _set(status="running", waiting_for=None),
+    "Recovered": _set(status="running"),
     "Aborted": _set(status="aborted", waiting_for=None),
     # Where a fork came from is on RunState (runtime.get_run), not a column of the list.
     "Forked": _set(),
