@@ -9,7 +9,8 @@ from typing import Any
 from .cursor import Cursor
 from .errors import InvalidArgumentError
 from .journal import Journal
-from .llm import Model, ModelRequest, ModelResponse, as_response
+from .keys import plain_json_problem
+from .llm import Model, ModelRequest, ModelResponse, ModelResponseError, as_response
 from .models import Message
 
 __all__ = ["assistant_message", "model_turn", "tool_message"]
@@ -39,7 +40,18 @@ async def model_turn(
 
     async def ask() -> dict[str, Any]:
         answer = as_response(model_id, await model.respond(request))
-        return answer.model_dump(mode="json")
+        # Nothing of a refused response is journaled: the next pass asks again.
+        # JSON mode would replace a lone surrogate in a key, so look at both dumps.
+        problem = plain_json_problem(answer.model_dump(), other_types_ok=True)
+        if problem is None:
+            try:
+                dumped = answer.model_dump(mode="json")
+            except (ValueError, UnicodeError) as e:
+                raise ModelResponseError(model_id, f"the response is not JSON: {e}") from None
+            problem = plain_json_problem(dumped)
+        if problem is not None:
+            raise ModelResponseError(model_id, f"the response {problem}")
+        return dumped
 
     def recorded(value: Any) -> None:
         if on_new is not None:

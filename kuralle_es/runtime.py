@@ -32,6 +32,7 @@ from .commands import (
     drifted_run,
     load_run,
 )
+from .doors import check_turn_args
 from .errors import InvalidArgumentError, RunNotFoundError
 from .flows import Flow
 from .handle import TurnHandle, TurnSink
@@ -148,6 +149,7 @@ class Runtime:
         """Start a turn; returns its handle at once (errors surface through it)."""
 
         def command() -> Command:
+            check_turn_args(session_id, input, idempotency_key, signal_delivery)
             if signal_delivery is not None:
                 return Deliver(session_id, run_id, signal_delivery, idempotency_key)
             if run_id is not None:

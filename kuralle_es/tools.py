@@ -25,6 +25,7 @@ from .errors import (
     PayloadTooLargeError,
     ToolTimeoutError,
 )
+from .keys import plain_json_problem
 from .models import ToolCall
 from .retry import NO_RETRY, RetryPolicy
 
@@ -104,19 +105,27 @@ class Tool:
     def validate(self, args: Any) -> BaseModel:
         """The tool's input model built from ``args``, or ``InvalidToolArgsError``."""
         if isinstance(args, self.input):
-            return args
-        if isinstance(args, BaseModel):
-            args = args.model_dump()
-        if args is None:
-            args = {}
-        try:
-            return self.input.model_validate(args)
-        except ValidationError as e:
-            detail = "; ".join(
-                f"{'.'.join(str(p) for p in err['loc']) or '(root)'}: {err['msg']}"
-                for err in e.errors()
-            )
-            raise InvalidToolArgsError(self.name, detail) from None
+            validated = args
+        else:
+            if isinstance(args, BaseModel):
+                args = args.model_dump()
+            if args is None:
+                args = {}
+            try:
+                validated = self.input.model_validate(args)
+            except ValidationError as e:
+                detail = "; ".join(
+                    f"{'.'.join(str(p) for p in err['loc']) or '(root)'}: {err['msg']}"
+                    for err in e.errors()
+                )
+                raise InvalidToolArgsError(self.name, detail) from None
+        # The args are journaled and hashed into the key: they must be plain JSON.
+        problem = plain_json_problem(validated.model_dump(mode="json")) or plain_json_problem(
+            validated.model_dump(), other_types_ok=True
+        )  # JSON mode writes NaN as null: look at the values the tool will get, too
+        if problem is not None:
+            raise InvalidToolArgsError(self.name, f"the arguments {problem}")
+        return validated
 
     def decide(self, args: BaseModel, call: ToolCall | None) -> PolicyAnswer:
         """The approval policy's answer for this call."""

@@ -22,7 +22,7 @@ from eventsourcing.utils import get_topic, resolve_topic
 from pydantic import BaseModel, ValidationError
 
 from .cursor import Site
-from .domain import Run
+from .domain import CANCELLED, Run
 from .errors import (
     InvalidArgumentError,
     InvalidSignalError,
@@ -31,7 +31,7 @@ from .errors import (
     SuspendError,
 )
 from .journal import Journal, utcnow
-from .keys import canonical_json, sha256_hex
+from .keys import canonical_json, plain_json_problem, sha256_hex
 from .models import ApprovalDecision, FrozenOperation, SignalDelivery
 from .tools import encode_json
 from .waiting import Wait
@@ -181,6 +181,15 @@ def approval_decision(payload: Any) -> ApprovalDecision:
 def validate_payload(wait: Wait, payload: Any, schemas: Schemas, *, from_sweeper: bool) -> Any:
     """The payload as it will be journaled, or ``InvalidSignalError`` naming the problem."""
     name = wait.name
+    if isinstance(payload, BaseModel):
+        payload = payload.model_dump(mode="json")
+    problem = plain_json_problem(payload)
+    if problem is not None:
+        msg = (
+            f"the payload of signal {name!r} {problem}; send plain JSON data "
+            "(string keys, finite numbers, valid Unicode)"
+        )
+        raise InvalidSignalError(name, msg)
     try:
         encode_json(payload, f"the payload of signal {name!r}")
     except (TypeError, KuralleError) as e:
@@ -250,8 +259,8 @@ def is_duplicate(run: Run, delivery: SignalDelivery) -> bool:
 
 def _state_of(run: Run) -> str:
     """The run's status, with why it was aborted (a refusal says so clearly)."""
-    if run.status == "aborted" and run.outcome:
-        return f"aborted ({run.outcome})"
+    if run.outcome and (run.status == "aborted" or run.outcome.startswith(CANCELLED)):
+        return f"{run.status} ({run.outcome})"
     return run.status
 
 
