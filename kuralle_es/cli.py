@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import importlib
 import json
+import logging
 import os
 import signal as signals
 import subprocess
@@ -34,6 +35,8 @@ from .cancel import cancel_run
 from .errors import KuralleError
 from .examples import approval_notifier, refund
 from .models import TurnResult
+from .observability import LOGGER_NAME
+from .recovery import fire_timers, recover_orphaned_runs, start_run_sweeper, sweep_deadlines
 from .runtime import Runtime
 from .store import RunStore
 from .store_url import (
@@ -538,9 +541,113 @@ async def _consume(args: argparse.Namespace) -> int:
         return await approval_notifier.consume(store, once=args.once)
 
 
+# ---------------------------------------------------------------- recovery
+#: The log lines a worker shows without --verbose: one per run it drove or skipped.
+_SWEEP_EVENTS = frozenset(
+    {"run recovered", "run swept", "timer fired", "recovery skipped", "sweep skipped",
+     "wake skipped"}
+)  # fmt: skip
+
+
+def _add_recovery(sub: SubParsers) -> None:
+    worker = _command(
+        sub,
+        "worker",
+        "the sweeper as a long-running process: recover orphaned runs, deny expired "
+        "deadlines, wake due timers, every --interval seconds until SIGTERM/Ctrl-C",
+        _worker,
+    )
+    worker.add_argument(
+        "--interval", type=float, default=5.0, help="seconds between sweep passes (default 5)"
+    )
+    worker.add_argument("--verbose", action="store_true", help="also log each turn's lines")
+    recover = _command(
+        sub, "recover", "one pass: drive every orphaned run (its lease expired) again", _recover
+    )
+    sweep = _command(sub, "sweep", "one pass: deny expired deadlines and wake due timers", _sweep)
+    for parser in (worker, recover, sweep):
+        parser.add_argument(
+            "--lease-ttl",
+            type=float,
+            default=30.0,
+            metavar="SECONDS",
+            help="the lease this worker takes on the runs it drives (default 30)",
+        )
+        parser.add_argument(
+            "--holder", metavar="NAME", help="this worker's lease holder name (default host:pid)"
+        )
+
+
+def _sweeping_runtime(args: argparse.Namespace, store: RunStore) -> Runtime:
+    if args.lease_ttl <= 0:
+        raise _CliError(f"--lease-ttl must be a positive number of seconds, got {args.lease_ttl}")
+    return Runtime(load_agents(args.app), store=store, lease_ttl=args.lease_ttl, holder=args.holder)
+
+
+class _SweepLines(logging.Filter):
+    """Keeps the worker's own lines and one line per run it drove (not each turn's)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        fields = getattr(record, "kuralle", None)
+        return not isinstance(fields, dict) or fields.get("event") in _SWEEP_EVENTS
+
+
+def _log_to_stderr(verbose: bool) -> logging.Logger:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    if not verbose:
+        handler.addFilter(_SweepLines())
+    logger = logging.getLogger(LOGGER_NAME)
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    return logger
+
+
+async def _worker(args: argparse.Namespace) -> int:
+    if args.interval <= 0:
+        raise _CliError(f"--interval must be a positive number of seconds, got {args.interval}")
+    logger = _log_to_stderr(args.verbose)
+    with open_store(args) as store:
+        runtime = _sweeping_runtime(args, store)
+        sweeper = start_run_sweeper(runtime, interval=args.interval)
+        loop = asyncio.get_running_loop()
+        for sig in (signals.SIGTERM, signals.SIGINT):
+            loop.add_signal_handler(sig, sweeper.stop)
+        logger.info(
+            "worker started holder=%s interval=%s lease_ttl=%s pid=%s",
+            runtime.holder, args.interval, args.lease_ttl, os.getpid(),
+        )  # fmt: skip
+        await sweeper.wait()
+        logger.info("worker stopped holder=%s passes=%s", runtime.holder, sweeper.passes)
+    return 0
+
+
+async def _recover(args: argparse.Namespace) -> int:
+    with open_store(args, must_exist=True) as store:
+        recovered = await recover_orphaned_runs(_sweeping_runtime(args, store))
+    for run_id in recovered:
+        print(f"recovered {run_id}")
+    print(f"{len(recovered)} run(s) recovered", file=sys.stderr)
+    return 0
+
+
+async def _sweep(args: argparse.Namespace) -> int:
+    with open_store(args, must_exist=True) as store:
+        runtime = _sweeping_runtime(args, store)
+        swept = await sweep_deadlines(runtime)
+        woken = await fire_timers(runtime)
+    for run_id in swept:
+        print(f"swept {run_id}")
+    for run_id in woken:
+        print(f"woken {run_id}")
+    print(f"{len(swept)} deadline(s) denied, {len(woken)} timer(s) fired", file=sys.stderr)
+    return 0
+
+
 #: Every command: each adds its parser (and handler) to the subparsers.
 COMMANDS: list[Callable[[SubParsers], None]] = [
     _add_demo, _add_runs, _add_deliveries, _add_cancel, _add_views, _add_dashboard, _add_consume,
+    _add_recovery,
 ]  # fmt: skip
 
 
