@@ -11,6 +11,7 @@ refusal leaves the store's notification log as it was.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
 from typing import Any
 from uuid import uuid4
@@ -28,6 +29,7 @@ from kuralle_es import (
     Runtime,
     SignalDelivery,
     ToolCall,
+    ToolExecutionError,
     action,
     define_agent,
     define_flow,
@@ -36,7 +38,7 @@ from kuralle_es import (
 )
 from kuralle_es.examples import refund
 from kuralle_es.store import parse_run_id
-from kuralle_es.testing import ScriptedModel
+from kuralle_es.testing import Crash, CrashingStore, CrashPlan, ScriptedModel
 
 SESSION = "s-fork"
 APPROVED_REPLY = "Good news: your refund was approved and is on its way."
@@ -416,3 +418,112 @@ async def test_a_fork_of_a_delivery_payload_replays_it_and_a_signal_after_is_the
     # The original's signal ids are the original's: the same id is new to the fork.
     again = await deliver(runtime, forked.run_id, "go", "z", signal_id="sig-2")
     assert again.output == "x+z"
+
+
+async def test_a_tool_approval_forks_like_any_step_and_a_fork_of_a_fork_knows_its_parent(
+    open_store: Any,
+) -> None:
+    effects = _Effects()
+
+    async def wire(state: dict[str, Any], ctx: RunContext) -> Any:
+        with contextlib.suppress(ToolExecutionError):
+            await ctx.tool("a", {"n": 0})  # fails: a frozen error the fork replays
+        await ctx.tool("wire", {"n": 5})
+        return end("sent")
+
+    failures: list[int] = []
+
+    def failing(args: _Args) -> Any:
+        failures.append(args.n)
+        raise RuntimeError("down")
+
+    tools = [
+        define_tool("a", "fails", _Args, failing),
+        effects.tool("wire", needs_approval=True),
+    ]
+    agent = define_agent(
+        "payer",
+        "pays",
+        ScriptedModel(["unused"]),
+        tools,
+        [define_flow("wire", "an approved wire", "w", [action("w", wire)])],
+    )
+    store = open_store()
+    runtime = Runtime([agent], store=store)
+    start = await runtime.run(SESSION, kind="flow", flow_name="wire").result()
+    assert start.waiting_for is not None and start.waiting_for.operation is not None
+    done = await deliver(runtime, start.run_id, "__approval", {"approved": True, "by": "ann"})
+    assert done.status == "finished"
+    steps = await runtime.get_steps(start.run_id, SESSION)
+    assert [(s.kind, s.status) for s in steps] == [
+        ("tool", "error"),
+        ("approval", "finished"),
+        ("tool", "finished"),
+    ]
+
+    after_approval = await runtime.fork(start.run_id, SESSION, 2)
+    assert after_approval.status == "finished"  # the copied approval replayed: no new ask
+    at_approval = await runtime.fork(start.run_id, SESSION, 1)
+    assert at_approval.status == "paused" and at_approval.waiting_for is not None
+    assert at_approval.waiting_for.operation == start.waiting_for.operation
+    assert [name for name, _ in effects.calls] == ["wire", "wire"]
+    assert failures == [0]  # the frozen failure replayed in both forks
+
+    grandchild = await runtime.fork(after_approval.run_id, SESSION, 1)
+    state = await runtime.get_run(grandchild.run_id, SESSION)
+    assert state is not None
+    assert state.forked_from == {"run_id": after_approval.run_id, "at_step": 1}
+    assert grandchild.status == "paused"  # at the approval, again
+
+
+async def test_a_point_after_a_step_left_in_doubt_by_a_crash_is_refused() -> None:
+    effects = _Effects()
+    store = CrashingStore.memory()
+    store.plan = CrashPlan("after_intent")
+    handle = Runtime([counting_agent(effects)], store=store).run(
+        SESSION, kind="flow", flow_name="steps"
+    )
+    with pytest.raises(Crash):
+        await handle.result()
+    run_id = await handle.run_id
+    store.plan = None
+    runtime = Runtime([counting_agent(effects)], store=store)
+    steps = await runtime.get_steps(run_id, SESSION)
+    assert [s.status for s in steps] == ["running"]
+    head = log_head(store)
+
+    with pytest.raises(InvalidArgumentError, match="still running"):
+        await runtime.fork(run_id, SESSION, 1)
+    assert log_head(store) == head
+
+    forked = await runtime.fork(run_id, SESSION, 0)  # before the step in doubt
+    assert forked.status == "finished"
+
+
+def stamped_agent(node: str) -> Any:
+    async def stamp(state: dict[str, Any], ctx: RunContext) -> Any:
+        stamp = await ctx.uuid()
+        said = await ctx.signal("go")
+        return end(f"{stamp}:{said}")
+
+    flow = define_flow("stamp", "a uuid, then a signal", node, [action(node, stamp)])
+    return define_agent("stamper", "stamps", ScriptedModel(["unused"]), [], [flow])
+
+
+async def test_a_run_restarted_after_drift_forks_from_the_steps_of_its_current_pin(
+    open_store: Any,
+) -> None:
+    store = open_store()
+    old = Runtime([stamped_agent("s")], store=store)
+    start = await old.run(SESSION, kind="flow", flow_name="stamp").result()
+    runtime = Runtime([stamped_agent("t")], store=store)
+    await runtime.resolve_drift(start.run_id, SESSION, "restart")
+    done = await deliver(runtime, start.run_id, "go", "x")
+    steps = await runtime.get_steps(start.run_id, SESSION)
+    assert [s.kind for s in steps] == ["uuid", "uuid", "signal"]
+    assert done.output == f"{steps[1].result}:x"
+
+    forked = await runtime.fork(start.run_id, SESSION, 2)
+    assert forked.status == "paused"
+    again = await deliver(runtime, forked.run_id, "go", "y")
+    assert again.output == f"{steps[1].result}:y"  # the uuid of the current pin replayed
