@@ -12,6 +12,7 @@ stops each worker cleanly (exit 0).
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -22,12 +23,12 @@ from typing import Any
 
 import pytest
 
-from kuralle_es import RunStore
+from kuralle_es import RunStore, Runtime
 from kuralle_es.store_url import open_store_url
 
 PROCS = Path(__file__).resolve().parent / "procs"
 sys.path.insert(0, str(PROCS))
-from charge_app import KILL_POINTS, read_ledger  # noqa: E402
+from charge_app import KILL_POINTS, build_agents, read_ledger  # noqa: E402
 
 INTERVAL = "0.2"
 
@@ -172,3 +173,42 @@ def test_worker_processes_racing_over_one_postgres_recover_each_orphan_once(
     recovered = sorted(line.split("run=")[1].split()[0] for line in lines)
     assert recovered == sorted(run_ids)  # each by exactly one worker process
     check_recovered_once(pg_dsn, pg_dsn, run_ids, "in-tool")
+
+
+def cli(url: str, ledger: str, *args: str) -> subprocess.CompletedProcess[str]:
+    command = [
+        sys.executable, "-m", "kuralle_es.cli", *args, "--store", url,
+        "--app", "charge_app:build_agents", "--lease-ttl", "1",
+    ]  # fmt: skip
+    return subprocess.run(
+        command, cwd=PROCS, env=_env(KT_LEDGER=ledger), capture_output=True, text=True, timeout=60
+    )
+
+
+@pytest.mark.timeout(120)
+async def test_kuralle_es_recover_and_sweep_run_one_pass_and_print_what_they_drove(
+    tmp_path: Path,
+) -> None:
+    url, ledger = f"sqlite:///{tmp_path / 'runs.db'}", str(tmp_path / "ledger.db")
+    (orphan,) = kill_while_standing(url, ledger, "in-tool", tmp_path)
+    with open_store_url(url) as store:
+        runtime = Runtime(build_agents(), store=store)
+        held = await runtime.run("s-hold", kind="flow", flow_name="hold").result()
+        napping = await runtime.run("s-nap", kind="flow", flow_name="nap").result()
+    assert held.status == napping.status == "paused"
+    await asyncio.sleep(1.6)  # past the lease (1 s), the deadline (0.5 s) and the sleep (1.5 s)
+
+    swept = cli(url, ledger, "sweep")
+    assert swept.returncode == 0, swept.stderr
+    assert sorted(swept.stdout.split("\n")) == sorted(
+        ["", f"swept {held.run_id}", f"woken {napping.run_id}"]
+    )
+    recovered = cli(url, ledger, "recover")
+    assert recovered.returncode == 0, recovered.stderr
+    assert recovered.stdout == f"recovered {orphan}\n"
+    assert "1 run(s) recovered" in recovered.stderr
+    again = cli(url, ledger, "recover")
+    assert (again.returncode, again.stdout) == (0, "")
+    with open_store_url(url) as store:
+        outcomes = {r: store.load(r).outcome for r in (orphan, held.run_id, napping.run_id)}  # type: ignore[union-attr]
+    assert outcomes == {orphan: "charged", held.run_id: "approved=False", napping.run_id: "rested"}

@@ -28,6 +28,7 @@ import sqlite3
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -125,9 +126,21 @@ def build_agents() -> list[Agent]:
         await reach("after-result")
         return end("charged")
 
+    async def hold(state: dict[str, Any], ctx: Any) -> Any:
+        decision = await ctx.approve("Charge?", deadline=timedelta(seconds=0.5))
+        return end(f"approved={decision.approved}")
+
+    async def nap(state: dict[str, Any], ctx: Any) -> Any:
+        await ctx.sleep(1.5)
+        return end("rested")
+
     tool = define_tool("charge", "charge a card once", Amount, charge)
-    flow = define_flow(FLOW, "charge once, whoever dies", "pay", [action("pay", pay)])
-    return [define_agent("cashier", "charges", None, [tool], [flow])]
+    flows = [
+        define_flow(FLOW, "charge once, whoever dies", "pay", [action("pay", pay)]),
+        define_flow("hold", "an approval with a short deadline", "hold", [action("hold", hold)]),
+        define_flow("nap", "a durable sleep", "nap", [action("nap", nap)]),
+    ]
+    return [define_agent("cashier", "charges", None, [tool], flows)]
 
 
 async def _start(url: str, session: str, runs: str = "1") -> None:
