@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from uuid import UUID, uuid4, uuid5
 
@@ -571,7 +571,7 @@ class Fork(Command):
     at_step: int
     into_session: str | None = None
     idempotency_key: str | None = None
-    _plan: ForkPlan | None = None
+    _plan: ForkPlan | None = field(default=None, init=False, repr=False)
 
     async def address(self, env: TurnEnv) -> tuple[Run, bool]:
         original = await _addressed(env, self.run_id, self.session_id)

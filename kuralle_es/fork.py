@@ -252,11 +252,7 @@ def plan_fork(events: Sequence[Any], at_step: int, fork_id: str, digest: str) ->
         msg = f"run {run_id} never entered a node of its flow; start a new run instead"
         raise InvalidArgumentError(msg)
     wait = None
-    if walk.pending_input is not None:
-        logical, _ = rekey.logical_run(walk.pending_input.logical_run + walk.pending_input.lane)
-        wait = dataclasses.replace(
-            walk.pending_input,
-            logical_run=logical[: len(logical) - len(walk.pending_input.lane)],
-            request_id=uuid4().hex,
-        )
+    if walk.pending_input is not None:  # the same wait, in the fork's logical run
+        _, logical = rekey.logical_run(walk.pending_input.logical_run)
+        wait = dataclasses.replace(walk.pending_input, logical_run=logical, request_id=uuid4().hex)
     return ForkPlan(run_id, at_step, walk.node, tuple(walk.copies), wait)

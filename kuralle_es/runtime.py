@@ -202,7 +202,8 @@ class Runtime:
         original's first message, ``len(steps)`` replays everything. Refused
         with ``InvalidArgumentError``: a conversation run, ``at_step`` out of
         range or inside a parallel batch; ``RunNotFoundError``: an unknown or
-        foreign run. A refusal writes nothing.
+        foreign run; ``FlowNotFoundError``: a flow this runtime does not have.
+        A refusal writes nothing.
         """
         if into_session is not None and (not isinstance(into_session, str) or not into_session):
             msg = f"into_session must be a non-empty session id or None, got {into_session!r}"
