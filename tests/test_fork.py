@@ -36,6 +36,7 @@ from kuralle_es import (
     define_tool,
     end,
 )
+from kuralle_es.events import Consumer, RunEvent, RunOpened, RunPaused
 from kuralle_es.examples import refund
 from kuralle_es.store import parse_run_id
 from kuralle_es.testing import Crash, CrashingStore, CrashPlan, ScriptedModel
@@ -527,3 +528,28 @@ async def test_a_run_restarted_after_drift_forks_from_the_steps_of_its_current_p
     assert forked.status == "paused"
     again = await deliver(runtime, forked.run_id, "go", "y")
     assert again.output == f"{steps[1].result}:y"  # the uuid of the current pin replayed
+
+
+async def test_a_fork_shows_in_the_views_and_opens_in_the_run_events_like_any_run(
+    open_store: Any, ledger_path: Path
+) -> None:
+    store, runtime, original = await approved_refund(open_store)
+    forked = await runtime.fork(original, SESSION, 2)
+
+    await runtime.views.wait_until_caught_up(30)
+    summaries = {s.run_id: s for s in await runtime.views.list_runs(session_id=SESSION)}
+    assert summaries[forked.run_id].status == "paused"
+    assert summaries[forked.run_id].step_count == 2
+    assert summaries[original].status == "finished"
+
+    seen: list[RunEvent] = []
+    await Consumer(store, "fork-test", seen.append).run_until_caught_up()
+    of_fork = [e for e in seen if e.run_id == forked.run_id]
+    assert isinstance(of_fork[0], RunOpened)
+    assert [type(e).__name__ for e in of_fork[1:5]] == [
+        "StepStarted",
+        "StepFinished",
+        "StepStarted",
+        "StepFinished",
+    ]
+    assert isinstance(of_fork[-1], RunPaused)
