@@ -32,6 +32,7 @@ from typing import Any
 
 from .agents import Agent
 from .cancel import cancel_run
+from .domain import Run
 from .errors import KuralleError
 from .examples import approval_notifier, refund
 from .models import TurnResult
@@ -97,6 +98,14 @@ def load_agents(spec: str) -> list[Agent]:
 
 class _CliError(KuralleError):
     """A bad command line: printed as one line, exit code 2."""
+
+
+async def _stored_run(store: RunStore, run_id: str) -> Run | None:
+    """The run (an operator acts on its session, read from the store), or None, said on stderr."""
+    run = await asyncio.to_thread(store.load, run_id)
+    if run is None:
+        print(f"kuralle-es: no run {run_id} in this store", file=sys.stderr)
+    return run
 
 
 def _print_result(result: TurnResult) -> None:
@@ -317,9 +326,8 @@ async def _runs_list(args: argparse.Namespace) -> int:
 
 async def _runs_show(args: argparse.Namespace) -> int:
     with open_store(args, must_exist=True) as store:
-        run = await asyncio.to_thread(store.load, args.run_id)
+        run = await _stored_run(store, args.run_id)
         if run is None:
-            print(f"kuralle-es: no run {args.run_id} in this store", file=sys.stderr)
             return 1
         state, steps = run.to_state(), run.step_records()
         deliveries = await asyncio.to_thread(read_deliveries, store, args.run_id)
@@ -338,9 +346,8 @@ async def _runs_fork(args: argparse.Namespace) -> int:
     agents = load_agents(args.app)
     with open_store(args, must_exist=True) as store:
         # The run's session is read from the store: the operator acts on its behalf.
-        run = await asyncio.to_thread(store.load, args.run_id)
+        run = await _stored_run(store, args.run_id)
         if run is None:
-            print(f"kuralle-es: no run {args.run_id} in this store", file=sys.stderr)
             return 1
         result = await Runtime(agents, store=store).fork(
             args.run_id, run.session_id, args.at_step, into_session=args.into_session
@@ -380,9 +387,8 @@ async def _deliver(args: argparse.Namespace, act: _Act) -> int:
     with open_store(args, must_exist=True) as store:
         runtime = Runtime(agents, store=store)
         # An operator acts on behalf of the run's session, read from the store.
-        run = await asyncio.to_thread(store.load, args.run_id)
+        run = await _stored_run(store, args.run_id)
         if run is None:
-            print(f"kuralle-es: no run {args.run_id} in this store", file=sys.stderr)
             return 1
         _print_result(await act(runtime, run.session_id))
     return 0
@@ -436,9 +442,8 @@ def _add_cancel(sub: SubParsers) -> None:
 async def _cancel(args: argparse.Namespace) -> int:
     # Never imports --app: cancelling needs no flow definition.
     with open_store(args, must_exist=True) as store:
-        run = await asyncio.to_thread(store.load, args.run_id)
+        run = await _stored_run(store, args.run_id)
         if run is None:
-            print(f"kuralle-es: no run {args.run_id} in this store", file=sys.stderr)
             return 1
         state = await cancel_run(store, args.run_id, run.session_id, args.reason)
     print(f"run {state.run_id} is {state.status} ({state.outcome})")

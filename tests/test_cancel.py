@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -214,12 +213,11 @@ async def test_a_turn_in_another_process_stops_at_its_next_save_after_a_cancel(
         KT_SLOW="1.5", KT_LEASE_TTL="30",
     )  # fmt: skip
     try:
-        assert child.stdout is not None
-        run_id = json.loads(await asyncio.to_thread(child.stdout.readline))["opened"]
-        deadline = time.monotonic() + 30
-        while not any(e["tool"] == "slow-start" for e in control.read_ledger(ledger)):
-            assert time.monotonic() < deadline, "the child never started its slow tool"
-            await asyncio.sleep(0.02)
+        run_id = await control.opened(child)
+        await control.until(
+            lambda: any(e["tool"] == "slow-start" for e in control.read_ledger(ledger)),
+            "the child started its slow tool",
+        )
         runtime = Runtime([control.make_agent(ledger)], store=open_store())
         held = await runtime.get_run(run_id, SESSION)
         assert held is not None and held.lease_holder not in (None, runtime.holder)
@@ -263,7 +261,7 @@ async def test_a_cancelled_conversation_ends_its_turn_and_stays_usable(
     assert (state.kind, state.status, state.outcome, state.waiting_for) == (
         "conversation", "finished", "cancelled: changed my mind", None,
     )  # fmt: skip
-    with pytest.raises(SignalMismatchError):
+    with pytest.raises(SignalMismatchError, match="finished \\(cancelled: changed my mind\\)"):
         await runtime.approve(paused.run_id, SESSION, by="alice")
     assert (await runtime.cancel(paused.run_id, SESSION, "again")).version == state.version
     nxt = await runtime.run(SESSION, input="hello").result()

@@ -9,7 +9,6 @@ count in another process; a timeout cancels an attempt and is retried.
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import time
 from collections.abc import Callable
@@ -412,13 +411,6 @@ async def test_a_sync_attempt_past_its_timeout_is_abandoned_on_its_thread(
 
 
 # --------------------------------------------------- crash between attempts
-async def _until(check: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + 30.0
-    while not check():
-        assert time.monotonic() < deadline, "timed out waiting"
-        await asyncio.sleep(0.02)
-
-
 @pytest.mark.parametrize(
     "backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
 )
@@ -432,15 +424,14 @@ async def test_a_sigkill_during_a_backoff_resumes_the_count_in_another_process(
         KT_INTERVAL="1.5", KT_LEASE_TTL="0.6",
     )  # fmt: skip
     try:
-        assert child.stdout is not None
-        run_id = json.loads(await asyncio.to_thread(child.stdout.readline))["opened"]
+        run_id = await control.opened(child)
         store = open_store()
 
         def first_failure_journaled() -> bool:
             run = store.load(run_id)
             return run is not None and bool(run.steps) and run.steps[0].get("failures") == 1
 
-        await _until(first_failure_journaled)
+        await control.until(first_failure_journaled, "the first failure is journaled")
         child.send_signal(signal.SIGKILL)  # mid-backoff: attempt 2 is 1.5 s away
         assert await asyncio.to_thread(child.wait, 30) == -signal.SIGKILL
     finally:

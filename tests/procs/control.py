@@ -24,6 +24,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +127,20 @@ def spawn(
         stderr=subprocess.PIPE,
         text=True,
     )  # fmt: skip
+
+
+async def opened(child: subprocess.Popen[str]) -> str:
+    """The id of the run a ``start`` child opened (its first line)."""
+    assert child.stdout is not None
+    return str(json.loads(await asyncio.to_thread(child.stdout.readline))["opened"])
+
+
+async def until(check: Callable[[], bool], what: str) -> None:
+    """Poll ``check`` until it holds (30 s at most)."""
+    deadline = time.monotonic() + 30
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        await asyncio.sleep(0.02)
 
 
 def _store(backend: str, target: str) -> RunStore:
