@@ -59,6 +59,29 @@ def _escape(value: Any) -> Any:
     return value
 
 
+def _has_envelope(value: Any) -> bool:
+    """Whether ``value`` holds an envelope-shaped dict anywhere.
+
+    Almost nothing does, so a save first asks this (a walk that allocates
+    nothing and only descends into containers) and copies with ``_escape``
+    only when the answer is yes.
+    """
+    kind = type(value)
+    if kind is dict:
+        if len(value) == 2 and value.keys() == _ENVELOPE:
+            return True
+        items = value.values()
+    elif kind is list or kind is tuple:
+        items = value
+    else:
+        return False
+    for item in items:
+        item_kind = type(item)
+        if (item_kind is dict or item_kind is list or item_kind is tuple) and _has_envelope(item):
+            return True
+    return False
+
+
 class EscapingJSONTranscoder(JSONTranscoder):
     """``JSONTranscoder`` that round-trips every JSON value exactly."""
 
@@ -67,4 +90,4 @@ class EscapingJSONTranscoder(JSONTranscoder):
         self.register(_EscapedDictAsPairs())
 
     def encode(self, obj: Any) -> bytes:
-        return super().encode(_escape(obj))
+        return super().encode(_escape(obj) if _has_envelope(obj) else obj)
