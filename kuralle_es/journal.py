@@ -430,11 +430,7 @@ class Journal:
         the wait, never the count."""
         delay = (_as_utc(retry_at) - utcnow()).total_seconds()
         if delay > 0:
-            self._heartbeat.enter()
-            try:
-                await asyncio.sleep(delay)
-            finally:
-                self._heartbeat.leave()
+            await self.hold(delay)
         async with self._lock:
             self._run.retry_step(index)
             await self._persist_locked()

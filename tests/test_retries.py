@@ -24,6 +24,7 @@ from pydantic import BaseModel
 from kuralle_es import (
     InvalidArgumentError,
     InvalidToolArgsError,
+    LeaseHeldError,
     ModelResponse,
     RetryPolicy,
     Runtime,
@@ -348,6 +349,41 @@ async def test_model_requested_tool_calls_honour_the_same_policy(open_store: Sto
     steps = await runtime.get_steps(result.run_id, SESSION)
     (tool_step,) = [s for s in steps if s.kind == "tool"]
     assert (tool_step.attempts, tool_step.result) == (3, {"ok": 3})
+
+
+async def test_the_lease_is_kept_through_a_backoff_longer_than_the_lease(
+    open_store: StoreFactory,
+) -> None:
+    calls = Calls()
+    failed = asyncio.Event()
+
+    def flaky(args: Empty, call: ToolCall) -> Any:
+        if calls.record(call) == 1:
+            failed.set()
+            raise ConnectionError("down")
+        return {"ok": True}
+
+    policy = RetryPolicy(max_attempts=2, initial_interval=1.5)
+    tool = define_tool("t", "a tool", Empty, flaky, retry=policy)
+
+    async def use(state: dict[str, Any], ctx: Any) -> Any:
+        state["result"] = await ctx.tool("t", {})
+        return end("done")
+
+    agent = define_agent(
+        "a", "x", None, [tool], [define_flow("use", "t", "use", [action("use", use)])]
+    )
+    worker = Runtime([agent], store=open_store(), lease_ttl=0.3)
+    rival = Runtime([agent], store=open_store(), lease_ttl=0.3)
+    handle = worker.run(SESSION, input="go", kind="flow", flow_name="use")
+    run_id = await handle.run_id
+    turn = asyncio.ensure_future(handle.result())
+    await asyncio.wait_for(failed.wait(), 30)
+    await asyncio.sleep(0.9)  # three lease lengths into the backoff
+    with pytest.raises(LeaseHeldError):
+        await rival.run(SESSION, run_id=run_id).result()
+    result = await turn
+    assert result.status == "finished" and len(calls.keys) == 2
 
 
 # ---------------------------------------------------------------- timeouts
