@@ -219,6 +219,15 @@ class FlowNotFoundError(KuralleError, LookupError):
         )
 
 
+class StoreUnavailableError(KuralleError):
+    """The store's database cannot be reached or opened; nothing was read or written.
+
+    The message names the database (host, port and name for PostgreSQL) and
+    the server's reason, so the fix is plain: start the server, or correct the
+    store's settings.
+    """
+
+
 class PayloadTooLargeError(KuralleError, ValueError):
     """A result or payload over the configured size bound."""
 

@@ -15,6 +15,7 @@ from typing import Any, ClassVar, TypeVar
 from urllib.parse import unquote, urlparse
 from uuid import UUID
 
+import psycopg
 from eventsourcing.application import AggregateNotFoundError, Application, ProcessingEvent
 from eventsourcing.domain import (
     BaseAggregate,
@@ -25,6 +26,7 @@ from eventsourcing.domain import (
 from eventsourcing.persistence import (
     ApplicationRecorder,
     EventStore,
+    InfrastructureFactory,
     IntegrityError,
     InternalError,
     ProgrammingError,
@@ -37,7 +39,7 @@ from psycopg.errors import DuplicateObject, DuplicateTable, UniqueViolation
 from psycopg.errors import InternalError as PsycopgInternalError
 
 from .domain import Run, SessionRuns, new_session_runs, session_runs_id
-from .errors import InvalidArgumentError, StaleWriteError
+from .errors import InvalidArgumentError, StaleWriteError, StoreUnavailableError
 from .postgres_recorder import OneTripPostgresRecorder
 from .transcoding import EscapingJSONTranscoder
 
@@ -117,6 +119,51 @@ def postgres_env(dsn_or_params: str | Mapping[str, Any]) -> dict[str, str]:
         "POSTGRES_PASSWORD": str(params.get("password") or ""),
     }
     return env
+
+
+#: Seconds one connection attempt may take before the store counts as unreachable.
+CONNECT_TIMEOUT = 3
+
+
+def check_postgres(env: Mapping[str, str]) -> None:
+    """Raise ``StoreUnavailableError`` unless the server in ``POSTGRES_*`` answers."""
+    get = env.get
+    missing = [k for k in ("POSTGRES_DBNAME", "POSTGRES_HOST", "POSTGRES_USER") if not get(k)]
+    if missing:
+        msg = (
+            f"the PostgreSQL store needs {', '.join(missing)}; or give "
+            "RunStore.postgres('postgresql://user@host:port/dbname') (KURALLE_STORE for the CLI)"
+        )
+        raise StoreUnavailableError(msg)
+    host, port, dbname = (
+        str(get("POSTGRES_HOST")),
+        get("POSTGRES_PORT") or "5432",
+        get("POSTGRES_DBNAME"),
+    )
+    try:
+        with psycopg.connect(
+            host=host,
+            port=port,
+            dbname=dbname,
+            user=get("POSTGRES_USER"),
+            password=get("POSTGRES_PASSWORD") or None,
+            connect_timeout=CONNECT_TIMEOUT,
+        ):
+            pass
+    except psycopg.Error as e:
+        msg = f"cannot reach PostgreSQL at {host}:{port}, database {dbname!r}: {server_reason(e)}"
+        raise StoreUnavailableError(msg) from None
+
+
+def server_reason(error: BaseException) -> str:
+    """The server's (or driver's) reason, on one line, without the boilerplate."""
+    text = " ".join(str(error).split())
+    for marker in ("failed: ", "FATAL: "):
+        if marker in text:
+            text = text.rsplit(marker, 1)[1]
+    return text.removesuffix(
+        " Is the server running on that host and accepting TCP/IP connections?"
+    )
 
 
 _T = TypeVar("_T")
@@ -222,6 +269,17 @@ class RunStore(Application[UUID]):
                 self.snapshots.put([Snapshot.take(aggregate)])
             else:  # a batch that crossed the interval mid-way: the library's way
                 self.take_snapshot(event.originator_id, version=event.originator_version)
+
+    def construct_factory(self, env: Environment) -> InfrastructureFactory[Any]:
+        """The persistence factory, after one short connection attempt on PostgreSQL:
+        a server that is away is a ``StoreUnavailableError`` in seconds, not a pool
+        retrying for thirty."""
+        module = env.get("PERSISTENCE_MODULE") or ""
+        if module.startswith("eventsourcing.postgres"):
+            check_postgres(env)
+            if not env.get("POSTGRES_CONNECT_TIMEOUT"):
+                env["POSTGRES_CONNECT_TIMEOUT"] = str(CONNECT_TIMEOUT + 2)
+        return super().construct_factory(env)
 
     def construct_env(self, name: str, env: EnvType | None = None) -> Environment:
         """The environment, with PostgreSQL saves sent through the one-round-trip

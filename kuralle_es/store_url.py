@@ -17,12 +17,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import psycopg
-
-from .errors import KuralleError
-from .store import RunStore, postgres_env
+from .errors import StoreUnavailableError
+from .store import CONNECT_TIMEOUT, RunStore, check_postgres, postgres_env, server_reason
 
 __all__ = [
+    "CONNECT_TIMEOUT",
     "STORE_ENV",
     "StoreUnavailableError",
     "check_postgres",
@@ -31,12 +30,6 @@ __all__ = [
 ]
 
 STORE_ENV = "KURALLE_STORE"
-#: Seconds one connection attempt may take before the store counts as unreachable.
-CONNECT_TIMEOUT = 3
-
-
-class StoreUnavailableError(KuralleError):
-    """The store's database cannot be opened; the message says which and why."""
 
 
 def open_store_url(url: str, *, must_exist: bool = False) -> RunStore:
@@ -77,39 +70,8 @@ def open_store_from_env(
     return _construct(lambda: RunStore(env=env))
 
 
-def check_postgres(env: Mapping[str, str]) -> None:
-    """Raise ``StoreUnavailableError`` unless the server in ``POSTGRES_*`` answers."""
-    missing = [k for k in ("POSTGRES_DBNAME", "POSTGRES_HOST", "POSTGRES_USER") if not env.get(k)]
-    if missing:
-        msg = (
-            f"the PostgreSQL store needs {', '.join(missing)}; "
-            f"or give --store / {STORE_ENV}=postgresql://user@host:port/dbname"
-        )
-        raise StoreUnavailableError(msg)
-    host, port, dbname = (
-        env["POSTGRES_HOST"],
-        env.get("POSTGRES_PORT") or "5432",
-        env["POSTGRES_DBNAME"],
-    )
-    try:
-        with psycopg.connect(
-            host=host,
-            port=port,
-            dbname=dbname,
-            user=env["POSTGRES_USER"],
-            password=env.get("POSTGRES_PASSWORD") or None,
-            connect_timeout=CONNECT_TIMEOUT,
-        ):
-            pass
-    except psycopg.Error as e:
-        msg = f"cannot reach PostgreSQL at {host}:{port}, database {dbname!r}: {_reason(e)}"
-        raise StoreUnavailableError(msg) from None
-
-
 def _open_postgres(env: dict[str, Any]) -> RunStore:
-    check_postgres(env)
-    env.setdefault("POSTGRES_CONNECT_TIMEOUT", str(CONNECT_TIMEOUT + 2))
-    return _construct(lambda: RunStore(env=env))
+    return _construct(lambda: RunStore(env=env))  # RunStore probes the server first
 
 
 def _open_sqlite(path: Path, must_exist: bool) -> RunStore:
@@ -122,10 +84,12 @@ def _open_sqlite(path: Path, must_exist: bool) -> RunStore:
 def _construct(build: Any) -> RunStore:
     try:
         store: RunStore = build()
+    except StoreUnavailableError:
+        raise
     except (OSError, ValueError) as e:  # eventsourcing's configuration errors
         raise StoreUnavailableError(f"cannot open the store: {e}") from None
     except Exception as e:
-        raise StoreUnavailableError(f"cannot open the store: {_reason(e)}") from None
+        raise StoreUnavailableError(f"cannot open the store: {server_reason(e)}") from None
     return store
 
 
@@ -138,14 +102,3 @@ def _sqlite_path(url: str) -> Path:
         )
         raise StoreUnavailableError(msg)
     return Path(rest[3:])
-
-
-def _reason(error: BaseException) -> str:
-    """The server's (or driver's) reason, on one line, without the boilerplate."""
-    text = " ".join(str(error).split())
-    for marker in ("failed: ", "FATAL: "):
-        if marker in text:
-            text = text.rsplit(marker, 1)[1]
-    return text.removesuffix(
-        " Is the server running on that host and accepting TCP/IP connections?"
-    )
