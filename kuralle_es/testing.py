@@ -147,6 +147,9 @@ class CrashingStore(RunStore):
     """
 
     plan: CrashPlan | None = None
+    #: The tables of ``RunStore`` (eventsourcing names them after the class), so a
+    #: plain ``RunStore`` over the same PostgreSQL database resumes what this one saved.
+    name = RunStore.name
 
     def save_run(self, run: Run) -> None:
         plan = self.plan

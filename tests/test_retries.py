@@ -42,7 +42,7 @@ from kuralle_es import (
     end,
 )
 from kuralle_es.events import StepFailed, StepStarted, follow
-from kuralle_es.testing import ScriptedModel
+from kuralle_es.testing import Crash, CrashingStore, CrashPlan, ScriptedModel
 
 SESSION = "retries"
 FAST = RetryPolicy(max_attempts=3, initial_interval=0.01, backoff=1.0)
@@ -384,6 +384,54 @@ async def test_the_lease_is_kept_through_a_backoff_longer_than_the_lease(
         await rival.run(SESSION, run_id=run_id).result()
     result = await turn
     assert result.status == "finished" and len(calls.keys) == 2
+
+
+def crashing(open_store: StoreFactory, plan: CrashPlan) -> CrashingStore:
+    """A store over the test's database whose saves die where ``plan`` says."""
+    if open_store.backend == "memory":
+        store = CrashingStore.memory()
+    else:
+        assert open_store.target is not None
+        store = (
+            CrashingStore.sqlite(open_store.target)
+            if open_store.backend == "sqlite"
+            else CrashingStore.postgres(open_store.target)
+        )
+        open_store.stores.append(store)
+    store.plan = plan
+    return store
+
+
+async def test_a_crash_during_a_later_attempt_follows_on_in_doubt_and_keeps_the_count(
+    open_store: StoreFactory,
+) -> None:
+    calls = Calls()
+
+    def always(args: Empty, call: ToolCall) -> Any:
+        raise ConnectionError(f"down ({calls.record(call)})")
+
+    policy = RetryPolicy(max_attempts=2, initial_interval=0.01)
+    # The 2nd intent saved is attempt 2's start: the worker dies before it runs.
+    store = crashing(open_store, CrashPlan("after_intent", nth=2))
+    runtime = one_tool_runtime(store, always, retry=policy, catch=True, on_in_doubt="ask")
+    handle = runtime.run(SESSION, input="go", kind="flow", flow_name="use")
+    run_id = await handle.run_id
+    with pytest.raises(Crash):
+        await handle.result()
+    assert len(calls.keys) == 1
+    store.plan = None
+    if open_store.backend != "memory":  # a restarted worker: a new store, the same name
+        runtime = Runtime(list(runtime.agents.values()), store=open_store(), holder=runtime.holder)
+    paused = await runtime.run(SESSION, run_id=run_id).result()
+    assert paused.waiting_for is not None and paused.waiting_for.name == "__in_doubt"
+    assert len(calls.keys) == 1
+    result = await runtime.signal(run_id, SESSION, "__in_doubt", {"action": "retry"})
+    state = await runtime.get_run(result.run_id, SESSION)
+    assert state is not None and state.outcome == "caught"
+    # Attempt 3 (after the human's "retry") is the 2nd failed attempt: frozen.
+    (step,) = await runtime.get_steps(run_id, SESSION)
+    assert (step.status, step.attempts, len(calls.keys)) == ("error", 3, 2)
+    assert step.error is not None and step.error.message == "down (2)"
 
 
 # ---------------------------------------------------------------- timeouts
