@@ -8,9 +8,12 @@ resume from their tracking position; unknown events are skipped but counted.
 
 from __future__ import annotations
 
+import sqlite3
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 from conftest import StoreFactory
 from eventsourcing.utils import register_topic
@@ -18,6 +21,7 @@ from views_kit import SESSION, agent, expected_summary, leave_run, populate, sta
 
 from kuralle_es import InvalidArgumentError, RunStore, RunSummary, Runtime, RunViews, ToolStats
 from kuralle_es.domain import Run
+from kuralle_es.views import ProjectionIntegrityError
 from kuralle_es.views.query import percentile
 
 
@@ -193,3 +197,47 @@ async def test_list_runs_refuses_a_limit_that_is_not_a_positive_integer(
     for bad in (0, -1, 2.5, True):
         with pytest.raises(InvalidArgumentError, match="limit"):
             await views.list_runs(limit=bad)
+
+
+async def test_events_applied_again_without_their_position_are_refused_not_counted_twice(
+    backend: str, open_store: StoreFactory
+) -> None:
+    """If the tracking position were ever lost, replaying the log into the same
+    rows must stop at the first doubled event, with nothing written."""
+    if backend == "memory":
+        pytest.skip("the memory views' position cannot be lost apart from their rows")
+    store = open_store()
+    leave_run(store)
+    views = RunViews(store)
+    await views.catch_up()
+    before = await views.rows()
+    target = open_store.target
+    assert target is not None
+    if backend == "sqlite":
+        with sqlite3.connect(target) as conn:
+            conn.execute("UPDATE runviews_tracking SET notification_id = NULL")
+    else:
+        with psycopg.connect(target, autocommit=True) as conn:
+            conn.execute("DELETE FROM runviews_tracking WHERE application_name = 'RunStore'")
+    with pytest.raises(ProjectionIntegrityError, match="applied twice"):
+        await views.catch_up()
+    assert await views.rows() == before
+    assert await views.position() is None
+
+
+async def test_wait_until_caught_up_gives_up_after_its_timeout(tmp_path: Path) -> None:
+    """Another process holding the database's write lock keeps the views from moving."""
+    db = tmp_path / "runs.db"
+    with RunStore.sqlite(str(db)) as store:
+        leave_run(store)
+        views = RunViews(store)
+        blocker = sqlite3.connect(str(db), isolation_level=None)
+        blocker.execute("BEGIN IMMEDIATE")
+        try:
+            with pytest.raises(TimeoutError):
+                await views.wait_until_caught_up(0.3)
+        finally:
+            blocker.execute("ROLLBACK")
+            blocker.close()
+        await views.wait_until_caught_up(10)
+        assert await views.position() == store.recorder.max_notification_id()
