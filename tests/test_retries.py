@@ -41,8 +41,10 @@ from kuralle_es import (
     define_tool,
     end,
 )
+from kuralle_es.dashboard.timeline import timeline_rows
 from kuralle_es.events import StepFailed, StepStarted, follow
 from kuralle_es.testing import Crash, CrashingStore, CrashPlan, ScriptedModel
+from kuralle_es.timeline import format_timeline
 
 SESSION = "retries"
 FAST = RetryPolicy(max_attempts=3, initial_interval=0.01, backoff=1.0)
@@ -523,6 +525,13 @@ async def test_a_sigkill_during_a_backoff_resumes_the_count_in_another_process(
             child.kill()
         child.communicate()
     assert len(control.read_ledger(ledger)) == 1
+    # Between attempts, `kuralle-es runs show` shows the step running with its last error.
+    run = store.load(run_id)
+    assert run is not None
+    line = format_timeline(run.to_state(), run.step_records()).splitlines()[-1]
+    assert "x1" in line and "retried after ConnectionError: the service is down" in line
+    (row,) = timeline_rows(run.step_records(), [])
+    assert row.outcome_full == "running, retried after ConnectionError: the service is down"
     runtime = Runtime([control.make_agent(ledger)], store=store)
     await wait_lease_expired(runtime, run_id, SESSION)
     with pytest.raises(ToolExecutionError):
@@ -533,3 +542,9 @@ async def test_a_sigkill_during_a_backoff_resumes_the_count_in_another_process(
     assert entries[1]["at"] - entries[0]["at"] >= 1.5 - 0.05
     (step,) = await runtime.get_steps(run_id, SESSION)
     assert (step.status, step.attempts) == ("error", control.MAX_ATTEMPTS)
+    (row,) = timeline_rows(await runtime.get_steps(run_id, SESSION), [])
+    assert (row.attempts, row.failed) == (control.MAX_ATTEMPTS, True)  # the dashboard's row
+    state = await runtime.get_run(run_id, SESSION)
+    assert state is not None
+    shown = format_timeline(state, [step])
+    assert f"x{control.MAX_ATTEMPTS}  !! ConnectionError: the service is down" in shown

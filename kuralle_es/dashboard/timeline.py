@@ -54,6 +54,8 @@ def _step_row(step: StepRecord) -> TimelineRow:
         full = f"{step.error.type}: {step.error.message}"
     elif step.status == "finished":
         full = json.dumps(step.result, ensure_ascii=False, default=str)
+    elif step.error is not None:  # a retried tool between attempts
+        full = f"running, retried after {step.error.type}: {step.error.message}"
     else:
         full = "running (in doubt if its worker died)"
     duration_ms = None
