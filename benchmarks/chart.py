@@ -60,14 +60,14 @@ def main() -> int:
             [v for _, v in dbos],
             "^-",
             color="#d62728",
-            label="DBOS launch + recovery",
+            label="DBOS recovery (after launch)",
         )
         right.plot(
             [r["steps"] for r in rows if r["dbos_launch_ms"]],
             [r["dbos_launch_ms"] for r in rows if r["dbos_launch_ms"]],
             ":",
             color="#d62728",
-            label="DBOS launch alone (nothing to recover)",
+            label="DBOS launch (a new process, before recovery)",
         )
     right.set_xscale("log")
     right.set_yscale("log")
