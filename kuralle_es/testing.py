@@ -11,6 +11,8 @@ of your own runs exactly once under crashes, is in docs/howto/testing.md:
 - ``ExactlyOnceLedger``: the external system's view, deduplicated by key.
 - ``drive_through_crash``: start a flow run on a store that dies, then resume
   it on fresh runtimes and stores until its turn ends.
+- ``replay_check``: the live runs today's code could not resume (drift or
+  non-determinism), found without executing anything.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from .domain import Run
 from .errors import KuralleError
 from .llm import ModelRequest, ModelResponse, as_response
 from .models import ToolCall, TurnResult
+from .replay import ReplayFinding, replay_check
 from .runtime import Runtime
 from .store import RunStore
 
@@ -39,9 +42,11 @@ __all__ = [
     "CrashPlan",
     "CrashingStore",
     "ExactlyOnceLedger",
+    "ReplayFinding",
     "ScriptedModel",
     "crash_plans",
     "drive_through_crash",
+    "replay_check",
 ]
 
 Script = Sequence[ModelResponse | str] | Callable[[ModelRequest], ModelResponse | str]
