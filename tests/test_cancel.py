@@ -200,6 +200,46 @@ async def test_a_turn_driving_the_run_loses_its_next_save_and_executes_nothing_f
     )  # fmt: skip
 
 
+async def test_a_cancel_lands_while_a_turn_saves_as_fast_as_it_can(
+    open_store: StoreFactory,
+) -> None:
+    executed: list[int] = []
+    started = asyncio.Event()
+
+    async def tick(args: Empty) -> Any:
+        executed.append(len(executed))
+        started.set()
+        await asyncio.sleep(0.005)  # a fast tool: the turn saves about every 5 ms
+        return len(executed)
+
+    async def busy(state: dict[str, Any], ctx: Any) -> Any:
+        for _ in range(2000):  # two saves per step
+            await ctx.tool("tick", {"n": 0})
+        return end("done")
+
+    class N(BaseModel):
+        n: int
+
+    tool = define_tool("tick", "t", N, tick, replay=False)
+    flow = define_flow("busy", "saves", "n", [action("n", busy)])
+    agent = define_agent("a", "x", None, [tool], [flow])
+    worker = Runtime([agent], store=open_store())
+    operator = Runtime([agent], store=open_store())
+    handle = worker.run(SESSION, input="go", kind="flow", flow_name="busy")
+    run_id = await handle.run_id
+    turn = asyncio.ensure_future(handle.result())
+    await asyncio.wait_for(started.wait(), 30)
+    state = await operator.cancel(run_id, SESSION, "enough")
+    with pytest.raises(StaleWriteError):
+        await turn
+    assert state.outcome == "cancelled: enough" and len(executed) < 2000
+    final = await operator.get_run(run_id, SESSION)
+    assert final is not None and (final.status, final.version) == ("aborted", state.version)
+    ran = len(executed)
+    assert (await operator.run(SESSION, run_id=run_id).result()).status == "aborted"
+    assert len(executed) == ran
+
+
 SHARED_BACKENDS = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
 
 
