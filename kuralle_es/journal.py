@@ -296,12 +296,15 @@ class Journal:
         self._enter()
         try:
             retry_at: datetime | None = None
+            counted_from = 0
             async with self._lock:
                 step = self.recorded(site, kind, name, key)
                 if step is None:
                     index = self._start(site, kind, name, key, args)
                 elif not replay:
                     index = step["index"]
+                    if step["status"] != "running":  # a new pass: its attempts count anew
+                        counted_from = step.get("failures", 0)
                     self._run.rerun_step(index)
                 else:
                     done, result = _settled(step)
@@ -318,7 +321,7 @@ class Journal:
                 await self._persist_locked()
             if retry_at is not None:
                 await self._next_attempt(index, retry_at)
-            value = await self._attempts(index, execute, retry)
+            value = await self._attempts(index, execute, retry, counted_from)
             try:
                 result_json = encode_json(value, f"the result of {kind} {name!r}")
             except (TypeError, KuralleError) as exc:
@@ -401,10 +404,17 @@ class Journal:
             self._run.fail_step(index, StepError(type="InDoubtFailed", message=message, data={}))
 
     async def _attempts(
-        self, index: int, execute: Callable[[], Awaitable[Any]], retry: RetryPolicy
+        self,
+        index: int,
+        execute: Callable[[], Awaitable[Any]],
+        retry: RetryPolicy,
+        counted_from: int,
     ) -> Any:
         """Execute until an attempt succeeds; a failure the policy retries is
-        journaled (the step stays running) and waited out, the last one frozen."""
+        journaled (the step stays running) and waited out, the last one frozen.
+
+        Failures count from ``counted_from`` (earlier passes of a ``replay=False``
+        read do not use up this pass's attempts)."""
         while True:
             self._heartbeat.enter()
             try:
@@ -413,7 +423,7 @@ class Journal:
                 raise
             except Exception as exc:
                 error = _step_error(exc)
-                failures = self._run.steps[index].get("failures", 0) + 1
+                failures = self._run.steps[index].get("failures", 0) + 1 - counted_from
                 if not retry.retries(exc, failures):
                     raise await self._record_failure(index, error) from exc
                 retry_at = utcnow() + timedelta(seconds=retry.delay(failures))

@@ -436,6 +436,33 @@ async def test_a_crash_during_a_later_attempt_follows_on_in_doubt_and_keeps_the_
     assert step.error is not None and step.error.message == "down (2)"
 
 
+async def test_each_pass_of_a_read_that_is_never_replayed_gets_all_its_attempts(
+    open_store: StoreFactory,
+) -> None:
+    calls = Calls()
+
+    def flaky_read(args: Empty, call: ToolCall) -> Any:
+        n = calls.record(call)
+        if n % 2 == 1:  # every pass: fails once, then reads
+            raise ConnectionError("down")
+        return {"read": n}
+
+    async def read_then_approve(state: dict[str, Any], ctx: Any) -> Any:
+        state["read"] = await ctx.tool("read", {})
+        await ctx.approve("go on?")  # the node runs again after the approval: a 2nd pass
+        return end("done")
+
+    policy = RetryPolicy(max_attempts=2, initial_interval=0.01)
+    tool = define_tool("read", "a read", Empty, flaky_read, retry=policy, replay=False)
+    flow = define_flow("use", "read twice", "n", [action("n", read_then_approve)])
+    runtime = Runtime([define_agent("a", "x", None, [tool], [flow])], store=open_store())
+    paused = await start(runtime)
+    done = await runtime.approve(paused.run_id, SESSION, by="ann")
+    assert (paused.status, done.status, len(calls.keys)) == ("paused", "finished", 4)
+    steps = [s for s in await runtime.get_steps(done.run_id, SESSION) if s.kind == "tool"]
+    assert [(s.status, s.attempts, s.result) for s in steps] == [("finished", 4, {"read": 4})]
+
+
 # ---------------------------------------------------------------- timeouts
 async def test_a_timeout_cancels_an_async_attempt_and_it_is_retried(
     open_store: StoreFactory,
