@@ -77,12 +77,12 @@ async def test_a_short_sleep_waits_inline_and_journals_one_timer_step(open_store
 
 
 async def test_the_heartbeat_keeps_the_lease_through_an_inline_sleep(open_store: Any) -> None:
-    nap = Nap(0.8)
-    runtime = Runtime([nap.agent()], store=open_store(), lease_ttl=0.2, holder="sleeper")
-    other = Runtime([nap.agent()], store=open_store(), lease_ttl=0.2, holder="other")
+    nap = Nap(0.95)  # inline: within the default inline_sleep_limit of 1 s
+    runtime = Runtime([nap.agent()], store=open_store(), lease_ttl=0.4, holder="sleeper")
+    other = Runtime([nap.agent()], store=open_store(), lease_ttl=0.4, holder="other")
     handle = runtime.run(SESSION, kind="flow", flow_name="nap")
     run_id = await handle.run_id
-    await asyncio.sleep(0.5)  # the 0.2 s lease would have lapsed twice without renewals
+    await asyncio.sleep(0.6)  # the 0.4 s lease taken at the opening would have lapsed
     with pytest.raises(LeaseHeldError):
         await other.run(SESSION, run_id=run_id).result()
     assert (await handle.result()).status == "finished"
