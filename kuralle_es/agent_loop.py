@@ -52,7 +52,7 @@ class _Planned:
 
     request: ToolCallRequest
     site: Site
-    tool: Tool | None
+    tool: Tool[Any] | None
     args: BaseModel | None
     refusal: dict[str, Any] | None
 

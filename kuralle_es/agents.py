@@ -20,7 +20,7 @@ class Agent:
     id: str
     instructions: str
     model: Any
-    tools: dict[str, Tool]
+    tools: dict[str, Tool[Any]]
     flows: dict[str, Flow]
 
 
@@ -28,7 +28,7 @@ def define_agent(
     id: str,
     instructions: str,
     model: Any,
-    tools: Sequence[Tool] | Mapping[str, Tool] = (),
+    tools: Sequence[Tool[Any]] | Mapping[str, Tool[Any]] = (),
     flows: Sequence[Flow] = (),
 ) -> Agent:
     """An agent: instructions, a ``Model``, its tools and flows.

@@ -28,7 +28,7 @@ class RunContext:
         self,
         journal: Journal,
         cursor: Cursor,
-        tools: Mapping[str, Tool],
+        tools: Mapping[str, Tool[Any]],
         emit: Callable[[StreamPart], None],
         schemas: Schemas,
     ) -> None:

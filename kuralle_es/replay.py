@@ -85,10 +85,10 @@ class _StubModel:
         raise _WouldExecute
 
 
-class _AnyTools(dict[str, Tool]):
+class _AnyTools(dict[str, Tool[Any]]):
     """Every tool name a node asks for, as a stub (when the check has no agents)."""
 
-    def get(self, name: str, default: Any = None) -> Tool:
+    def get(self, name: str, default: Any = None) -> Tool[Any]:
         if name not in self:
             self[name] = define_tool(name, "", _AnyArgs, _forbidden)
         return self[name]

@@ -22,7 +22,7 @@ from .waits import APPROVAL, APPROVAL_LANE, IN_DOUBT, approval_decision, frozen_
 __all__ = ["run_tool", "tool_call"]
 
 
-def tool_call(journal: Journal, site: Site, tool: Tool, args: BaseModel) -> ToolCall:
+def tool_call(journal: Journal, site: Site, tool: Tool[Any], args: BaseModel) -> ToolCall:
     """What the tool (and its policy) learn about this call, its key included."""
     override = tool.idempotency_key(args) if tool.idempotency_key else None
     payload = {"name": tool.name, "args": args.model_dump(mode="json")}
@@ -35,7 +35,9 @@ def tool_call(journal: Journal, site: Site, tool: Tool, args: BaseModel) -> Tool
     )
 
 
-async def _approved_args(journal: Journal, site: Site, tool: Tool, args: BaseModel) -> BaseModel:
+async def _approved_args(
+    journal: Journal, site: Site, tool: Tool[Any], args: BaseModel
+) -> BaseModel:
     """The args to execute with, after the tool's policy and any approval.
 
     Once an approval is journaled, its frozen operation wins over whatever the
@@ -47,7 +49,8 @@ async def _approved_args(journal: Journal, site: Site, tool: Tool, args: BaseMod
         decision = approval_decision(decode(step))
         if not decision.approved:
             raise ToolApprovalDeniedError(tool.name, decision.by, decision.reason)
-        return tool.validate(step["args"]["operation"]["args"])
+        frozen: BaseModel = tool.validate(step["args"]["operation"]["args"])
+        return frozen
     call = tool_call(journal, site, tool, args)
     if journal.recorded(site, "tool", tool.name, call.idempotency_key) is not None:
         return args  # decided on an earlier pass: replay, never ask the policy again
@@ -70,7 +73,7 @@ async def _approved_args(journal: Journal, site: Site, tool: Tool, args: BaseMod
 async def run_tool(
     journal: Journal,
     site: Site,
-    tool: Tool,
+    tool: Tool[Any],
     args: BaseModel,
     emit: Callable[[StreamPart], None] | None = None,
     tool_call_id: str | None = None,

@@ -15,7 +15,7 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar, overload
 
 from pydantic import BaseModel, ValidationError
 
@@ -32,7 +32,9 @@ from .retry import NO_RETRY, RetryPolicy
 __all__ = ["Tool", "define_tool", "encode_json", "max_payload_bytes", "wants_call"]
 
 PolicyAnswer = Literal["allow", "ask", "deny"]
-Policy = Callable[[str, BaseModel, ToolCall | None], PolicyAnswer]
+#: The tool's input model: a tool's ``execute``, policy and key see the validated args as it.
+ArgsT = TypeVar("ArgsT", bound=BaseModel)
+Policy = Callable[[str, ArgsT, ToolCall | None], PolicyAnswer]
 InDoubt = Literal["retry", "ask"]
 
 _DEFAULT_MAX_PAYLOAD_BYTES = 1_000_000
@@ -80,17 +82,17 @@ def encode_json(value: Any, what: str) -> str:
 
 
 @dataclass(frozen=True)
-class Tool:
+class Tool(Generic[ArgsT]):
     """A named, validated, durable side effect that agents and flows can call."""
 
     name: str
     description: str
-    input: type[BaseModel]
+    input: type[ArgsT]
     execute: Callable[..., Any]
     needs_approval: bool = False
-    policy: Policy | None = None
-    idempotency_key: Callable[[BaseModel], str] | None = None
-    parallel_safe: bool | Callable[[BaseModel], bool] = False
+    policy: Policy[ArgsT] | None = None
+    idempotency_key: Callable[[ArgsT], str] | None = None
+    parallel_safe: bool | Callable[[ArgsT], bool] = False
     replay: bool = True
     on_in_doubt: InDoubt = "retry"
     #: Whether ``execute`` takes the ``ToolCall`` too (decided once, not per call).
@@ -102,7 +104,7 @@ class Tool:
     #: Whether ``execute`` is a coroutine function (decided once, not per call).
     is_async: bool = False
 
-    def validate(self, args: Any) -> BaseModel:
+    def validate(self, args: Any) -> ArgsT:
         """The tool's input model built from ``args``, or ``InvalidToolArgsError``."""
         if isinstance(args, self.input):
             validated = args
@@ -127,7 +129,7 @@ class Tool:
             raise InvalidToolArgsError(self.name, f"the arguments {problem}")
         return validated
 
-    def decide(self, args: BaseModel, call: ToolCall | None) -> PolicyAnswer:
+    def decide(self, args: ArgsT, call: ToolCall | None) -> PolicyAnswer:
         """The approval policy's answer for this call."""
         if self.policy is not None:
             answer = self.policy(self.name, args, call)
@@ -140,12 +142,12 @@ class Tool:
             return answer
         return "ask" if self.needs_approval else "allow"
 
-    def is_parallel_safe(self, args: BaseModel) -> bool:
+    def is_parallel_safe(self, args: ArgsT) -> bool:
         if callable(self.parallel_safe):
             return bool(self.parallel_safe(args))
         return bool(self.parallel_safe)
 
-    async def invoke(self, args: BaseModel, call: ToolCall) -> Any:
+    async def invoke(self, args: ArgsT, call: ToolCall) -> Any:
         """Run ``execute`` (sync or async, with or without ``call``), within ``timeout``.
 
         Past the timeout an async tool is cancelled; a sync tool, which Python
@@ -239,21 +241,59 @@ def wants_call(fn: Callable[..., Any]) -> bool:
     return len(positional) >= 2 or any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params)
 
 
+# One overload per shape of ``execute``, so a type checker types a lambda's
+# ``args`` as the input model (a union of the two shapes would leave it Any).
+@overload
 def define_tool(
     name: str,
     description: str,
-    input: type[BaseModel],
-    execute: Callable[..., Any],
+    input: type[ArgsT],
+    execute: Callable[[ArgsT], Any],
     *,
     needs_approval: bool = False,
-    policy: Policy | None = None,
-    idempotency_key: Callable[[BaseModel], str] | None = None,
-    parallel_safe: bool | Callable[[BaseModel], bool] = False,
+    policy: Policy[ArgsT] | None = None,
+    idempotency_key: Callable[[ArgsT], str] | None = None,
+    parallel_safe: bool | Callable[[ArgsT], bool] = False,
     replay: bool = True,
     on_in_doubt: InDoubt = "retry",
     retry: RetryPolicy | None = None,
     timeout: float | None = None,
-) -> Tool:
+) -> Tool[ArgsT]: ...
+
+
+@overload
+def define_tool(
+    name: str,
+    description: str,
+    input: type[ArgsT],
+    execute: Callable[[ArgsT, ToolCall], Any],
+    *,
+    needs_approval: bool = False,
+    policy: Policy[ArgsT] | None = None,
+    idempotency_key: Callable[[ArgsT], str] | None = None,
+    parallel_safe: bool | Callable[[ArgsT], bool] = False,
+    replay: bool = True,
+    on_in_doubt: InDoubt = "retry",
+    retry: RetryPolicy | None = None,
+    timeout: float | None = None,
+) -> Tool[ArgsT]: ...
+
+
+def define_tool(
+    name: str,
+    description: str,
+    input: type[ArgsT],
+    execute: Callable[..., Any],
+    *,
+    needs_approval: bool = False,
+    policy: Policy[ArgsT] | None = None,
+    idempotency_key: Callable[[ArgsT], str] | None = None,
+    parallel_safe: bool | Callable[[ArgsT], bool] = False,
+    replay: bool = True,
+    on_in_doubt: InDoubt = "retry",
+    retry: RetryPolicy | None = None,
+    timeout: float | None = None,
+) -> Tool[ArgsT]:
     """Define a tool; every argument is checked here so mistakes surface at import.
 
     ``retry`` retries failed attempts (same idempotency key, backoff between

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 USER_APP = """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel
 
@@ -42,6 +42,10 @@ def charge(args: Refund, call: ToolCall) -> dict[str, int]:
     return {"refunded": args.amount_cents, "key_length": len(call.idempotency_key)}
 
 
+def refund_policy(name: str, args: Refund, call: ToolCall | None) -> Literal["allow", "ask"]:
+    return "ask" if args.amount_cents > 1000 else "allow"
+
+
 async def ask(state: dict[str, Any], ctx: RunContext) -> Any:
     decision: ApprovalDecision = await ctx.approve("Refund?")
     if not decision.approved:
@@ -56,7 +60,14 @@ async def done(state: dict[str, Any], ctx: RunContext) -> Any:
 
 flow = define_flow("refund", "", "ask", [action("ask", ask), action("done", done)])
 agent = define_agent(
-    "support", "", ScriptedModel(["ok"]), [define_tool("charge", "", Refund, charge)], [flow]
+    "support",
+    "",
+    ScriptedModel(["ok"]),
+    [
+        define_tool("charge", "", Refund, charge, policy=refund_policy),
+        define_tool("echo", "", Refund, lambda args: {"cents": args.amount_cents}),
+    ],
+    [flow],
 )
 
 
@@ -69,6 +80,20 @@ async def main() -> TurnResult:
         steps: list[StepRecord] = await runtime.get_steps(paused.run_id, "s")
         assert state is not None and not steps
         return await runtime.run("s", run_id=paused.run_id, signal_delivery=delivery).result()
+"""
+
+
+TYPO_APP = """
+from pydantic import BaseModel
+
+from kuralle_es import define_tool
+
+
+class Refund(BaseModel):
+    amount_cents: int
+
+
+tool = define_tool("refund", "", Refund, lambda args: {"cents": args.amount_cent})
 """
 
 
@@ -117,3 +142,13 @@ def test_a_users_mypy_strict_passes_against_the_installed_package(
         cwd=project, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert checked.returncode == 0, checked.stdout + checked.stderr
+    if editable:
+        # The tool's args are typed as its input model: a typo is the user's mypy error.
+        (project / "typo.py").write_text(TYPO_APP, encoding="utf-8")
+        typo = subprocess.run(
+            [str(python), "-m", "mypy", "--strict", "--no-incremental",
+             "--python-executable", str(python), "typo.py"],
+            cwd=project, env=env, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        assert typo.returncode == 1, typo.stdout
+        assert '"Refund" has no attribute "amount_cent"' in typo.stdout, typo.stdout
