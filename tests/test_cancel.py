@@ -120,6 +120,8 @@ async def test_cancelling_a_paused_run_aborts_it_and_it_then_executes_nothing(
     typed = await runtime.run(SESSION, run_id=paused.run_id, input="hello?").result()
     assert again.status == typed.status == "aborted"
     assert ledger.entries == []
+    (summary,) = await runtime.views.list_runs(session_id=SESSION)
+    assert (summary.status, summary.waiting_for, summary.lease_holder) == ("aborted", None, None)
     # Cancelling again is a no-op: nothing is written.
     repeat = await runtime.cancel(paused.run_id, SESSION, "twice")
     assert (repeat.outcome, repeat.version) == ("cancelled: customer left", state.version)

@@ -166,6 +166,9 @@ async def test_a_tool_failing_twice_then_succeeding_runs_three_times_with_one_ke
     assert step.key == calls.keys[0]
     state = await runtime.get_run(result.run_id, SESSION)
     assert state is not None and state.state["result"] == {"ok": 3}
+    # The views count one call, no error: retried attempts are not failures of the step.
+    (stats,) = await runtime.views.step_stats()
+    assert (stats.name, stats.count, stats.errors) == ("t", 1, 0)
 
 
 async def test_failing_past_the_limit_freezes_the_last_error_and_replays_it(
@@ -189,6 +192,8 @@ async def test_failing_past_the_limit_freezes_the_last_error_and_replays_it(
         await runtime.run(SESSION, run_id=run_id).result()
     assert (replayed.value.error_type, replayed.value.message) == ("ConnectionError", "down (3)")
     assert len(calls.keys) == 3
+    (stats,) = await runtime.views.step_stats()
+    assert (stats.name, stats.count, stats.errors) == ("t", 1, 1)
 
 
 async def test_a_caught_final_failure_is_the_same_error_the_node_sees_on_replay(
