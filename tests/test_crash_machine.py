@@ -1,46 +1,61 @@
 """Exactly-once effects under a crash at every journal boundary: a Hypothesis state machine.
 
-The machine is a small world: users start *programs* (random effects — tool
-calls with small JSON args, ``now``, ``uuid``, ``asyncio.gather`` batches —
-spread over the two action nodes of one flow), a worker process is *killed*
-at a chosen journal boundary, and a restarted worker with the same holder
-*re-enters* the run until it finishes. Every program also has a crash-free
+The machine is a small world: users start *programs* (random effects spread
+over the two action nodes of one flow, with an optional ``reply`` node — one
+model turn — between them), a worker process is *killed* at a chosen journal
+boundary, and a restarted worker with the same holder *re-enters* the run,
+again and again, until it finishes. Every program also has a crash-free
 *reference* run on a store of its own.
 
-Crashes are honest. Nothing of ``kuralle_es`` is mocked:
+A program's effects: tool calls with small JSON args (``charge``/``echo``
+deterministic, ``mint`` a fresh token, ``reject`` always fails: a frozen
+error, ``pay`` with an ``idempotency_key`` override, ``flaky`` that fails a
+given number of times under a ``RetryPolicy``, ``sluggish`` that overruns its
+``timeout`` on a given number of attempts), ``now``, ``uuid``, a durable
+``sleep`` short enough to run inline, ``asyncio.gather`` batches, approvals
+(``ctx.approve``; the machine approves or denies, through ``runtime.approve``
+/ ``deny`` or a raw ``SignalDelivery``) and signals (``ctx.signal``; the
+machine delivers the program's payload).
 
-- ``CrashingStore`` is a ``RunStore`` subclass, a failing disk: per its
-  ``CrashPlan`` its ``save_run`` raises ``Crash`` before delegating to
-  ``RunStore.save_run`` (nothing saved) or after it (saved, then the process
-  dies). It tells the boundaries apart by the run's pending events: an
-  *intent* save carries ``Run.StepStarted`` (or ``Run.StepRetried``, the intent
-  of a re-execution), a *finalize* save carries ``Run.StepFinished`` or
-  ``Run.StepFailed``. ``now``/``uuid`` save intent and result in one save,
-  which is both. A process that died saves nothing more.
-- "after execute": the tool itself raises ``Crash`` right after its effect
-  reached the external ledger.
-
-``Crash`` is a ``BaseException``, so the turn dies without closing: the run
-stays ``running`` under the worker's lease, as after ``SIGKILL``. Re-entry is
-a NEW ``Runtime`` with the SAME holder (a lease is re-entrant for its holder);
-on SQLite every turn opens a NEW store over the file (a plain ``RunStore``
-for crash-free turns), so what a re-entry sees is what was durable.
+Crashes are honest. Nothing of ``kuralle_es`` is mocked; the failing disk is
+the public testing kit's ``CrashingStore`` (``kuralle_es.testing``): per its
+``CrashPlan`` a save dies before it is written (``before_intent``), after a
+step's intent is written (``after_intent``), just before a step's result is
+written (``after_execute``) or after it (``after_finalize``). The tools also
+reach ``after_execute`` themselves, right after their effect reached the
+external ledger. ``Crash`` is a ``BaseException``, so the turn dies without
+closing: the run stays ``running`` under the worker's lease, as after
+``SIGKILL``. Re-entry is a NEW ``Runtime`` with the SAME holder (a lease is
+re-entrant for its holder); on SQLite and PostgreSQL every turn opens a NEW
+store over the database, so what a re-entry sees is what was durable. A
+delivery can be killed too: then it was either durable (the run goes on) or
+not (the run still waits, on the same wait).
 
 Invariants (one guarantee each):
 
 - the journal never has two steps, finished or not, with one key;
-- every execution the ledger saw followed a durable intent, under the key the
-  journal recorded for that callsite (re-executions reuse the recorded key);
-- a tool executes again only after a crash could have left it in doubt
-  (after intent, after execute, before finalize — or any crash while a
-  gather batch was in flight);
+- every execution the ledger saw followed a durable intent (first attempt,
+  retry or re-execution), under the key the journal recorded for that
+  callsite: the retried attempts of a tool all carry its one key;
+- a tool executes again only after a failed attempt its policy retries, or
+  after a crash could have left it in doubt (or any crash while a gather
+  batch was in flight);
 - every value a node ever saw (tool results, frozen tool errors, ``now``,
-  ``uuid``) is the journaled one, in every pass;
+  ``uuid``, approval decisions, signal payloads) is the journaled one, in
+  every pass;
+- a paused run stays on the same wait (name, callsite, ``request_id``)
+  through plain re-entries and killed deliveries, and its waits are the
+  reference run's waits, in order;
 - a finished run has one finished step per callsite and none ``running``, the
-  documented keys, the reference run's kinds, names and deterministic results,
-  and the ledger deduplicated by key shows exactly one effect per tool call;
+  documented keys, the reference run's kinds, names, deterministic results
+  and messages, and the ledger deduplicated by key shows exactly one effect
+  per tool call (exactly its attempts, when no crash hit the run);
 - a killed turn leaves its run ``running`` under the worker's lease, a
   finished one leaves no lease.
+
+Budget: ``make test`` runs a small number of examples per backend; set
+``KURALLE_CRASH_EXAMPLES=500`` for a longer hunt (README.md, "Tests and
+benchmarks"). Run with ``-s`` to see the examples and crashes per backend.
 """
 
 from __future__ import annotations
@@ -48,14 +63,17 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import os
 import shutil
 import tempfile
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from uuid import uuid4
 
+import pytest
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -65,16 +83,21 @@ from hypothesis.stateful import (
     invariant,
     precondition,
     rule,
+    run_state_machine_as_test,
 )
 from pydantic import BaseModel
 
 from kuralle_es import (
+    RetryPolicy,
     RunStore,
     Runtime,
+    SignalDelivery,
     StepRecord,
+    Tool,
     ToolCall,
     ToolExecutionError,
     TurnResult,
+    WaitingFor,
     action,
     define_agent,
     define_flow,
@@ -82,79 +105,39 @@ from kuralle_es import (
     end,
     goto,
     idempotency_key,
+    reply,
 )
 from kuralle_es.domain import Run, StepData
+from kuralle_es.store import postgres_env
+from kuralle_es.testing import BOUNDARIES, Crash, CrashingStore, CrashPlan, ScriptedModel
+from kuralle_es.waits import approval_decision
 
 HOLDER = "worker"
 FLOW = "program"
-BOUNDARIES = ("before_intent", "after_intent", "after_execute", "before_finalize", "after_finalize")
 #: Crashes after which nobody knows whether the tool's effect happened.
-IN_DOUBT = frozenset({"after_intent", "after_execute", "before_finalize"})
+IN_DOUBT = frozenset({"after_intent", "after_execute"})
 #: Tools whose result depends only on their args (``mint`` returns a fresh token).
-DETERMINISTIC = frozenset({"charge", "echo", "reject"})
+DETERMINISTIC_TOOLS = frozenset({"charge", "echo", "reject", "pay", "flaky", "sluggish"})
+#: Step kinds whose recorded value is the same in every run of one program.
+DETERMINISTIC_KINDS = frozenset({"approval", "signal", "model"})
+#: Every retried tool fails at most this many times before its last attempt.
+RETRY = RetryPolicy(max_attempts=3, initial_interval=0.001, backoff=1.0, max_interval=0.001)
+#: ``sluggish``'s timeout: an overrunning attempt sleeps far longer than this.
+TIMEOUT = 0.3
+SLEEP = 0.002  # a durable sleep well inside the inline limit
+MODEL = "scripted"
+
+#: Per backend: machines built (examples, shrinking included), turns, crashes, deliveries.
+STATS: Counter[tuple[str, str]] = Counter()
 
 
-class Crash(BaseException):
-    """The worker process dies: not an ``Exception``, so nothing catches or journals it."""
-
-
-# ------------------------------------------------------------------ crash plans
-@dataclass
-class CrashPlan:
-    """Kill the process at the ``nth`` occurrence (1-based) of ``boundary`` in one turn."""
-
-    boundary: str
-    nth: int
-    seen: int = 0
-    fired: bool = False
-    key: str | None = None  # the idempotency key of the step the crash hit
-
-    def reach(self, boundary: str, key: str) -> None:
-        if self.fired or boundary != self.boundary:
-            return
-        self.seen += 1
-        if self.seen == self.nth:
-            self.fired = True
-            self.key = key
-            raise Crash(f"killed {boundary.replace('_', ' ')} #{self.nth} (step {key[:12]})")
-
-
-def _step_keys(run: Run, kinds: tuple[type[Any], ...]) -> list[str]:
-    """Keys of the steps that the run's pending events of ``kinds`` touch."""
-    keys: list[str] = []
-    for pending in run.pending_events:
-        if not isinstance(pending, kinds):
-            continue
-        started = isinstance(pending, Run.StepStarted)
-        keys.append(pending.key if started else run.steps[pending.index]["key"])
-    return keys
-
-
-class CrashingStore(RunStore):
-    """A failing disk: ``save_run`` dies at the boundary its ``CrashPlan`` names."""
-
-    def __init__(self, env: dict[str, str], plan: CrashPlan | None = None) -> None:
-        super().__init__(env=env)
-        self.plan = plan
-
-    def save_run(self, run: Run) -> None:
-        plan = self.plan
-        if plan is None:
-            super().save_run(run)
-            return
-        if plan.fired:
-            raise Crash("the process is dead: it saves nothing more")
-        intents = _step_keys(run, (Run.StepStarted, Run.StepRetried))
-        finals = _step_keys(run, (Run.StepFinished, Run.StepFailed))
-        for key in intents:
-            plan.reach("before_intent", key)
-        for key in finals:
-            plan.reach("before_finalize", key)
-        super().save_run(run)
-        for key in intents:
-            plan.reach("after_intent", key)
-        for key in finals:
-            plan.reach("after_finalize", key)
+@pytest.fixture(scope="module", autouse=True)
+def crash_statistics() -> Iterator[None]:
+    """Print what the machines did, per backend (visible with ``pytest -s``)."""
+    yield
+    for backend in sorted({b for b, _ in STATS}):
+        figures = ", ".join(f"{what} {n}" for (b, what), n in sorted(STATS.items()) if b == backend)
+        print(f"\ncrash machine on {backend}: {figures}")
 
 
 # ------------------------------------------------------------------- the world
@@ -176,7 +159,8 @@ class Ledger:
     executions: list[Execution] = field(default_factory=list)
     plan: CrashPlan | None = None  # the current turn's, for "after execute"
 
-    def record(self, tool: str, args: BaseModel, call: ToolCall) -> None:
+    def record(self, tool: str, args: BaseModel, call: ToolCall) -> int:
+        """Log one execution; returns how many this key has had (this one included)."""
         self.executions.append(
             Execution(
                 call.idempotency_key,
@@ -186,8 +170,10 @@ class Ledger:
                 call.callsite,
             )
         )
+        seen = sum(1 for e in self.executions if e.key == call.idempotency_key)
         if self.plan is not None:
             self.plan.reach("after_execute", call.idempotency_key)
+        return seen
 
 
 class ChargeArgs(BaseModel):
@@ -199,11 +185,25 @@ class Payload(BaseModel):
     payload: Any = None
 
 
+class PayArgs(BaseModel):
+    ref: str  # the business identity: "<session>/<order>"
+    amount: int
+
+
+class FlakyArgs(BaseModel):
+    fails: int  # executions of this key that fail (or overrun) before one succeeds
+    payload: int
+
+
 def make_agent(ledger: Ledger) -> Any:
     """The agent of the flow, its tools bound to ``ledger``.
 
     The tools are async and yield once before their effect, so the calls of
-    a gather batch really interleave (on every backend).
+    a gather batch really interleave (on every backend). ``flaky`` and
+    ``sluggish`` decide from the ledger (executions of their key so far), so
+    their outcome is a function of the call's key and attempt: a crash that
+    re-executes an attempt uses one of the failures up, never adds one, and
+    the run ends as its crash-free reference did.
     """
 
     async def charge(args: ChargeArgs, call: ToolCall) -> dict[str, Any]:
@@ -226,25 +226,71 @@ def make_agent(ledger: Ledger) -> Any:
         ledger.record("reject", args, call)
         raise ValueError(f"rejected {args.payload!r}")
 
-    tools = [
+    async def pay(args: PayArgs, call: ToolCall) -> dict[str, Any]:
+        await asyncio.sleep(0)
+        ledger.record("pay", args, call)
+        return {"paid": args.amount}
+
+    async def flaky(args: FlakyArgs, call: ToolCall) -> dict[str, Any]:
+        await asyncio.sleep(0)
+        if ledger.record("flaky", args, call) <= args.fails:
+            raise RuntimeError(f"flaky {args.payload} is down")
+        return {"flaky": args.payload}
+
+    async def sluggish(args: FlakyArgs, call: ToolCall) -> dict[str, Any]:
+        await asyncio.sleep(0)
+        if ledger.record("sluggish", args, call) <= args.fails:
+            await asyncio.sleep(30)  # overruns its timeout: cancelled
+        return {"sluggish": args.payload}
+
+    tools: list[Tool[Any]] = [
         define_tool("charge", "charge an amount", ChargeArgs, charge),
         define_tool("echo", "echo the payload", Payload, echo),
         define_tool("mint", "mint a token", Payload, mint),
         define_tool("reject", "always refuses", Payload, reject),
+        define_tool("pay", "pay an order", PayArgs, pay, idempotency_key=lambda a: f"pay:{a.ref}"),
+        define_tool("flaky", "fails, then works", FlakyArgs, flaky, retry=RETRY),
+        define_tool(
+            "sluggish", "overruns, then works", FlakyArgs, sluggish, retry=RETRY, timeout=TIMEOUT
+        ),
     ]
-    return define_agent("agent", "runs programs", None, tools, [PROGRAM_FLOW])
+    model = ScriptedModel(lambda request: f"noted {len(request.messages)} messages", id=MODEL)
+    return define_agent("agent", "runs programs", model, tools, [PROGRAM_FLOW])
 
 
 # --------------------------------------------------------------------- programs
-Effect = tuple[Any, ...]  # ("tool", name, args) | ("now",) | ("uuid",) | ("gather", calls)
+#: ("tool", name, args) | ("gather", ((name, args), ...)) | ("now",) | ("uuid",)
+#: | ("sleep",) | ("approve", approved, via) | ("signal", name, payload)
+Effect = tuple[Any, ...]
+WAITS = ("approve", "signal")
+
+
+def call_args(session: str, name: str, args: Any) -> Any:
+    """The args a node passes: ``pay``'s business reference names its session."""
+    if name == "pay":
+        return {"ref": f"{session}/{args['order']}", "amount": args["amount"]}
+    return args
+
+
+@dataclass(frozen=True)
+class Site:
+    """One callsite of a program: its step's kind, name and documented key payload."""
+
+    effect: int | None  # None: the reply node's model turn
+    kind: str
+    name: str
+    payload: Any
+    override: str | None = None
 
 
 @dataclass(frozen=True, eq=False)
 class Program:
-    """Effects ``[0, split)`` run in node "a", the rest in node "b"."""
+    """Effects ``[0, split)`` run in node "a", the rest in node "b"; with
+    ``reply``, a reply node (one model turn) runs between them."""
 
     effects: tuple[Effect, ...]
     split: int
+    reply: bool = False
 
     def __repr__(self) -> str:
         def show(effect: Effect) -> str:
@@ -254,11 +300,11 @@ class Program:
             if effect[0] == "gather":
                 inner = ", ".join(show(("tool", *c)) for c in effect[1])
                 return f"gather[{inner}]"
-            return f"{effect[0]}()"
+            return f"{effect[0]}{effect[1:]!r}"
 
         a = ", ".join(show(e) for e in self.effects[: self.split])
         b = ", ".join(show(e) for e in self.effects[self.split :])
-        return f"Program(a=[{a}], b=[{b}])"
+        return f"Program(a=[{a}],{' reply,' if self.reply else ''} b=[{b}])"
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
         printer.text(repr(self))  # how Hypothesis prints it in a failing example
@@ -271,26 +317,45 @@ class Program:
             return list(effect[1])
         return [(effect[0], None)]
 
-    def callsites(self) -> list[list[int]]:
-        """The callsites of each effect, in order (a gather takes one per call)."""
-        out: list[list[int]] = []
-        site = 0
-        for effect in self.effects:
-            n = len(self.calls(effect))
-            out.append(list(range(site, site + n)))
-            site += n
+    def sites(self, session: str) -> list[Site]:
+        """Every callsite in order, with the documented key payloads."""
+        out: list[Site] = []
+        for i, effect in enumerate(self.effects):
+            if i == self.split and self.reply:
+                out.append(Site(None, "model", MODEL, {"model": MODEL, "purpose": "reply"}))
+            kind = effect[0]
+            if kind in ("tool", "gather"):
+                for name, args in self.calls(effect):
+                    actual = call_args(session, name, args)
+                    override = f"pay:{actual['ref']}" if name == "pay" else None
+                    out.append(Site(i, "tool", name, {"name": name, "args": actual}, override))
+            elif kind in ("now", "uuid"):
+                out.append(Site(i, kind, kind, kind))
+            elif kind == "sleep":
+                out.append(Site(i, "timer", "sleep", "timer"))
+            elif kind == "approve":
+                out.append(Site(i, "approval", "__approval", "__approval"))
+            else:
+                out.append(Site(i, "signal", effect[1], effect[1]))
+        if self.reply and self.split == len(self.effects):
+            out.append(Site(None, "model", MODEL, {"model": MODEL, "purpose": "reply"}))
         return out
 
-    def sites(self) -> list[tuple[str, str, Any]]:
-        """(kind, name, key payload) per callsite: the documented key payloads."""
-        out: list[tuple[str, str, Any]] = []
-        for effect in self.effects:
-            for name, args in self.calls(effect):
-                if effect[0] in ("now", "uuid"):
-                    out.append((name, name, name))
-                else:
-                    out.append(("tool", name, {"name": name, "args": args}))
+    def callsites(self) -> list[list[int]]:
+        """The callsites of each effect, in order (a gather takes one per call)."""
+        out: list[list[int]] = [[] for _ in self.effects]
+        for site, s in enumerate(self.sites("-")):
+            if s.effect is not None:
+                out[s.effect].append(site)
         return out
+
+    def waits(self) -> list[tuple[str, int]]:
+        """(wait name, callsite) of each pause the program makes, in order."""
+        return [
+            (s.name, site)
+            for site, s in enumerate(self.sites("-"))
+            if s.kind in ("approval", "signal")
+        ]
 
 
 @dataclass
@@ -316,17 +381,29 @@ async def guarded(call: Any) -> Any:
 
 async def perform(entry: Entry, ctx: Any, first: int, last: int) -> None:
     seen = entry.passes[-1]
+    session = ctx.session_id
     for i in range(first, last):
         effect = entry.program.effects[i]
-        if effect[0] == "tool":
-            seen[i] = [await guarded(ctx.tool(effect[1], effect[2]))]
-        elif effect[0] == "now":
+        kind = effect[0]
+        if kind == "tool":
+            seen[i] = [await guarded(ctx.tool(effect[1], call_args(session, *effect[1:])))]
+        elif kind == "now":
             seen[i] = [(await ctx.now()).isoformat()]
-        elif effect[0] == "uuid":
+        elif kind == "uuid":
             seen[i] = [await ctx.uuid()]
+        elif kind == "sleep":
+            await ctx.sleep(SLEEP)
+            seen[i] = ["slept"]
+        elif kind == "approve":
+            decision = await ctx.approve(f"effect {i}")
+            seen[i] = [{"approved": decision.approved, "by": decision.by}]
+        elif kind == "signal":
+            seen[i] = [await ctx.signal(effect[1])]
         else:
             entry.open_batches += 1
-            calls = [guarded(ctx.tool(name, args)) for name, args in effect[1]]
+            calls = [
+                guarded(ctx.tool(name, call_args(session, name, args))) for name, args in effect[1]
+            ]
             seen[i] = list(await asyncio.gather(*calls))
             entry.open_batches -= 1
 
@@ -338,7 +415,7 @@ async def load_node(state: dict[str, Any], ctx: Any) -> Any:
 async def node_a(state: dict[str, Any], ctx: Any) -> Any:
     entry = REGISTRY[state["program"]]
     await perform(entry, ctx, 0, entry.program.split)
-    return goto("b")
+    return goto("r" if entry.program.reply else "b")
 
 
 async def node_b(state: dict[str, Any], ctx: Any) -> Any:
@@ -351,8 +428,37 @@ PROGRAM_FLOW = define_flow(
     FLOW,
     "runs a registered program",
     "load",
-    [action("load", load_node), action("a", node_a), action("b", node_b)],
+    [
+        action("load", load_node),
+        action("a", node_a),
+        reply("r", "acknowledge the work so far", "b"),
+        action("b", node_b),
+    ],
 )
+
+
+async def deliver(
+    runtime: Runtime, slot_session: str, run_id: str, program: Program, waiting: WaitingFor
+) -> TurnResult:
+    """Answer the wait the way the program says (approve/deny via a helper or a
+    raw delivery; a signal's payload)."""
+    site = program.sites(slot_session)[waiting.callsite]
+    assert site.effect is not None and site.name == waiting.name, (site, waiting)
+    effect = program.effects[site.effect]
+    if effect[0] == "signal":
+        return await runtime.signal(run_id, slot_session, effect[1], effect[2])
+    _, approved, via = effect
+    if via == "helper":
+        decide = runtime.approve if approved else runtime.deny
+        return await decide(run_id, slot_session, by="alice", reason="checked")
+    delivery = SignalDelivery(
+        signal_id=uuid4().hex,
+        name="__approval",
+        payload={"approved": approved, "by": "bob"},
+        request_id=waiting.request_id,
+        actor="bob",
+    )
+    return await runtime.run(slot_session, run_id=run_id, signal_delivery=delivery).result()
 
 
 # ------------------------------------------------------------------ strategies
@@ -376,30 +482,76 @@ tool_calls = st.one_of(
     st.tuples(
         st.sampled_from(["echo", "mint", "reject"]), small_json.map(lambda p: {"payload": p})
     ),
+    st.builds(lambda amount: ("pay", {"order": 0, "amount": amount}), st.integers(1, 99)),
+    # fails 0-2: succeeds within its 3 attempts; 5: its error is frozen after 3.
+    st.builds(
+        lambda fails, payload: ("flaky", {"fails": fails, "payload": payload}),
+        st.sampled_from([0, 1, 2, 5]),
+        st.integers(0, 9),
+    ),
+)
+#: ``sluggish`` costs its timeout per overrun: kept out of gathers and rarer.
+sluggish_calls = st.builds(
+    lambda fails, payload: ("sluggish", {"fails": fails, "payload": payload}),
+    st.sampled_from([0, 0, 1]),
+    st.integers(0, 9),
 )
 effects = st.one_of(
     tool_calls.map(lambda call: ("tool", *call)),
     st.just(("now",)),
     st.just(("uuid",)),
+    st.just(("sleep",)),
     st.lists(tool_calls, min_size=1, max_size=3).map(lambda calls: ("gather", tuple(calls))),
+    st.tuples(st.just("approve"), st.booleans(), st.sampled_from(["helper", "delivery"])),
+    st.tuples(st.just("signal"), st.sampled_from(["go", "ship"]), small_json),
+    sluggish_calls.map(lambda call: ("tool", *call)),
 )
+
+
+def numbered(effects: list[Effect]) -> tuple[Effect, ...]:
+    """The effects with every ``pay`` given its own order number (one key each)."""
+    order = iter(range(1, 1000))
+
+    def number(call: tuple[str, Any]) -> tuple[str, Any]:
+        name, args = call
+        return (name, {**args, "order": next(order)}) if name == "pay" else call
+
+    out: list[Effect] = []
+    for effect in effects:
+        if effect[0] == "tool":
+            out.append(("tool", *number((effect[1], effect[2]))))
+        elif effect[0] == "gather":
+            out.append(("gather", tuple(number(c) for c in effect[1])))
+        else:
+            out.append(effect)
+    return tuple(out)
 
 
 @st.composite
 def programs(draw: st.DrawFn) -> Program:
-    chosen = draw(st.lists(effects, max_size=6))
-    return Program(tuple(chosen), draw(st.integers(0, len(chosen))))
+    chosen = numbered(draw(st.lists(effects, max_size=6)))
+    return Program(chosen, draw(st.integers(0, len(chosen))), draw(st.booleans()))
 
 
 # ----------------------------------------------------------------- the machine
 def seen_value(step: StepData) -> Any:
-    """What a node sees for a journaled step: its result, or its frozen error."""
+    """What was recorded for a journaled step: its result, or its frozen error."""
     if step["status"] == "finished":
         return None if step["result_json"] is None else json.loads(step["result_json"])
     if step["status"] == "error":
         error = step["error"] or {}
         return {"error": error.get("type"), "message": error.get("message")}
     return "<still running>"
+
+
+def node_view(kind: str, value: Any) -> Any:
+    """What a node sees of a recorded value: a decision for an approval, nothing of a sleep."""
+    if kind == "timer":
+        return "slept"
+    if kind == "approval" and isinstance(value, dict) and "approved" in value:
+        decision = approval_decision(value)
+        return {"approved": decision.approved, "by": decision.by}
+    return value
 
 
 def record_value(record: StepRecord) -> Any:
@@ -409,9 +561,12 @@ def record_value(record: StepRecord) -> Any:
     return record.result
 
 
-def spec_keys(run_id: str, program: Program) -> list[str]:
+def spec_keys(run_id: str, session: str, program: Program) -> list[str]:
     logical = f"{run_id}#0#{FLOW}@{PROGRAM_FLOW.digest}"
-    return [idempotency_key(logical, site, p) for site, (_, _, p) in enumerate(program.sites())]
+    return [
+        s.override or idempotency_key(logical, site, s.payload)
+        for site, s in enumerate(program.sites(session))
+    ]
 
 
 @dataclass
@@ -420,6 +575,8 @@ class Reference:
 
     run_id: str
     steps: list[StepRecord]
+    messages: list[Any]
+    waits: list[tuple[str, int]]
 
 
 @dataclass(eq=False)
@@ -432,6 +589,8 @@ class Slot:
     run_id: str | None = None
     finished: bool = False
     killed: bool = False  # its last turn was killed
+    waiting: WaitingFor | None = None  # the wait it is paused on
+    waits: list[tuple[str, int]] = field(default_factory=list)  # every wait it paused on
     crashes: int = 0
     batch_crashes: int = 0  # crashes while a gather batch was in flight
     in_doubt: Counter[str] = field(default_factory=Counter)  # key -> in-doubt crashes on it
@@ -444,32 +603,47 @@ async def reference_run(program: Program) -> Reference:
     session = f"ref-{uuid4().hex[:8]}"
     entry = REGISTRY[session] = Entry(program, passes=[{}])
     ledger = Ledger()
+    waits: list[tuple[str, int]] = []
     try:
-        runtime = Runtime([make_agent(ledger)], store=RunStore.memory(), holder=HOLDER)
+        store = RunStore.memory()
+        runtime = Runtime([make_agent(ledger)], store=store, holder=HOLDER)
         handle = runtime.run(session, kind="flow", flow_name=FLOW)
         result = await handle.result()
         run_id = await handle.run_id
+        while result.status == "paused":
+            assert result.waiting_for is not None
+            waits.append((result.waiting_for.name, result.waiting_for.callsite))
+            entry.passes.append({})
+            result = await deliver(runtime, session, run_id, program, result.waiting_for)
         assert result.status == "finished", result
-        steps = await runtime.get_steps(run_id, session)
+        steps = sorted(await runtime.get_steps(run_id, session), key=lambda s: s.callsite)
+        run = store.load(run_id)
+        assert run is not None
+        messages = list(run.messages)
+        store.close()
     finally:
         del REGISTRY[session]
-    # A crash-free run executes every tool exactly once, under the documented keys.
-    assert [s.key for s in steps] == spec_keys(run_id, program)
+    # A crash-free run takes every callsite once, under the documented keys, and
+    # executes every tool exactly as often as it was attempted.
+    assert [s.key for s in steps] == spec_keys(run_id, session, program)
     assert Counter(e.key for e in ledger.executions) == Counter(
-        s.key for s in steps if s.kind == "tool"
+        {s.key: s.attempts for s in steps if s.kind == "tool"}
     )
-    assert sorted(entry.passes[0]) == list(range(len(program.effects)))
-    return Reference(run_id, steps)
+    assert waits == program.waits()
+    assert set().union(*entry.passes) == set(range(len(program.effects)))
+    return Reference(run_id, steps, messages, waits)
 
 
 class CrashMachine(RuleBasedStateMachine):
     """Programs run, workers get killed at journal boundaries, restarted workers resume."""
 
     backend = "memory"
+    dsn: str | None = None  # PostgreSQL: set by the test before it runs the machine
     runs = Bundle("runs")
 
     def __init__(self) -> None:
         super().__init__()
+        STATS[self.backend, "examples"] += 1
         self.runner = asyncio.Runner()
         self.loop_errors: list[dict[str, Any]] = []
         self.runner.get_loop().set_exception_handler(lambda _, ctx: self.loop_errors.append(ctx))
@@ -479,13 +653,15 @@ class CrashMachine(RuleBasedStateMachine):
         self.memory: CrashingStore | None = None
         if self.backend == "sqlite":
             self.tmp = Path(tempfile.mkdtemp(prefix="kuralle-crash-"))
-        else:
+        elif self.backend == "memory":
             self.memory = CrashingStore(env={"PERSISTENCE_MODULE": "eventsourcing.popo"})
         self._journals: dict[str, Run] | None = None
 
     # ----------------------------------------------------------------- stores
-    @property
-    def sqlite_env(self) -> dict[str, str]:
+    def env(self) -> dict[str, str]:
+        if self.backend == "postgres":
+            assert self.dsn is not None
+            return postgres_env(self.dsn)
         assert self.tmp is not None
         return {
             "PERSISTENCE_MODULE": "eventsourcing.sqlite",
@@ -493,13 +669,15 @@ class CrashMachine(RuleBasedStateMachine):
         }
 
     def open_store(self, plan: CrashPlan | None) -> RunStore:
-        """The store a (re)started worker opens: on SQLite always a new one."""
+        """The store a (re)started worker opens: on SQLite and PostgreSQL a new one."""
         if self.memory is not None:
             self.memory.plan = plan
             return self.memory
         if plan is None:
-            return RunStore.sqlite(self.sqlite_env["SQLITE_DBNAME"])
-        return CrashingStore(env=self.sqlite_env, plan=plan)
+            return RunStore(env=self.env())
+        store = CrashingStore(env=self.env())
+        store.plan = plan
+        return store
 
     def release_store(self, store: RunStore) -> None:
         if store is self.memory:
@@ -523,8 +701,10 @@ class CrashMachine(RuleBasedStateMachine):
         return self._journals
 
     # ------------------------------------------------------------------ turns
-    def turn(self, slot: Slot, plan: CrashPlan | None) -> tuple[TurnResult | None, Crash | None]:
-        """One turn of a (re)started worker; a killed turn returns its ``Crash``."""
+    def turn(self, slot: Slot, plan: CrashPlan | None, *, answer: bool) -> Crash | None:
+        """One turn of a (re)started worker: it answers the run's wait when
+        ``answer`` (and the run waits), else it starts or re-enters the run.
+        A killed turn returns its ``Crash``."""
         store = self.open_store(plan)
         self._journals = None
         entry = REGISTRY[slot.session]
@@ -532,6 +712,9 @@ class CrashMachine(RuleBasedStateMachine):
         entry.open_batches = 0
         self.ledger.plan = plan
         runtime = Runtime([make_agent(self.ledger)], store=store, holder=HOLDER)
+        waiting = slot.waiting
+        delivering = answer and waiting is not None
+        STATS[self.backend, "deliveries" if delivering else "turns"] += 1
 
         async def drive() -> tuple[str, TurnResult | None, Crash | None]:
             if slot.run_id is None:
@@ -539,10 +722,19 @@ class CrashMachine(RuleBasedStateMachine):
             else:
                 handle = runtime.run(slot.session, run_id=slot.run_id)
             try:
-                result, crash = await handle.result(), None
+                if delivering:
+                    assert waiting is not None and slot.run_id is not None
+                    result = await deliver(
+                        runtime, slot.session, slot.run_id, slot.program, waiting
+                    )
+                else:
+                    result = await handle.result()
+                crash = None
             except Crash as killed:
                 result, crash = None, killed
-            return await handle.run_id, result, crash
+            run_id = slot.run_id if delivering else await handle.run_id
+            assert run_id is not None
+            return run_id, result, crash
 
         try:
             run_id, result, crash = self.runner.run(drive())
@@ -551,34 +743,80 @@ class CrashMachine(RuleBasedStateMachine):
             self.release_store(store)
         slot.run_id = run_id
         if crash is not None:
-            assert plan is not None and plan.fired, f"a crash nobody planned: {crash!r}"
-            assert plan.key is not None
-            slot.crashes += 1
-            slot.killed = True
-            if plan.boundary in IN_DOUBT:
-                slot.in_doubt[plan.key] += 1
-            if entry.open_batches:
-                slot.batch_crashes += 1
-            event(f"killed {plan.boundary}" + (" in a gather" if entry.open_batches else ""))
+            self.killed(slot, plan, entry, waiting)
         else:
             assert plan is None or not plan.fired
             assert result is not None
-            assert result.status == "finished", result
-            assert result.output == "done", result
-            if not slot.finished:
-                event(f"finished after {min(slot.crashes, 3)}{'+' * (slot.crashes >= 3)} crashes")
-            slot.finished = True
+            self.ended(slot, result, waiting if not delivering else None)
+        return crash
+
+    def killed(
+        self, slot: Slot, plan: CrashPlan | None, entry: Entry, waiting: WaitingFor | None
+    ) -> None:
+        assert plan is not None and plan.fired, "a crash nobody planned"
+        assert plan.key is not None
+        STATS[self.backend, "crashes"] += 1
+        STATS[self.backend, f"crashes {plan.boundary}"] += 1
+        slot.crashes += 1
+        if plan.boundary in IN_DOUBT:
+            slot.in_doubt[plan.key] += 1
+        if entry.open_batches:
+            slot.batch_crashes += 1
+        run = self.journals()[slot.session]
+        if run.status == "paused":
+            # A killed delivery that never became durable: the run still waits, on the same wait.
+            assert waiting is not None, f"{slot} paused by a killed turn"
+            wait = run.waiting
+            assert wait is not None
+            assert (wait.name, wait.callsite, wait.request_id) == (
+                waiting.name,
+                waiting.callsite,
+                waiting.request_id,
+            ), (slot, wait, waiting)
             slot.killed = False
-        return result, crash
+            event(f"killed {plan.boundary} in a delivery that was lost")
+            return
+        slot.waiting = None
+        slot.killed = True
+        event(f"killed {plan.boundary}" + (" in a gather" if entry.open_batches else ""))
+
+    def ended(self, slot: Slot, result: TurnResult, waited: WaitingFor | None) -> None:
+        """A turn that ended: finished, or paused (on the same wait, if it was paused)."""
+        slot.killed = False
+        if result.status == "paused":
+            wait = result.waiting_for
+            assert wait is not None
+            if waited is not None:
+                # Re-addressed without an answer: the very same wait.
+                assert (wait.name, wait.callsite, wait.request_id) == (
+                    waited.name,
+                    waited.callsite,
+                    waited.request_id,
+                ), (slot, wait, waited)
+            elif slot.waiting is None or slot.waiting.request_id != wait.request_id:
+                slot.waits.append((wait.name, wait.callsite))
+                event(f"paused on {wait.kind}")
+            slot.waiting = wait
+            return
+        assert result.status == "finished", result
+        # The output is the turn's last text: the reply's, if this turn made it afresh.
+        assert result.output == "done" or slot.program.reply, result
+        if not slot.finished:
+            event(f"finished after {min(slot.crashes, 3)}{'+' * (slot.crashes >= 3)} crashes")
+        slot.finished = True
+        slot.waiting = None
 
     # ------------------------------------------------------------------ rules
     @initialize(target=runs, program=programs())
     def start_first_program(self, program: Program) -> Slot:
-        return self.start_program(program)
+        return self.register(program)
 
     @precondition(lambda self: len(self.slots) < 3)
     @rule(target=runs, program=programs())
     def start_program(self, program: Program) -> Slot:
+        return self.register(program)
+
+    def register(self, program: Program) -> Slot:
         """A user registers a program; its crash-free reference run is recorded first."""
         session = f"s{len(self.slots)}-{uuid4().hex[:8]}"
         REGISTRY[session] = Entry(program)
@@ -587,23 +825,40 @@ class CrashMachine(RuleBasedStateMachine):
         return slot
 
     @rule(slot=runs, boundary=st.sampled_from(BOUNDARIES), nth=st.integers(1, 3))
-    def crash_at(self, slot: Slot, boundary: str, nth: int) -> None:
-        """A worker drives the run and is killed at the nth ``boundary`` of its turn
-        (if the turn has that many, it just finishes)."""
+    def crash_at(self, slot: Slot, boundary: Any, nth: int) -> None:
+        """A worker drives the run (answering its wait, if it waits) and is killed
+        at the nth ``boundary`` of its turn (if the turn has that many, it just ends)."""
         already_finished = slot.finished
         executions = len(self.ledger.executions)
-        _, crash = self.turn(slot, CrashPlan(boundary, nth))
+        crash = self.turn(slot, CrashPlan(boundary, nth), answer=True)
         if already_finished:
             self.assert_finished_run_executes_nothing(slot, crash, executions)
 
+    @rule(
+        slot=runs,
+        plans=st.lists(
+            st.tuples(st.sampled_from(BOUNDARIES), st.integers(1, 3)), min_size=2, max_size=5
+        ),
+    )
+    def crash_again_and_again(self, slot: Slot, plans: list[tuple[Any, int]]) -> None:
+        """Worker after worker drives the run and is killed, each at its own boundary."""
+        for boundary, nth in plans:
+            self.crash_at(slot, boundary, nth)
+
     @rule(slot=runs)
     def reenter(self, slot: Slot) -> None:
-        """A restarted worker (same holder) re-enters the run and drives it to the end."""
+        """A restarted worker (same holder) re-enters the run: a running one is
+        driven on, a paused one stays on its wait, a finished one does nothing."""
         already_finished = slot.finished
         executions = len(self.ledger.executions)
-        self.turn(slot, None)
+        self.turn(slot, None, answer=False)
         if already_finished:
             self.assert_finished_run_executes_nothing(slot, None, executions)
+
+    @rule(slot=runs)
+    def answer(self, slot: Slot) -> None:
+        """An operator answers the run's wait (or, if it does not wait, a worker re-enters)."""
+        self.turn(slot, None, answer=True)
 
     def assert_finished_run_executes_nothing(
         self, slot: Slot, crash: Crash | None, executions: int
@@ -632,11 +887,11 @@ class CrashMachine(RuleBasedStateMachine):
             (step,) = steps
             assert (step["kind"], step["name"], step["callsite"]) == ("tool", e.tool, e.callsite)
             assert step["args"] == e.args
-            # Each execution was preceded by its own saved intent (first or retry).
+            # Each execution was preceded by its own saved intent (first, retry or re-run).
             assert counts[e.key] <= step["attempts"], (e, counts[e.key], step["attempts"])
 
     @invariant()
-    def a_tool_re_executes_only_after_a_crash_left_it_in_doubt(self) -> None:
+    def a_tool_re_executes_only_after_a_retried_failure_or_a_crash_in_doubt(self) -> None:
         counts = Counter(e.key for e in self.ledger.executions)
         for slot in self.slots:
             run = self.journals().get(slot.session)
@@ -645,10 +900,12 @@ class CrashMachine(RuleBasedStateMachine):
             for step in run.steps:
                 if step["kind"] != "tool":
                     continue
-                budget = 1 + slot.in_doubt[step["key"]] + slot.batch_crashes
+                failures = step.get("failures", 0)
+                budget = 1 + failures + slot.in_doubt[step["key"]] + slot.batch_crashes
                 assert counts[step["key"]] <= budget, (slot, step["callsite"], counts[step["key"]])
                 if slot.crashes == 0:
-                    assert counts[step["key"]] == 1
+                    # Exactly the attempts: the first, and one per retried failure.
+                    assert counts[step["key"]] == step["attempts"], (slot, step["callsite"])
 
     @invariant()
     def every_value_a_node_saw_is_the_journaled_one(self) -> None:
@@ -660,8 +917,23 @@ class CrashMachine(RuleBasedStateMachine):
             sites = slot.program.callsites()
             for number, seen in enumerate(REGISTRY[slot.session].passes):
                 for i, values in seen.items():
-                    journaled = [seen_value(by_site[c]) for c in sites[i] if c in by_site]
+                    journaled = [
+                        node_view(by_site[c]["kind"], seen_value(by_site[c]))
+                        for c in sites[i]
+                        if c in by_site
+                    ]
                     assert values == journaled, (slot, f"pass {number}", f"effect {i}")
+
+    @invariant()
+    def a_paused_run_waits_where_its_reference_waited(self) -> None:
+        for slot in self.slots:
+            assert slot.waits == slot.reference.waits[: len(slot.waits)], slot
+            if slot.waiting is None:
+                continue
+            run = self.journals()[slot.session]
+            assert run.status == "paused" and run.waiting is not None, slot
+            assert run.waiting.request_id == slot.waiting.request_id, slot
+            assert slot.waits[-1] == (run.waiting.name, run.waiting.callsite), slot
 
     @invariant()
     def a_finished_run_matches_its_crash_free_reference(self) -> None:
@@ -672,15 +944,17 @@ class CrashMachine(RuleBasedStateMachine):
             ref = slot.reference
             program = slot.program
             assert run.status == "finished" and run.outcome == "done"
+            assert slot.waits == ref.waits, slot
             steps = sorted(run.steps, key=lambda s: s["callsite"])
-            assert [s["callsite"] for s in steps] == list(range(len(program.sites())))
+            assert [s["callsite"] for s in steps] == list(range(len(program.sites("-"))))
             assert [s["status"] for s in steps] == [r.status for r in ref.steps]
             assert all(s["status"] != "running" for s in steps)
-            assert [s["key"] for s in steps] == spec_keys(slot.run_id or "", program)
+            assert [s["key"] for s in steps] == spec_keys(slot.run_id or "", slot.session, program)
             assert [(s["kind"], s["name"]) for s in steps] == [(r.kind, r.name) for r in ref.steps]
             for s, r in zip(steps, ref.steps, strict=True):
-                if s["kind"] == "tool" and s["name"] in DETERMINISTIC:
+                if s["kind"] in DETERMINISTIC_KINDS or s["name"] in DETERMINISTIC_TOOLS:
                     assert seen_value(s) == record_value(r), (slot, s["callsite"])
+            assert list(run.messages) == ref.messages, slot
             # The nodes saw every effect in some pass (and the values are the journal's).
             seen = set().union(*REGISTRY[slot.session].passes)
             assert seen == set(range(len(program.effects))), (slot, seen)
@@ -697,7 +971,7 @@ class CrashMachine(RuleBasedStateMachine):
                 continue
             if slot.killed:
                 assert run.status == "running" and run.lease_holder == HOLDER, slot
-            elif slot.finished:
+            elif slot.finished or slot.waiting is not None:
                 assert run.lease_holder is None, slot
 
     @invariant()
@@ -724,17 +998,32 @@ class SqliteCrashMachine(CrashMachine):
     backend = "sqlite"
 
 
+class PostgresCrashMachine(CrashMachine):
+    backend = "postgres"
+
+
+def budget(default: int) -> settings:
+    """``default`` examples, or ``KURALLE_CRASH_EXAMPLES`` of them when set."""
+    examples = int(os.environ.get("KURALLE_CRASH_EXAMPLES") or default)
+    return settings(
+        max_examples=examples,
+        stateful_step_count=10,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
+
+
 TestCrashMachineMemory = CrashMachine.TestCase
-TestCrashMachineMemory.settings = settings(
-    max_examples=150,
-    stateful_step_count=12,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+TestCrashMachineMemory.settings = budget(40)
 TestCrashMachineSqlite = SqliteCrashMachine.TestCase
-TestCrashMachineSqlite.settings = settings(
-    max_examples=60,
-    stateful_step_count=10,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+TestCrashMachineSqlite.settings = budget(15)
+
+
+@pytest.mark.postgres
+def test_crash_machine_postgres(pg_dsn: str) -> None:
+    """The same machine over one PostgreSQL database (a new store per turn)."""
+    PostgresCrashMachine.dsn = pg_dsn
+    try:
+        run_state_machine_as_test(PostgresCrashMachine, settings=budget(8))
+    finally:
+        PostgresCrashMachine.dsn = None
