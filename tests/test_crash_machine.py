@@ -88,6 +88,8 @@ from hypothesis.stateful import (
 from pydantic import BaseModel
 
 from kuralle_es import (
+    ModelRequest,
+    ModelResponse,
     RetryPolicy,
     RunStore,
     Runtime,
@@ -95,6 +97,7 @@ from kuralle_es import (
     StepRecord,
     Tool,
     ToolCall,
+    ToolCallRequest,
     ToolExecutionError,
     TurnResult,
     WaitingFor,
@@ -245,7 +248,7 @@ def make_agent(ledger: Ledger) -> Any:
 
     tools: list[Tool[Any]] = [
         define_tool("charge", "charge an amount", ChargeArgs, charge),
-        define_tool("echo", "echo the payload", Payload, echo),
+        define_tool("echo", "echo the payload", Payload, echo, parallel_safe=True),
         define_tool("mint", "mint a token", Payload, mint),
         define_tool("reject", "always refuses", Payload, reject),
         define_tool("pay", "pay an order", PayArgs, pay, idempotency_key=lambda a: f"pay:{a.ref}"),
@@ -254,8 +257,31 @@ def make_agent(ledger: Ledger) -> Any:
             "sluggish", "overruns, then works", FlakyArgs, sluggish, retry=RETRY, timeout=TIMEOUT
         ),
     ]
-    model = ScriptedModel(lambda request: f"noted {len(request.messages)} messages", id=MODEL)
+    model = ScriptedModel(script, id=MODEL)
     return define_agent("agent", "runs programs", model, tools, [PROGRAM_FLOW])
+
+
+def script(request: ModelRequest) -> ModelResponse | str:
+    """The model: its answer is a function of the request, so every pass agrees.
+
+    A reply node's turn notes how long the conversation is; a chat's agent
+    turn asks for the tool calls of its program's next model turn (counted
+    from the user's message, which names the session), then says "done".
+    """
+    if request.purpose == "reply":
+        return f"noted {len(request.messages)} messages"
+    users = [i for i, m in enumerate(request.messages) if m.role == "user"]
+    session = str(request.messages[users[-1]].content)
+    chat = REGISTRY[session].program.chat or ()
+    turn = sum(1 for m in request.messages[users[-1] :] if m.role == "assistant")
+    if turn == len(chat):
+        return "done"
+    return ModelResponse(
+        tool_calls=[
+            ToolCallRequest(f"call-{turn}-{j}", name, call_args(session, name, args))
+            for j, (name, args) in enumerate(chat[turn])
+        ]
+    )
 
 
 # --------------------------------------------------------------------- programs
@@ -291,6 +317,8 @@ class Program:
     effects: tuple[Effect, ...]
     split: int
     reply: bool = False
+    #: A chat instead of a flow: the tool calls of each model turn of the agent loop.
+    chat: tuple[tuple[tuple[str, Any], ...], ...] | None = None
 
     def __repr__(self) -> str:
         def show(effect: Effect) -> str:
@@ -302,6 +330,9 @@ class Program:
                 return f"gather[{inner}]"
             return f"{effect[0]}{effect[1:]!r}"
 
+        if self.chat is not None:
+            turns = "; ".join(", ".join(show(("tool", *c)) for c in t) for t in self.chat)
+            return f"Chat([{turns}])"
         a = ", ".join(show(e) for e in self.effects[: self.split])
         b = ", ".join(show(e) for e in self.effects[self.split :])
         return f"Program(a=[{a}],{' reply,' if self.reply else ''} b=[{b}])"
@@ -320,6 +351,15 @@ class Program:
     def sites(self, session: str) -> list[Site]:
         """Every callsite in order, with the documented key payloads."""
         out: list[Site] = []
+        if self.chat is not None:
+            agent_turn = Site(None, "model", MODEL, {"model": MODEL, "purpose": "agent"})
+            for calls in self.chat:
+                out.append(agent_turn)
+                for name, args in calls:
+                    actual = call_args(session, name, args)
+                    override = f"pay:{actual['ref']}" if name == "pay" else None
+                    out.append(Site(None, "tool", name, {"name": name, "args": actual}, override))
+            return [*out, agent_turn]
         for i, effect in enumerate(self.effects):
             if i == self.split and self.reply:
                 out.append(Site(None, "model", MODEL, {"model": MODEL, "purpose": "reply"}))
@@ -437,6 +477,13 @@ PROGRAM_FLOW = define_flow(
 )
 
 
+def start(runtime: Runtime, session: str, program: Program) -> Any:
+    """The first turn: a flow run, or a chat whose user message names the session."""
+    if program.chat is not None:
+        return runtime.run(session, input=session)
+    return runtime.run(session, kind="flow", flow_name=FLOW)
+
+
 async def deliver(
     runtime: Runtime, slot_session: str, run_id: str, program: Program, waiting: WaitingFor
 ) -> TurnResult:
@@ -522,13 +569,23 @@ def numbered(effects: list[Effect]) -> tuple[Effect, ...]:
             out.append(("tool", *number((effect[1], effect[2]))))
         elif effect[0] == "gather":
             out.append(("gather", tuple(number(c) for c in effect[1])))
+        elif effect[0] == "chat":
+            out.append(("chat", tuple(tuple(number(c) for c in t) for t in effect[1])))
         else:
             out.append(effect)
     return tuple(out)
 
 
+#: A chat's tools: deterministic ones, so its messages equal its reference's.
+chat_calls = tool_calls.filter(lambda call: call[0] != "mint")
+
+
 @st.composite
 def programs(draw: st.DrawFn) -> Program:
+    if draw(st.integers(0, 3)) == 0:
+        turns = draw(st.lists(st.lists(chat_calls, min_size=1, max_size=3), max_size=3))
+        (numbered_turns,) = numbered([("chat", tuple(tuple(t) for t in turns))])
+        return Program((), 0, chat=numbered_turns[1])
     chosen = numbered(draw(st.lists(effects, max_size=6)))
     return Program(chosen, draw(st.integers(0, len(chosen))), draw(st.booleans()))
 
@@ -561,8 +618,17 @@ def record_value(record: StepRecord) -> Any:
     return record.result
 
 
-def spec_keys(run_id: str, session: str, program: Program) -> list[str]:
-    logical = f"{run_id}#0#{FLOW}@{PROGRAM_FLOW.digest}"
+def renamed(value: Any, old: str, new: str) -> Any:
+    """``value`` with session ``old`` named ``new`` (a chat's user message and
+    ``pay``'s refs name the session)."""
+    return json.loads(json.dumps(value).replace(old, new))
+
+
+def spec_keys(run_id: str, session: str, program: Program, epoch: int) -> list[str]:
+    if program.chat is not None:
+        logical = f"{run_id}#{epoch}"
+    else:
+        logical = f"{run_id}#{epoch}#{FLOW}@{PROGRAM_FLOW.digest}"
     return [
         s.override or idempotency_key(logical, site, s.payload)
         for site, s in enumerate(program.sites(session))
@@ -573,6 +639,7 @@ def spec_keys(run_id: str, session: str, program: Program) -> list[str]:
 class Reference:
     """The same program's crash-free run, on a store and ledger of its own."""
 
+    session: str
     run_id: str
     steps: list[StepRecord]
     messages: list[Any]
@@ -607,7 +674,7 @@ async def reference_run(program: Program) -> Reference:
     try:
         store = RunStore.memory()
         runtime = Runtime([make_agent(ledger)], store=store, holder=HOLDER)
-        handle = runtime.run(session, kind="flow", flow_name=FLOW)
+        handle = start(runtime, session, program)
         result = await handle.result()
         run_id = await handle.run_id
         while result.status == "paused":
@@ -620,18 +687,19 @@ async def reference_run(program: Program) -> Reference:
         run = store.load(run_id)
         assert run is not None
         messages = list(run.messages)
+        assert result.output == "done" or program.reply, result
         store.close()
     finally:
         del REGISTRY[session]
     # A crash-free run takes every callsite once, under the documented keys, and
     # executes every tool exactly as often as it was attempted.
-    assert [s.key for s in steps] == spec_keys(run_id, session, program)
+    assert [s.key for s in steps] == spec_keys(run_id, session, program, run.epoch)
     assert Counter(e.key for e in ledger.executions) == Counter(
         {s.key: s.attempts for s in steps if s.kind == "tool"}
     )
     assert waits == program.waits()
     assert set().union(*entry.passes) == set(range(len(program.effects)))
-    return Reference(run_id, steps, messages, waits)
+    return Reference(session, run_id, steps, messages, waits)
 
 
 class CrashMachine(RuleBasedStateMachine):
@@ -718,7 +786,7 @@ class CrashMachine(RuleBasedStateMachine):
 
         async def drive() -> tuple[str, TurnResult | None, Crash | None]:
             if slot.run_id is None:
-                handle = runtime.run(slot.session, kind="flow", flow_name=FLOW)
+                handle = start(runtime, slot.session, slot.program)
             else:
                 handle = runtime.run(slot.session, run_id=slot.run_id)
             try:
@@ -760,7 +828,9 @@ class CrashMachine(RuleBasedStateMachine):
         slot.crashes += 1
         if plan.boundary in IN_DOUBT:
             slot.in_doubt[plan.key] += 1
-        if entry.open_batches:
+        if entry.open_batches or slot.program.chat is not None:
+            # A crash while calls ran together (a gather, or a chat's parallel-safe
+            # tools) may leave every one of them in doubt.
             slot.batch_crashes += 1
         run = self.journals()[slot.session]
         if run.status == "paused":
@@ -943,18 +1013,21 @@ class CrashMachine(RuleBasedStateMachine):
             run = self.journals()[slot.session]
             ref = slot.reference
             program = slot.program
-            assert run.status == "finished" and run.outcome == "done"
+            assert run.status == "finished"
+            assert run.outcome == ("done" if program.chat is None else None), run.outcome
             assert slot.waits == ref.waits, slot
             steps = sorted(run.steps, key=lambda s: s["callsite"])
             assert [s["callsite"] for s in steps] == list(range(len(program.sites("-"))))
             assert [s["status"] for s in steps] == [r.status for r in ref.steps]
             assert all(s["status"] != "running" for s in steps)
-            assert [s["key"] for s in steps] == spec_keys(slot.run_id or "", slot.session, program)
+            keys = spec_keys(slot.run_id or "", slot.session, program, run.epoch)
+            assert [s["key"] for s in steps] == keys
             assert [(s["kind"], s["name"]) for s in steps] == [(r.kind, r.name) for r in ref.steps]
             for s, r in zip(steps, ref.steps, strict=True):
                 if s["kind"] in DETERMINISTIC_KINDS or s["name"] in DETERMINISTIC_TOOLS:
-                    assert seen_value(s) == record_value(r), (slot, s["callsite"])
-            assert list(run.messages) == ref.messages, slot
+                    expected = renamed(record_value(r), ref.session, slot.session)
+                    assert seen_value(s) == expected, (slot, s["callsite"])
+            assert list(run.messages) == renamed(ref.messages, ref.session, slot.session), slot
             # The nodes saw every effect in some pass (and the values are the journal's).
             seen = set().union(*REGISTRY[slot.session].passes)
             assert seen == set(range(len(program.effects))), (slot, seen)
