@@ -25,7 +25,7 @@ from .errors import (
 )
 from .journal import Journal
 from .llm import ModelRequest, ModelResponse, ModelResponseError, ToolCallRequest
-from .model_steps import assistant_message, model_turn, tool_message
+from .model_steps import assistant_message, model_turn, tool_message, turn_key
 from .models import StreamPart
 from .tool_steps import run_tool
 from .tools import Tool
@@ -104,6 +104,15 @@ def _groups(calls: list[_Planned]) -> list[list[_Planned]]:
     return groups
 
 
+def _next_turn_journaled(journal: Journal, cursor: Cursor, agent: Agent) -> bool:
+    """Whether a resume finds the model turn after this one journaled: the save
+    of that turn carried every tool message of this one (they ride the next
+    save), so this turn has nothing left to answer."""
+    site = cursor.site(cursor.next)
+    model_id = str(agent.model.id)
+    return journal.recorded(site, "model", model_id, turn_key(site, model_id, "agent")) is not None
+
+
 async def run_tool_calls(
     journal: Journal,
     cursor: Cursor,
@@ -114,9 +123,12 @@ async def run_tool_calls(
 ) -> None:
     """Run one model turn's tool calls and append their tool messages in order."""
     sites = [cursor.site(callsite) for callsite in cursor.reserve(len(requests))]
+    if _next_turn_journaled(journal, cursor, agent):
+        return
     # Only this model turn's answers count: tool-call ids repeat across turns
     # (servers number them per response). This turn's assistant message is the
-    # last one, on a fresh pass and on a resume alike.
+    # last one, on a fresh pass and on a resume alike (a resume of an earlier,
+    # fully answered turn stopped above).
     messages = journal.messages()
     last = max(i for i, m in enumerate(messages) if m.role == "assistant")
     answered = {m.tool_call_id for m in messages[last + 1 :] if m.role == "tool"}

@@ -6,14 +6,19 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from .cursor import Cursor
+from .cursor import Cursor, Site
 from .errors import InvalidArgumentError
 from .journal import Journal
 from .keys import plain_json_problem
 from .llm import Model, ModelRequest, ModelResponse, ModelResponseError, as_response
 from .models import Message
 
-__all__ = ["assistant_message", "model_turn", "tool_message"]
+__all__ = ["assistant_message", "model_turn", "tool_message", "turn_key"]
+
+
+def turn_key(site: Site, model_id: str, purpose: str) -> str:
+    """The idempotency key of a model turn at ``site``."""
+    return site.key({"model": model_id, "purpose": purpose})
 
 
 async def model_turn(
@@ -61,7 +66,7 @@ async def model_turn(
         site,
         kind="model",
         name=model_id,
-        key=site.key({"model": model_id, "purpose": request.purpose}),
+        key=turn_key(site, model_id, request.purpose),
         args={"purpose": request.purpose},
         make=ask,
         on_recorded=recorded,

@@ -1100,3 +1100,46 @@ def test_crash_machine_postgres(pg_dsn: str) -> None:
         run_state_machine_as_test(PostgresCrashMachine, settings=budget(8))
     finally:
         PostgresCrashMachine.dsn = None
+
+
+def test_a_resumed_chat_answers_each_model_turn_once() -> None:
+    """Found by the machine: a chat killed after its second model turn was
+    journaled resumed by answering the first turn's tool call again, after the
+    second turn's assistant message (a tool message the model never asked for
+    there, which an OpenAI-compatible server refuses)."""
+
+    async def scenario() -> tuple[list[Any], list[Any]]:
+        ledger = Ledger()
+        store = CrashingStore.memory()
+        program = Program((), 0, chat=((("echo", {"payload": 1}),), (("echo", {"payload": 2}),)))
+        session = "chat"
+        REGISTRY[session] = Entry(program)
+        try:
+            # Intents: model turn 0, echo 1, model turn 1 -> killed right after that save.
+            store.plan = CrashPlan("after_intent", 3)
+            handle = Runtime([make_agent(ledger)], store=store, holder=HOLDER).run(
+                session, input=session
+            )
+            with pytest.raises(Crash):
+                await handle.result()
+            store.plan = None
+            run_id = await handle.run_id
+            runtime = Runtime([make_agent(ledger)], store=store, holder=HOLDER)
+            result = await runtime.run(session, run_id=run_id).result()
+            assert result.status == "finished" and result.output == "done"
+            run = store.load(run_id)
+            assert run is not None
+            return list(run.messages), [e.args for e in ledger.executions]
+        finally:
+            del REGISTRY[session]
+
+    messages, executed = asyncio.run(scenario())
+    assert [(m["role"], m.get("tool_call_id")) for m in messages] == [
+        ("user", None),
+        ("assistant", None),
+        ("tool", "call-0-0"),
+        ("assistant", None),
+        ("tool", "call-1-0"),
+        ("assistant", None),
+    ]
+    assert executed == [{"payload": 1}, {"payload": 2}]
