@@ -1087,9 +1087,9 @@ def budget(default: int) -> settings:
 
 
 TestCrashMachineMemory = CrashMachine.TestCase
-TestCrashMachineMemory.settings = budget(40)
+TestCrashMachineMemory.settings = budget(60)
 TestCrashMachineSqlite = SqliteCrashMachine.TestCase
-TestCrashMachineSqlite.settings = budget(15)
+TestCrashMachineSqlite.settings = budget(20)
 
 
 @pytest.mark.postgres
@@ -1097,7 +1097,7 @@ def test_crash_machine_postgres(pg_dsn: str) -> None:
     """The same machine over one PostgreSQL database (a new store per turn)."""
     PostgresCrashMachine.dsn = pg_dsn
     try:
-        run_state_machine_as_test(PostgresCrashMachine, settings=budget(8))
+        run_state_machine_as_test(PostgresCrashMachine, settings=budget(10))
     finally:
         PostgresCrashMachine.dsn = None
 
