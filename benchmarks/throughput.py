@@ -13,23 +13,31 @@ Server: ``KURALLE_BENCH_POSTGRES_DSN`` (default
 ``postgresql://postgres@127.0.0.1:5432/postgres``). ``--json FILE`` writes
 the medians for ``chart.py``.
 
+``--sample-waits`` adds one round of the largest worker count during which
+``pg_stat_activity`` is sampled every 20 ms: what the workers' busy backends
+wait on (the events table's lock, the WAL flush, ...), on average.
+
 Usage: ``python benchmarks/throughput.py [--workers 1,2,4] [--steps 20] [--seconds 10]
-[--rounds 3] [--json FILE]``.
+[--rounds 3] [--sample-waits] [--json FILE]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import multiprocessing as mp
 import os
 import statistics
 import sys
+import threading
 import time
 import uuid
 from typing import Any
+from urllib.parse import urlparse
 
+import psycopg
 from journal_overhead import (
     DEFAULT_DSN,
     DSN_ENV,
@@ -88,7 +96,40 @@ def worker(dsn: str, steps: int, ready: Any, seconds: float, out: Any) -> None:
         raise
 
 
-def one_round(dsn: str, workers: int, steps: int, seconds: float) -> tuple[float, float]:
+class WaitSampler(threading.Thread):
+    """What the workers' backends wait on: ``pg_stat_activity`` every 20 ms."""
+
+    def __init__(self, dsn: str, workers: int) -> None:
+        super().__init__(daemon=True)
+        self.dsn = dsn
+        self.workers = workers
+        self.counts: collections.Counter[tuple[str, str, str]] = collections.Counter()
+        self.samples = 0
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        dbname = urlparse(self.dsn).path.lstrip("/")
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            while not self.stop.wait(0.02):
+                rows = conn.execute(
+                    "SELECT state, coalesce(wait_event_type, '-'), coalesce(wait_event, '-')"
+                    " FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()"
+                    " AND state <> 'idle'",
+                    (dbname,),
+                ).fetchall()
+                self.samples += 1
+                self.counts.update((str(a), str(b), str(c)) for a, b, c in rows)
+
+    def report(self) -> str:
+        lines = [f"busy backends of {self.workers} workers, mean over {self.samples} samples:"]
+        for (state, kind, event), n in self.counts.most_common(6):
+            lines.append(f"  {n / max(self.samples, 1):.2f} {state} {kind}/{event}")
+        return "\n".join(lines)
+
+
+def one_round(
+    dsn: str, workers: int, steps: int, seconds: float, sampler: WaitSampler | None = None
+) -> tuple[float, float]:
     """(runs/s, steps/s) of ``workers`` processes together."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -98,7 +139,12 @@ def one_round(dsn: str, workers: int, steps: int, seconds: float) -> tuple[float
     ]
     for p in procs:
         p.start()
+    if sampler is not None:
+        sampler.start()
     totals = [out.get(timeout=seconds + 300) for _ in procs]
+    if sampler is not None:
+        sampler.stop.set()
+        sampler.join()
     for p in procs:
         p.join()
     errors = [t for t in totals if isinstance(t, str)]
@@ -116,6 +162,11 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=10.0, help="timed seconds per round")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     parser.add_argument("--json", help="write the medians to this file (for chart.py)")
+    parser.add_argument(
+        "--sample-waits",
+        action="store_true",
+        help="then one more round of the largest count, printing what its backends wait on",
+    )
     args = parser.parse_args()
     counts = [int(x) for x in args.workers.split(",")]
     admin_dsn = os.environ.get(DSN_ENV, DEFAULT_DSN)
@@ -132,6 +183,10 @@ def main() -> int:
             for n in counts:
                 samples[n].append(one_round(dsn, n, args.steps, args.seconds))
             print(f"round {r + 1}/{args.rounds} done", flush=True)
+        if args.sample_waits:
+            sampler = WaitSampler(dsn, counts[-1])
+            one_round(dsn, counts[-1], args.steps, args.seconds, sampler)
+            print(sampler.report(), flush=True)
     finally:
         drop_database(admin_dsn, name)
     base_steps = statistics.median(s[1] for s in samples[counts[0]])
