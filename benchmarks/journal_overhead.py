@@ -11,7 +11,10 @@ loops N times:
 
 On PostgreSQL both run twice: through the one-round-trip recorder that
 ``RunStore`` uses by default (``journal:`` rows) and through
-``eventsourcing``'s own ``PostgresApplicationRecorder`` (``es recorder:`` rows).
+``eventsourcing``'s own ``PostgresApplicationRecorder`` (``es recorder:`` rows),
+and once more through the one-trip recorder with the saves made on the event
+loop's thread instead of a worker thread (``saves inline:`` rows; the library
+never does this: it shows what the thread hop costs in place).
 
 The ``saves/step`` column counts the ``RunStore.save_run`` calls the loop
 actually made (a counter wrapped around the store instance), so the table
@@ -306,6 +309,14 @@ async def break_down(backend: str, runtime: Runtime, store: RunStore, steps: int
     return Breakdown(backend, steps, seconds / steps * 1e6, saves, snapshots, hop_us, off_loop)
 
 
+class InlineSaves(RunStore):
+    """A ``RunStore`` whose saves the journal makes inline, not in a worker thread."""
+
+    @property
+    def saves_block(self) -> bool:
+        return False
+
+
 # --------------------------------------------------------------------- floors
 def time_floor(
     backend: str,
@@ -435,6 +446,10 @@ async def run_postgres(
         env["APPLICATION_RECORDER_TOPIC"] = DEFAULT_RECORDER
         with RunStore(env=env) as store:
             await bench_journal(result, store, steps, reps, False, "es recorder")
+        # The one-trip store with its saves made on the event loop's thread (blocking
+        # it): what the thread hop of each save costs in place, under real I/O.
+        with InlineSaves(env=postgres_env(dsn)) as store:
+            await bench_journal(result, store, steps, reps, False, "saves inline")
         result.floor_one, result.floor_two = postgres_floors(dsn, steps, reps)
         return result
     finally:
