@@ -608,6 +608,12 @@ def _log_to_stderr(verbose: bool) -> logging.Logger:
     return logger
 
 
+def _stop_before_started(signum: int, frame: object) -> None:
+    """SIGTERM before the worker's loop handles it: it holds nothing yet, so stop now."""
+    print("worker stopped before it started (nothing held)", file=sys.stderr, flush=True)
+    os._exit(0)
+
+
 async def _worker(args: argparse.Namespace) -> int:
     if args.interval <= 0:
         raise _CliError(f"--interval must be a positive number of seconds, got {args.interval}")
@@ -673,6 +679,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if "worker" in (sys.argv[1:] if argv is None else argv):
+        # Until the worker's loop handles SIGTERM, a stop request ends it at once.
+        signals.signal(signals.SIGTERM, _stop_before_started)
     args = build_parser().parse_args(argv)
     handler: Handler = args.handler
     try:

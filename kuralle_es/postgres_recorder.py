@@ -7,7 +7,7 @@ trips a save. This recorder sends the same work as one statement, a call of a
 PL/pgSQL function, on an autocommit connection; the statement's implicit
 transaction commits when it returns.
 
-Every guarantee of the default path is kept (see docs/performance.md):
+Every guarantee of the default path is kept (measured in benchmarks/RESULTS.md):
 
 - the ``EXCLUSIVE`` table lock is taken before the insert and held until the
   commit, so notification ids are issued in commit order and a reader tailing
