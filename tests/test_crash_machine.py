@@ -785,24 +785,27 @@ class CrashMachine(RuleBasedStateMachine):
         STATS[self.backend, "deliveries" if delivering else "turns"] += 1
 
         async def drive() -> tuple[str, TurnResult | None, Crash | None]:
-            if slot.run_id is None:
-                handle = start(runtime, slot.session, slot.program)
-            else:
-                handle = runtime.run(slot.session, run_id=slot.run_id)
+            # One turn at a time: a delivery is the turn (no re-entry beside it, whose
+            # task could outlive this call and read a store that is then closed).
             try:
                 if delivering:
                     assert waiting is not None and slot.run_id is not None
                     result = await deliver(
                         runtime, slot.session, slot.run_id, slot.program, waiting
                     )
+                    return slot.run_id, result, None
+                if slot.run_id is None:
+                    handle = start(runtime, slot.session, slot.program)
                 else:
-                    result = await handle.result()
+                    handle = runtime.run(slot.session, run_id=slot.run_id)
+                result = await handle.result()
                 crash = None
             except Crash as killed:
+                if delivering:
+                    assert slot.run_id is not None
+                    return slot.run_id, None, killed
                 result, crash = None, killed
-            run_id = slot.run_id if delivering else await handle.run_id
-            assert run_id is not None
-            return run_id, result, crash
+            return await handle.run_id, result, crash
 
         try:
             run_id, result, crash = self.runner.run(drive())
