@@ -209,6 +209,19 @@ class Journal:
             )
             raise
 
+    async def _save_intent(self) -> None:
+        """Save an effect's intent (with whatever else is pending) before it executes.
+
+        On a store whose saves block, the effects of a parallel batch first
+        get one turn of the event loop to journal their own intents, so the
+        batch's intents share one save; each effect still waits for the save
+        that carries its intent (README.md, "Architecture").
+        """
+        if self._store.saves_block:
+            await asyncio.sleep(0)
+        async with self._lock:
+            await self._persist_locked()
+
     async def _beat(self) -> None:
         """The heartbeat: renew the lease in a save of its own, unless a save
         renewed it within the last beat interval."""
@@ -318,7 +331,7 @@ class Journal:
                             await on_running(step)
                         self._run.retry_step(index)
                     # else between attempts of a retried tool: not in doubt.
-                await self._persist_locked()
+            await self._save_intent()
             if retry_at is not None:
                 await self._next_attempt(index, retry_at)
             value = await self._attempts(index, execute, retry, counted_from)

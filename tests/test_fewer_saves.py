@@ -1,0 +1,205 @@
+"""Which saves a turn makes, and which it shares (README.md, "Architecture").
+
+The intents of a parallel batch share one save on a store whose saves
+block. What must not change: what opens a turn (a delivery) is saved before
+the node runs, a turn waiting on the outside world (a model) holds a live
+lease, and racing deliveries store one delivery and execute its tool once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import BaseModel
+
+from kuralle_es import (
+    KuralleError,
+    LeaseHeldError,
+    ModelRequest,
+    ModelResponse,
+    RunStore,
+    Runtime,
+    action,
+    define_agent,
+    define_flow,
+    define_tool,
+    end,
+    goto,
+)
+from kuralle_es.domain import Run
+from kuralle_es.store import postgres_env
+
+STORES = ["memory", "sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+BLOCKING_STORES = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+
+
+class CountingStore(RunStore):
+    """The real store, keeping the event types of every save it made."""
+
+    name = RunStore.name  # the same tables as a plain RunStore
+
+    def __init__(self, env: dict[str, str]) -> None:
+        super().__init__(env=env)
+        self.saves: list[list[str]] = []
+
+    def save_run(self, run: Run) -> None:
+        kinds = [type(event).__name__ for event in run.pending_events]
+        super().save_run(run)
+        self.saves.append(kinds)
+
+
+@pytest.fixture
+def store_env(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> dict[str, str]:
+    if backend == "memory":
+        return {"PERSISTENCE_MODULE": "eventsourcing.popo"}
+    if backend == "sqlite":
+        path = str(tmp_path / "runs.db")
+        return {"PERSISTENCE_MODULE": "eventsourcing.sqlite", "SQLITE_DBNAME": path}
+    return postgres_env(request.getfixturevalue("pg_dsn"))
+
+
+class Amount(BaseModel):
+    n: int
+
+
+class Ledger:
+    def __init__(self) -> None:
+        self.paid: list[int] = []
+
+    def pay(self, args: Amount) -> dict[str, int]:
+        self.paid.append(args.n)
+        return {"paid": args.n}
+
+
+def runtime_for(store: RunStore, ledger: Ledger, holder: str = "w1", model: Any = None) -> Runtime:
+    async def ask(state: dict[str, Any], ctx: Any) -> Any:
+        decision = await ctx.approve("pay?")
+        return goto("pay") if decision.approved else end("declined")
+
+    async def pay(state: dict[str, Any], ctx: Any) -> Any:
+        await ctx.tool("pay", {"n": 1})
+        return end("paid")
+
+    async def quiet(state: dict[str, Any], ctx: Any) -> Any:
+        decision = await ctx.approve("end?")
+        return end("approved" if decision.approved else "declined")
+
+    async def batch(state: dict[str, Any], ctx: Any) -> Any:
+        await asyncio.gather(*(ctx.tool("pay", {"n": n}) for n in (1, 2, 3)))
+        return end("paid")
+
+    flows = [
+        define_flow("pay", "approve, then pay", "ask", [action("ask", ask), action("pay", pay)]),
+        define_flow("quiet", "approve, then end", "q", [action("q", quiet)]),
+        define_flow("batch", "three payments at once", "b", [action("b", batch)]),
+    ]
+    tool = define_tool("pay", "pays n", Amount, ledger.pay, parallel_safe=True)
+    agent = define_agent("a", "pays", model, [tool], flows)
+    return Runtime([agent], store=store, holder=holder)
+
+
+@pytest.mark.parametrize("backend", STORES)
+async def test_a_delivery_is_saved_before_the_node_runs(store_env: dict[str, str]) -> None:
+    store = CountingStore(store_env)
+    ledger = Ledger()
+    try:
+        runtime = runtime_for(store, ledger)
+        paused = await runtime.run("s", kind="flow", flow_name="pay").result()
+        before = len(store.saves)
+        done = await runtime.approve(paused.run_id, "s", by="alice")
+        assert done.output == "paid" and ledger.paid == [1]
+        opening, intent, result, close = store.saves[before:]
+        # The approval and its step (intent and result at once), before the tool's intent.
+        assert "SignalAccepted" in opening and opening.count("StepFinished") == 1, opening
+        assert intent.count("StepStarted") == 1 and "StepFinished" not in intent
+        assert "StepFinished" in result
+        assert "Finished" in close
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("backend", BLOCKING_STORES)
+async def test_a_parallel_batch_saves_its_intents_together(store_env: dict[str, str]) -> None:
+    store = CountingStore(store_env)
+    ledger = Ledger()
+    try:
+        runtime = runtime_for(store, ledger)
+        done = await runtime.run("s", kind="flow", flow_name="batch").result()
+        assert done.status == "finished" and sorted(ledger.paid) == [1, 2, 3]
+        with_intents = [save for save in store.saves if "StepStarted" in save]
+        assert [save.count("StepStarted") for save in with_intents] == [3]
+        steps = await runtime.get_steps(done.run_id, "s")
+        assert [(s.status, s.attempts) for s in steps] == [("finished", 1)] * 3
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("backend", BLOCKING_STORES)
+async def test_racing_deliveries_store_one_and_execute_once(store_env: dict[str, str]) -> None:
+    ledger = Ledger()
+    first, second = CountingStore(store_env), CountingStore(store_env)
+    try:
+        a = runtime_for(first, ledger, holder="w1")
+        b = runtime_for(second, ledger, holder="w2")
+        paused = await a.run("s", kind="flow", flow_name="pay").result()
+        outcomes = await asyncio.gather(
+            a.approve(paused.run_id, "s", by="alice", signal_id="from-a"),
+            b.approve(paused.run_id, "s", by="bob", signal_id="from-b"),
+            return_exceptions=True,
+        )
+        won = [o for o in outcomes if not isinstance(o, BaseException)]
+        lost = [o for o in outcomes if isinstance(o, BaseException)]
+        assert len(won) == 1 and won[0].output == "paid", outcomes
+        # The loser read the run after the winner saved, or lost its first save.
+        assert len(lost) == 1 and isinstance(lost[0], KuralleError), outcomes
+        assert ledger.paid == [1]
+        steps = await a.get_steps(paused.run_id, "s")
+        assert [(s.kind, s.status) for s in steps] == [
+            ("approval", "finished"),
+            ("tool", "finished"),
+        ]
+    finally:
+        first.close()
+        second.close()
+
+
+class GatedModel:
+    """A model that answers only once the test opens its gate."""
+
+    id = "gated"
+
+    def __init__(self) -> None:
+        self.asked = asyncio.Event()
+        self.gate = asyncio.Event()
+
+    async def respond(self, request: ModelRequest) -> ModelResponse:
+        self.asked.set()
+        await self.gate.wait()
+        return ModelResponse(content="hello")
+
+
+@pytest.mark.parametrize("backend", BLOCKING_STORES)
+async def test_a_turn_waiting_on_its_model_holds_a_live_lease(store_env: dict[str, str]) -> None:
+    model = GatedModel()
+    first, second = CountingStore(store_env), CountingStore(store_env)
+    try:
+        a = runtime_for(first, Ledger(), holder="w1", model=model)
+        b = runtime_for(second, Ledger(), holder="w2", model=model)
+        model.gate.set()
+        opened = await a.run("chat", input="hi").result()
+        model.gate.clear()
+        model.asked.clear()
+        turn = a.run("chat", run_id=opened.run_id, input="again")
+        await asyncio.wait_for(model.asked.wait(), timeout=10)
+        # The new turn's opening was saved before the model was asked.
+        with pytest.raises(LeaseHeldError) as refused:
+            await b.run("chat", run_id=opened.run_id, input="meanwhile").result()
+        assert refused.value.holder == "w1"
+        model.gate.set()
+        assert (await turn.result()).status == "finished"
+    finally:
+        first.close()
+        second.close()
