@@ -606,6 +606,10 @@ class Run(Aggregate):
     def lease_needs_renewal(self, now: datetime, ttl: timedelta) -> bool:
         return self.lease_expires_at is None or self.lease_expires_at - now < ttl / 2
 
+    def public_wait(self) -> WaitingFor | None:
+        """The run's ``waiting_for``, without building the whole state (its messages)."""
+        return WaitingFor.model_validate(self.waiting_for) if self.waiting_for else None
+
     def to_state(self) -> RunState:
         return RunState(
             run_id=self.run_id,
@@ -617,7 +621,7 @@ class Run(Aggregate):
             active_node=self.active_node,
             state=copy.deepcopy(self.state),
             messages=[Message.model_validate(m) for m in self.messages],
-            waiting_for=WaitingFor.model_validate(self.waiting_for) if self.waiting_for else None,
+            waiting_for=self.public_wait(),
             flow_digest=self.flow_digest,
             lease_holder=self.lease_holder,
             lease_expires_at=self.lease_expires_at,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any
+from typing import Any, cast
 
 from .agents import Agent
 from .commands import Command, Opening, TurnEnv
@@ -28,12 +28,13 @@ __all__ = ["drive_turn", "result_of"]
 
 
 def result_of(run: Run, output: Any = None) -> TurnResult:
-    state = run.to_state()
+    """The turn's result, read off the run (not its whole state: a long
+    conversation's messages would be validated at every turn for nothing)."""
     return TurnResult(
         run_id=run.run_id,
-        status=state.status,
+        status=cast(Any, run.status),
         output=output if output is not None else run.output,
-        waiting_for=state.waiting_for,
+        waiting_for=run.public_wait(),
     )
 
 
@@ -116,7 +117,7 @@ class _Turn:
         if run.status == "paused":
             # An opening that stands the run on a wait (a fork at a pending input)
             # ends the turn there: driving would re-enter a node that already asked.
-            waiting = StreamPart(type="paused", waiting_for=run.to_state().waiting_for)
+            waiting = StreamPart(type="paused", waiting_for=run.public_wait())
             return await self._close(run, journal, waiting)
         try:
             driven = await drive(
