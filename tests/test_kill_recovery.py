@@ -98,6 +98,11 @@ def stop(workers: list[subprocess.Popen[str]]) -> list[str]:
     logs = []
     for worker in workers:
         _, err = worker.communicate(timeout=60)
+        if worker.returncode == -signal.SIGTERM:
+            # On a loaded machine a worker can still be importing Python modules
+            # when the runs are done: killed before `main` ran, it never started.
+            assert "worker started" not in err, err
+            continue
         assert worker.returncode == 0, err
         assert "worker stopped" in err  # also "... before it started (nothing held)"
         logs.append(err)
