@@ -33,10 +33,7 @@ async def cancel_run(store: RunStore, run_id: str, session_id: str, reason: str)
         if not run.cancel(reason.strip()):
             return run.to_state()  # already cancelled or aborted: a no-op
         try:
-            if store.saves_block:
-                await asyncio.to_thread(store.save_run, run)
-            else:
-                store.save_run(run)
+            await store.save_run_async(run)
         except StaleWriteError:
             # A turn saved first: read what it wrote and cancel that.
             attempt += 1

@@ -194,10 +194,7 @@ class Journal:
         if not run.pending_events:
             return
         try:
-            if self._store.saves_block:
-                await asyncio.to_thread(self._store.save_run, run)
-            else:
-                self._store.save_run(run)
+            await self._store.save_run_async(run)
         except StaleWriteError as clash:
             # The unsaved events are gone from the aggregate, which is now
             # ahead of the store: no later save of this turn may follow.

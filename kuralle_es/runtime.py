@@ -8,7 +8,6 @@ run (finished, paused or errored) with the lease released, in one more save.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import os
 import socket
@@ -236,7 +235,7 @@ class Runtime:
         run, _ = await drifted_run(self._env, run_id, session_id)
         run.require_lease_free(self.holder, utcnow())
         run.abort(ABANDONED)
-        await asyncio.to_thread(self.store.save_run, run)
+        await self.store.save_run_async(run)
         return run.to_state()
 
     # ------------------------------------------------------ execution control

@@ -8,7 +8,9 @@ append) becomes our ``StaleWriteError``.
 
 from __future__ import annotations
 
+import asyncio
 import random
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar, TypeVar
@@ -29,6 +31,7 @@ from eventsourcing.persistence import (
     InfrastructureFactory,
     IntegrityError,
     InternalError,
+    Notification,
     ProgrammingError,
     Recording,
     Transcoder,
@@ -38,6 +41,7 @@ from eventsourcing.utils import Environment, EnvType, get_topic
 from psycopg.errors import DuplicateObject, DuplicateTable, UniqueViolation
 from psycopg.errors import InternalError as PsycopgInternalError
 
+from .async_postgres import AsyncOneTripSaver
 from .domain import Run, SessionRuns, new_session_runs, session_runs_id
 from .errors import InvalidArgumentError, StaleWriteError, StoreUnavailableError
 from .postgres_recorder import OneTripPostgresRecorder
@@ -240,6 +244,8 @@ class RunStore(Application[UUID]):
     """Holds runs; appends are compare-and-set on the aggregate version."""
 
     name = "RunStore"
+    _saver: AsyncOneTripSaver | None = None
+    _saver_guard = threading.Lock()
     snapshotting_intervals: ClassVar[dict[type[Any], int]] = {
         Run: SNAPSHOT_INTERVAL,
         SessionRuns: SNAPSHOT_INTERVAL,
@@ -389,6 +395,60 @@ class RunStore(Application[UUID]):
             self.save(run)
         except IntegrityError as e:
             raise StaleWriteError(run.run_id, "another writer appended first") from e
+
+    async def save_run_async(self, run: Run) -> None:
+        """``save_run`` for async code, without blocking the event loop.
+
+        In memory a save is pure CPU and is made inline; on PostgreSQL (the
+        one-trip recorder) it is sent from the loop over an async connection;
+        anywhere else (SQLite, another recorder) it runs on a worker thread.
+        """
+        saver = self._async_saver()
+        if saver is None:
+            if self.saves_block:
+                await asyncio.to_thread(self.save_run, run)
+            else:
+                self.save_run(run)
+            return
+        # ``save``, step for step, with the recorder's insert sent from the loop.
+        processing_event = _AggregatesFirst()
+        processing_event.collect_events(run)
+        events = processing_event.events
+        stored = [self.mapper.to_stored_event(event) for event in events]
+        try:
+            notification_ids = await saver.insert(stored)
+        except IntegrityError as e:
+            raise StaleWriteError(run.run_id, "another writer appended first") from e
+        recordings = [
+            Recording(
+                event,
+                Notification(
+                    originator_id=s.originator_id,
+                    originator_version=s.originator_version,
+                    topic=s.topic,
+                    state=s.state,
+                    id=n,
+                ),
+            )
+            for event, s, n in zip(events, stored, notification_ids, strict=True)
+        ]
+        if any(is_snapshot_version(event.originator_version) for event in events):
+            await asyncio.to_thread(self._take_snapshots, processing_event)
+        self._notify(recordings)
+        self.notify(events)  # the library's deprecated hook, kept
+
+    def _async_saver(self) -> AsyncOneTripSaver | None:
+        """The loop-side sender of saves, on the one-trip PostgreSQL recorder only."""
+        if self._saver is None and isinstance(self.recorder, OneTripPostgresRecorder):
+            with self._saver_guard:
+                if self._saver is None:
+                    self._saver = AsyncOneTripSaver(self.recorder)
+        return self._saver
+
+    def close(self) -> None:
+        if self._saver is not None:
+            self._saver.close()
+        super().close()
 
 
 #: The former private name, kept while other modules move to ``retry_schema_setup``.

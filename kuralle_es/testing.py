@@ -156,10 +156,10 @@ class CrashingStore(RunStore):
     #: plain ``RunStore`` over the same PostgreSQL database resumes what this one saved.
     name = RunStore.name
 
-    def save_run(self, run: Run) -> None:
+    async def save_run_async(self, run: Run) -> None:
         plan = self.plan
         if plan is None:
-            super().save_run(run)
+            await super().save_run_async(run)
             return
         if plan.fired:
             raise Crash("the process is dead: it saves nothing more")
@@ -169,7 +169,7 @@ class CrashingStore(RunStore):
             plan.reach("before_intent", key)
         for key in finals:
             plan.reach("after_execute", key)
-        super().save_run(run)
+        await super().save_run_async(run)
         for key in intents:
             plan.reach("after_intent", key)
         for key in finals:

@@ -45,9 +45,9 @@ class CountingStore(RunStore):
         super().__init__(env=env)
         self.saves: list[list[str]] = []
 
-    def save_run(self, run: Run) -> None:
+    async def save_run_async(self, run: Run) -> None:
         kinds = [type(event).__name__ for event in run.pending_events]
-        super().save_run(run)
+        await super().save_run_async(run)
         self.saves.append(kinds)
 
 

@@ -76,9 +76,9 @@ class KillingStore(RunStore):
     dbname = ""
     kills = 0
 
-    def save_run(self, run: Run) -> None:
+    async def save_run_async(self, run: Run) -> None:
         type(self).kills += terminate_backends(self.admin_dsn, self.dbname) > 0
-        super().save_run(run)
+        await super().save_run_async(run)
 
 
 async def finish(agent: Any, dsn: str, run_id: str) -> Any:
