@@ -176,6 +176,15 @@ async def _turn(runtime: Runtime, handle_args: dict[str, Any]) -> TurnResult:
 
 async def _demo(args: argparse.Namespace) -> int:
     """The durable refund flow on SQLite, offline, resumed by a second process."""
+    named = getattr(args, "store", None) or getattr(args, "sqlite", None)
+    if named:
+        # The demo makes its own SQLite file; saying nothing would leave a user
+        # looking for the demo's run in the store they named.
+        raise _CliError(
+            f"demo makes its own SQLite file under --dir ({args.dir}/refund.db) and takes no "
+            f"--store or --sqlite (got {named!r}); drop it, and point `kuralle-es runs list` "
+            f"at sqlite:///{args.dir}/refund.db afterwards"
+        )
     workdir = Path(args.dir)
     await asyncio.to_thread(workdir.mkdir, parents=True, exist_ok=True)
     db = workdir / "refund.db"

@@ -76,6 +76,16 @@ async def _populate(store: RunStore) -> dict[str, str]:
 
 
 # ------------------------------------------------------------------ demo
+def test_the_demo_refuses_a_store_it_would_not_use_and_writes_nothing(tmp_path: Path) -> None:
+    demo_dir = tmp_path / "demo"
+    for named in (["--store", "postgresql://postgres@127.0.0.1:5432/x"], ["--sqlite", "x.db"]):
+        done = kuralle("demo", *named, KURALLE_DEMO_DIR=str(demo_dir), cwd=tmp_path)
+        assert done.returncode == 2, done.stderr
+        assert "takes no --store or --sqlite" in done.stderr
+        assert f"sqlite:///{demo_dir}/refund.db" in done.stderr
+        assert not demo_dir.exists() and not (tmp_path / "x.db").exists()
+
+
 def test_runs_list_json_after_the_demo_shows_the_demo_run_finished(tmp_path: Path) -> None:
     demo_dir = tmp_path / "demo"
     _ok(kuralle("demo", KURALLE_DEMO_DIR=str(demo_dir)))
