@@ -78,10 +78,8 @@ class AsyncOneTripSaver:
             except (psycopg.OperationalError, psycopg.InterfaceError) as lost:
                 self._discard(connection)
                 if attempt == ATTEMPTS:
-                    error = InterfaceError if isinstance(lost, psycopg.InterfaceError) else (
-                        OperationalError
-                    )
-                    raise error(str(lost)) from lost
+                    interface = isinstance(lost, psycopg.InterfaceError)
+                    raise (InterfaceError if interface else OperationalError)(str(lost)) from lost
                 await asyncio.sleep(RETRY_WAIT)
             except BaseException:
                 # Cancelled (or worse) mid-statement: the connection's state is

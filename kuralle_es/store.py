@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar, TypeVar
@@ -31,7 +30,6 @@ from eventsourcing.persistence import (
     InfrastructureFactory,
     IntegrityError,
     InternalError,
-    Notification,
     ProgrammingError,
     Recording,
     Transcoder,
@@ -244,8 +242,8 @@ class RunStore(Application[UUID]):
     """Holds runs; appends are compare-and-set on the aggregate version."""
 
     name = "RunStore"
+    #: The loop-side sender of saves: on the one-trip PostgreSQL recorder only.
     _saver: AsyncOneTripSaver | None = None
-    _saver_guard = threading.Lock()
     snapshotting_intervals: ClassVar[dict[type[Any], int]] = {
         Run: SNAPSHOT_INTERVAL,
         SessionRuns: SNAPSHOT_INTERVAL,
@@ -319,7 +317,11 @@ class RunStore(Application[UUID]):
         return not isinstance(self.recorder, POPOAggregateRecorder)
 
     def construct_recorder(self) -> ApplicationRecorder:
-        return retry_schema_setup(super().construct_recorder)
+        recorder = retry_schema_setup(super().construct_recorder)
+        if isinstance(recorder, OneTripPostgresRecorder):
+            # Async code's saves are sent from its event loop (``save_run_async``).
+            self._saver = AsyncOneTripSaver(recorder)
+        return recorder
 
     def construct_snapshot_store(self) -> EventStore[UUID]:
         return retry_schema_setup(super().construct_snapshot_store)
@@ -403,47 +405,25 @@ class RunStore(Application[UUID]):
         one-trip recorder) it is sent from the loop over an async connection;
         anywhere else (SQLite, another recorder) it runs on a worker thread.
         """
-        saver = self._async_saver()
+        saver = self._saver
         if saver is None:
             if self.saves_block:
                 await asyncio.to_thread(self.save_run, run)
             else:
                 self.save_run(run)
             return
-        # ``save``, step for step, with the recorder's insert sent from the loop.
+        # ``save`` with the recorder's insert sent from the loop. The library's
+        # post-save hooks (``_notify``, ``notify``) are not called: nothing here
+        # uses them, and a store in an ``eventsourcing`` system would not save runs.
         processing_event = _AggregatesFirst()
         processing_event.collect_events(run)
         events = processing_event.events
-        stored = [self.mapper.to_stored_event(event) for event in events]
         try:
-            notification_ids = await saver.insert(stored)
+            await saver.insert([self.mapper.to_stored_event(event) for event in events])
         except IntegrityError as e:
             raise StaleWriteError(run.run_id, "another writer appended first") from e
-        recordings = [
-            Recording(
-                event,
-                Notification(
-                    originator_id=s.originator_id,
-                    originator_version=s.originator_version,
-                    topic=s.topic,
-                    state=s.state,
-                    id=n,
-                ),
-            )
-            for event, s, n in zip(events, stored, notification_ids, strict=True)
-        ]
         if any(is_snapshot_version(event.originator_version) for event in events):
             await asyncio.to_thread(self._take_snapshots, processing_event)
-        self._notify(recordings)
-        self.notify(events)  # the library's deprecated hook, kept
-
-    def _async_saver(self) -> AsyncOneTripSaver | None:
-        """The loop-side sender of saves, on the one-trip PostgreSQL recorder only."""
-        if self._saver is None and isinstance(self.recorder, OneTripPostgresRecorder):
-            with self._saver_guard:
-                if self._saver is None:
-                    self._saver = AsyncOneTripSaver(self.recorder)
-        return self._saver
 
     def close(self) -> None:
         if self._saver is not None:

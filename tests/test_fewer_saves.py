@@ -9,6 +9,7 @@ lease, and racing deliveries store one delivery and execute its tool once.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,13 +53,28 @@ class CountingStore(RunStore):
 
 
 @pytest.fixture
-def store_env(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> dict[str, str]:
+def counting_store(
+    backend: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[Callable[[], CountingStore]]:
+    """A new ``CountingStore`` over the backend's one database at each call; all closed after."""
     if backend == "memory":
-        return {"PERSISTENCE_MODULE": "eventsourcing.popo"}
-    if backend == "sqlite":
-        path = str(tmp_path / "runs.db")
-        return {"PERSISTENCE_MODULE": "eventsourcing.sqlite", "SQLITE_DBNAME": path}
-    return postgres_env(request.getfixturevalue("pg_dsn"))
+        env = {"PERSISTENCE_MODULE": "eventsourcing.popo"}
+    elif backend == "sqlite":
+        env = {
+            "PERSISTENCE_MODULE": "eventsourcing.sqlite",
+            "SQLITE_DBNAME": str(tmp_path / "r.db"),
+        }
+    else:
+        env = postgres_env(request.getfixturevalue("pg_dsn"))
+    opened: list[CountingStore] = []
+
+    def open_store() -> CountingStore:
+        opened.append(CountingStore(env))
+        return opened[-1]
+
+    yield open_store
+    for store in opened:
+        store.close()
 
 
 class Amount(BaseModel):
@@ -83,17 +99,12 @@ def runtime_for(store: RunStore, ledger: Ledger, holder: str = "w1", model: Any 
         await ctx.tool("pay", {"n": 1})
         return end("paid")
 
-    async def quiet(state: dict[str, Any], ctx: Any) -> Any:
-        decision = await ctx.approve("end?")
-        return end("approved" if decision.approved else "declined")
-
     async def batch(state: dict[str, Any], ctx: Any) -> Any:
         await asyncio.gather(*(ctx.tool("pay", {"n": n}) for n in (1, 2, 3)))
         return end("paid")
 
     flows = [
         define_flow("pay", "approve, then pay", "ask", [action("ask", ask), action("pay", pay)]),
-        define_flow("quiet", "approve, then end", "q", [action("q", quiet)]),
         define_flow("batch", "three payments at once", "b", [action("b", batch)]),
     ]
     tool = define_tool("pay", "pays n", Amount, ledger.pay, parallel_safe=True)
@@ -102,68 +113,64 @@ def runtime_for(store: RunStore, ledger: Ledger, holder: str = "w1", model: Any 
 
 
 @pytest.mark.parametrize("backend", STORES)
-async def test_a_delivery_is_saved_before_the_node_runs(store_env: dict[str, str]) -> None:
-    store = CountingStore(store_env)
+async def test_a_delivery_is_saved_before_the_node_runs(
+    counting_store: Callable[[], CountingStore],
+) -> None:
+    store = counting_store()
     ledger = Ledger()
-    try:
-        runtime = runtime_for(store, ledger)
-        paused = await runtime.run("s", kind="flow", flow_name="pay").result()
-        before = len(store.saves)
-        done = await runtime.approve(paused.run_id, "s", by="alice")
-        assert done.output == "paid" and ledger.paid == [1]
-        opening, intent, result, close = store.saves[before:]
-        # The approval and its step (intent and result at once), before the tool's intent.
-        assert "SignalAccepted" in opening and opening.count("StepFinished") == 1, opening
-        assert intent.count("StepStarted") == 1 and "StepFinished" not in intent
-        assert "StepFinished" in result
-        assert "Finished" in close
-    finally:
-        store.close()
+    runtime = runtime_for(store, ledger)
+    paused = await runtime.run("s", kind="flow", flow_name="pay").result()
+    before = len(store.saves)
+    done = await runtime.approve(paused.run_id, "s", by="alice")
+    assert done.output == "paid" and ledger.paid == [1]
+    opening, intent, result, close = store.saves[before:]
+    # The approval and its step (intent and result at once), before the tool's intent.
+    assert "SignalAccepted" in opening and opening.count("StepFinished") == 1, opening
+    assert intent.count("StepStarted") == 1 and "StepFinished" not in intent
+    assert "StepFinished" in result
+    assert "Finished" in close
 
 
 @pytest.mark.parametrize("backend", BLOCKING_STORES)
-async def test_a_parallel_batch_saves_its_intents_together(store_env: dict[str, str]) -> None:
-    store = CountingStore(store_env)
+async def test_a_parallel_batch_saves_its_intents_together(
+    counting_store: Callable[[], CountingStore],
+) -> None:
+    store = counting_store()
     ledger = Ledger()
-    try:
-        runtime = runtime_for(store, ledger)
-        done = await runtime.run("s", kind="flow", flow_name="batch").result()
-        assert done.status == "finished" and sorted(ledger.paid) == [1, 2, 3]
-        with_intents = [save for save in store.saves if "StepStarted" in save]
-        assert [save.count("StepStarted") for save in with_intents] == [3]
-        steps = await runtime.get_steps(done.run_id, "s")
-        assert [(s.status, s.attempts) for s in steps] == [("finished", 1)] * 3
-    finally:
-        store.close()
+    runtime = runtime_for(store, ledger)
+    done = await runtime.run("s", kind="flow", flow_name="batch").result()
+    assert done.status == "finished" and sorted(ledger.paid) == [1, 2, 3]
+    with_intents = [save for save in store.saves if "StepStarted" in save]
+    assert [save.count("StepStarted") for save in with_intents] == [3]
+    steps = await runtime.get_steps(done.run_id, "s")
+    assert [(s.status, s.attempts) for s in steps] == [("finished", 1)] * 3
 
 
 @pytest.mark.parametrize("backend", BLOCKING_STORES)
-async def test_racing_deliveries_store_one_and_execute_once(store_env: dict[str, str]) -> None:
+async def test_racing_deliveries_store_one_and_execute_once(
+    counting_store: Callable[[], CountingStore],
+) -> None:
     ledger = Ledger()
-    first, second = CountingStore(store_env), CountingStore(store_env)
-    try:
-        a = runtime_for(first, ledger, holder="w1")
-        b = runtime_for(second, ledger, holder="w2")
-        paused = await a.run("s", kind="flow", flow_name="pay").result()
-        outcomes = await asyncio.gather(
-            a.approve(paused.run_id, "s", by="alice", signal_id="from-a"),
-            b.approve(paused.run_id, "s", by="bob", signal_id="from-b"),
-            return_exceptions=True,
-        )
-        won = [o for o in outcomes if not isinstance(o, BaseException)]
-        lost = [o for o in outcomes if isinstance(o, BaseException)]
-        assert len(won) == 1 and won[0].output == "paid", outcomes
-        # The loser read the run after the winner saved, or lost its first save.
-        assert len(lost) == 1 and isinstance(lost[0], KuralleError), outcomes
-        assert ledger.paid == [1]
-        steps = await a.get_steps(paused.run_id, "s")
-        assert [(s.kind, s.status) for s in steps] == [
-            ("approval", "finished"),
-            ("tool", "finished"),
-        ]
-    finally:
-        first.close()
-        second.close()
+    first, second = counting_store(), counting_store()
+    a = runtime_for(first, ledger, holder="w1")
+    b = runtime_for(second, ledger, holder="w2")
+    paused = await a.run("s", kind="flow", flow_name="pay").result()
+    outcomes = await asyncio.gather(
+        a.approve(paused.run_id, "s", by="alice", signal_id="from-a"),
+        b.approve(paused.run_id, "s", by="bob", signal_id="from-b"),
+        return_exceptions=True,
+    )
+    won = [o for o in outcomes if not isinstance(o, BaseException)]
+    lost = [o for o in outcomes if isinstance(o, BaseException)]
+    assert len(won) == 1 and won[0].output == "paid", outcomes
+    # The loser read the run after the winner saved, or lost its first save.
+    assert len(lost) == 1 and isinstance(lost[0], KuralleError), outcomes
+    assert ledger.paid == [1]
+    steps = await a.get_steps(paused.run_id, "s")
+    assert [(s.kind, s.status) for s in steps] == [
+        ("approval", "finished"),
+        ("tool", "finished"),
+    ]
 
 
 class GatedModel:
@@ -182,24 +189,22 @@ class GatedModel:
 
 
 @pytest.mark.parametrize("backend", BLOCKING_STORES)
-async def test_a_turn_waiting_on_its_model_holds_a_live_lease(store_env: dict[str, str]) -> None:
+async def test_a_turn_waiting_on_its_model_holds_a_live_lease(
+    counting_store: Callable[[], CountingStore],
+) -> None:
     model = GatedModel()
-    first, second = CountingStore(store_env), CountingStore(store_env)
-    try:
-        a = runtime_for(first, Ledger(), holder="w1", model=model)
-        b = runtime_for(second, Ledger(), holder="w2", model=model)
-        model.gate.set()
-        opened = await a.run("chat", input="hi").result()
-        model.gate.clear()
-        model.asked.clear()
-        turn = a.run("chat", run_id=opened.run_id, input="again")
-        await asyncio.wait_for(model.asked.wait(), timeout=10)
-        # The new turn's opening was saved before the model was asked.
-        with pytest.raises(LeaseHeldError) as refused:
-            await b.run("chat", run_id=opened.run_id, input="meanwhile").result()
-        assert refused.value.holder == "w1"
-        model.gate.set()
-        assert (await turn.result()).status == "finished"
-    finally:
-        first.close()
-        second.close()
+    first, second = counting_store(), counting_store()
+    a = runtime_for(first, Ledger(), holder="w1", model=model)
+    b = runtime_for(second, Ledger(), holder="w2", model=model)
+    model.gate.set()
+    opened = await a.run("chat", input="hi").result()
+    model.gate.clear()
+    model.asked.clear()
+    turn = a.run("chat", run_id=opened.run_id, input="again")
+    await asyncio.wait_for(model.asked.wait(), timeout=10)
+    # The new turn's opening was saved before the model was asked.
+    with pytest.raises(LeaseHeldError) as refused:
+        await b.run("chat", run_id=opened.run_id, input="meanwhile").result()
+    assert refused.value.holder == "w1"
+    model.gate.set()
+    assert (await turn.result()).status == "finished"

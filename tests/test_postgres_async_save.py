@@ -19,6 +19,7 @@ from uuid import uuid4
 
 import psycopg
 import pytest
+from log_tail import tail_while
 
 from kuralle_es import RunStore, StaleWriteError
 from kuralle_es.domain import Run, new_run
@@ -62,8 +63,6 @@ def test_saves_from_several_loops_and_threads_reach_a_tailing_reader_once_in_ord
 ) -> None:
     loops, runs_per_loop, saves_per_run = 4, 5, 6
     errors: list[BaseException] = []
-    done = threading.Event()
-    seen: list[int] = []
     written: list[Run] = []
 
     async def write(session: str) -> None:
@@ -83,31 +82,14 @@ def test_saves_from_several_loops_and_threads_reach_a_tailing_reader_once_in_ord
         except BaseException as e:  # pragma: no cover - reported below
             errors.append(e)
 
-    def tail() -> None:
-        last: int | None = None
-        try:
-            while True:
-                finished = done.is_set()
-                page = store.recorder.select_notifications(
-                    start=last, limit=50, inclusive_of_start=False
-                )
-                seen.extend(n.id for n in page)
-                if page:
-                    last = page[-1].id
-                elif finished:
-                    return
-        except BaseException as e:  # pragma: no cover - reported below
-            errors.append(e)
+    def write_on_every_loop() -> None:
+        threads = [threading.Thread(target=writer, args=(n,)) for n in range(loops)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
 
-    reader = threading.Thread(target=tail)
-    reader.start()
-    threads = [threading.Thread(target=writer, args=(n,)) for n in range(loops)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    done.set()
-    reader.join()
+    seen = tail_while(store.recorder, write_on_every_loop)
     assert not errors, errors
     everything = [n.id for n in store.recorder.select_notifications(start=None, limit=100_000)]
     assert seen == everything  # none skipped, none twice, in order

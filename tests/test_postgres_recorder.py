@@ -20,6 +20,7 @@ from eventsourcing.tests.persistence import (
     ApplicationRecorderTestCase,
     NonInterleavingNotificationIDsBaseCase,
 )
+from log_tail import tail_while
 from psycopg.conninfo import conninfo_to_dict
 
 from kuralle_es import RunStore
@@ -112,9 +113,7 @@ def test_a_reader_tailing_the_log_during_concurrent_saves_sees_each_event_once_i
     writer_recorder = make_recorder()
     reader_recorder = make_recorder()
     writers, saves_per_writer, events_per_save = 6, 40, 3
-    done = threading.Event()
     errors: list[BaseException] = []
-    seen: list[int] = []
 
     def write() -> None:
         try:
@@ -125,32 +124,14 @@ def test_a_reader_tailing_the_log_during_concurrent_saves_sees_each_event_once_i
         except BaseException as e:  # pragma: no cover - reported below
             errors.append(e)
 
-    def tail() -> None:
-        # What a catch-up projection does: read after the last id it applied.
-        last: int | None = None
-        try:
-            while True:
-                finished = done.is_set()
-                page = reader_recorder.select_notifications(
-                    start=last, limit=50, inclusive_of_start=False
-                )
-                seen.extend(n.id for n in page)
-                if page:
-                    last = page[-1].id
-                elif finished:
-                    return
-        except BaseException as e:  # pragma: no cover - reported below
-            errors.append(e)
+    def write_from_every_thread() -> None:
+        threads = [threading.Thread(target=write) for _ in range(writers)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
 
-    reader = threading.Thread(target=tail)
-    reader.start()
-    threads = [threading.Thread(target=write) for _ in range(writers)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    done.set()
-    reader.join()
+    seen = tail_while(reader_recorder, write_from_every_thread)
     assert not errors, errors
     everything = [n.id for n in reader_recorder.select_notifications(start=None, limit=10_000)]
     assert len(everything) == writers * saves_per_writer * events_per_save
