@@ -49,10 +49,19 @@ def main() -> int:
         fontsize=10,
     )
 
-    rows = long_runs["lengths"]
+    rows = [r for r in long_runs["lengths"] if r.get("shape", "one node") == "one node"]
+    spread = [r for r in long_runs["lengths"] if r.get("shape") == "nodes of 100"]
     steps = [r["steps"] for r in rows]
-    right.plot(steps, [r["resume_ms"] for r in rows], "o-", label="kuralle_es resume (fresh store)")
-    right.plot(steps, [r["load_ms"] for r in rows], "s--", label="kuralle_es load alone")
+    right.plot(steps, [r["resume_ms"] for r in rows], "o-", label="kuralle_es resume, one node")
+    right.plot(steps, [r["load_ms"] for r in rows], "s--", label="kuralle_es load alone, one node")
+    if spread:
+        right.plot(
+            [r["steps"] for r in spread],
+            [r["resume_ms"] for r in spread],
+            "o-",
+            color="#2ca02c",
+            label="kuralle_es resume, nodes of 100 steps",
+        )
     dbos = [(r["steps"], r["dbos_recovery_ms"]) for r in rows if r["dbos_recovery_ms"]]
     if dbos:
         right.plot(

@@ -9,8 +9,13 @@ PostgreSQL database:
   snapshots tables (with their indexes) / steps, once every run is finished;
 * **resume**: a fresh ``RunStore`` and ``Runtime`` (a new process's first
   call) delivers the approval: the run is loaded (latest snapshot + later
-  events), its node re-runs with its N tool calls answered from the journal,
+  events), its node re-runs with its tool calls answered from the journal,
   and the run finishes. The load alone is timed too.
+
+Each length in two shapes, each in its own database: **one node** (all N
+steps in one node: a resume replays all N, as any replaying engine must) and
+**nodes of 100** (the node goes to itself after every 100 steps: the earlier
+visits' steps are archived, so a load and a resume carry one visit's steps).
 
 Then, if DBOS is installed (the ``bench`` extra), **DBOS's recovery of the
 same length**: a child process runs a workflow of N no-op steps and a last
@@ -73,6 +78,7 @@ from kuralle_es import (
     define_flow,
     define_tool,
     end,
+    goto,
 )
 from kuralle_es.context import RunContext
 
@@ -91,9 +97,33 @@ async def long_node(state: dict[str, Any], ctx: RunContext) -> Any:
     return end("approved" if decision.approved else "declined")
 
 
+#: Steps per node visit of the ``nodes`` shape.
+NODE_STEPS = 100
+
+
+async def spread_node(state: dict[str, Any], ctx: RunContext) -> Any:
+    """One visit: NODE_STEPS tool steps, then the next visit (fresh callsites, the
+    earlier visits' steps archived) or, after N steps in all, the approval."""
+    for i in range(NODE_STEPS):
+        await ctx.tool("noop", {"x": i})
+    visits = int(state.get("visits", 0)) + 1
+    if visits * NODE_STEPS < STEPS["n"]:
+        return goto("s", {"visits": visits})
+    decision = await ctx.approve("finish?")
+    return end("approved" if decision.approved else "declined")
+
+
 NOOP = define_tool("noop", "does nothing", NoopArgs, lambda a: {"x": a.x})
 LONG = define_flow("bench_long", "N tool steps, then an approval", "n", [action("n", long_node)])
-AGENT = define_agent("bench", "benchmark agent", None, [NOOP], [LONG])
+SPREAD = define_flow(
+    "bench_spread",
+    "N tool steps, 100 a node visit, then an approval",
+    "s",
+    [action("s", spread_node)],
+)
+AGENT = define_agent("bench", "benchmark agent", None, [NOOP], [LONG, SPREAD])
+#: The two shapes of a long run: all N steps in one node, or 100 a node visit.
+SHAPES = {"one node": LONG, "nodes of 100": SPREAD}
 
 
 def approval() -> SignalDelivery:
@@ -105,6 +135,7 @@ def approval() -> SignalDelivery:
 @dataclass
 class Length:
     steps: int
+    shape: str = "one node"
     step_us: list[float] = field(default_factory=list)
     resume_ms: list[float] = field(default_factory=list)
     load_ms: list[float] = field(default_factory=list)
@@ -140,8 +171,9 @@ def table_names(store: RunStore) -> tuple[str, str]:
     return events, snapshots
 
 
-async def kuralle_length(dsn: str, steps: int, rounds: int) -> Length:
-    result = Length(steps)
+async def kuralle_length(dsn: str, steps: int, rounds: int, shape: str = "one node") -> Length:
+    result = Length(steps, shape)
+    flow = SHAPES[shape]
     STEPS["n"] = steps
     paused: list[tuple[str, str]] = []
     with RunStore.postgres(dsn) as store:
@@ -150,7 +182,7 @@ async def kuralle_length(dsn: str, steps: int, rounds: int) -> Length:
             session = f"long-{uuid.uuid4().hex[:8]}"
             gc.collect()
             start = time.perf_counter()
-            turn = await runtime.run(session, kind="flow", flow_name=LONG.name).result()
+            turn = await runtime.run(session, kind="flow", flow_name=flow.name).result()
             result.step_us.append((time.perf_counter() - start) / steps * 1e6)
             if turn.status != "paused":
                 raise RuntimeError(f"long run ended {turn.status}, not paused")
@@ -308,6 +340,55 @@ def have_dbos() -> str | None:
     return None
 
 
+async def measure_shape(
+    admin_dsn: str,
+    steps: int,
+    shape: str,
+    args: argparse.Namespace,
+    no_dbos: str | None,
+    *,
+    first: bool,
+) -> Length:
+    """One length of one shape in its own database (so its bytes are its own);
+    DBOS's recovery of the same length beside the one-node shape."""
+    name = create_database(admin_dsn)
+    if name is None:
+        raise SystemExit(f"PostgreSQL at {admin_dsn} is unreachable")
+    dsn = with_dbname(admin_dsn, name)
+    try:
+        if first:
+            print(f"postgres: {server_settings(dsn)}", flush=True)
+        rounds = args.rounds if steps <= 1000 else 1
+        start = time.perf_counter()
+        length = await kuralle_length(dsn, steps, rounds, shape)
+        print(
+            f"{steps} steps ({shape}) x {rounds}: kuralle_es done in "
+            f"{time.perf_counter() - start:.1f} s",
+            flush=True,
+        )
+    finally:
+        drop_database(admin_dsn, name)
+    if not no_dbos and shape == "one node":
+        dbos_db = create_database(admin_dsn)
+        assert dbos_db is not None
+        try:
+            rec, launch, step = dbos_recovery(with_dbname(admin_dsn, dbos_db), steps)
+            length.dbos_recovery_ms, length.dbos_launch_ms, length.dbos_step_us = rec, launch, step
+        finally:
+            drop_database(admin_dsn, dbos_db)
+        print(f"{steps} steps: DBOS recovery done", flush=True)
+    return length
+
+
+async def paused_memory_in_fresh_db(admin_dsn: str, count: int) -> dict[str, float]:
+    name = create_database(admin_dsn)
+    assert name is not None
+    try:
+        return await paused_memory(with_dbname(admin_dsn, name), count)
+    finally:
+        drop_database(admin_dsn, name)
+
+
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     admin_dsn = os.environ.get(DSN_ENV, DEFAULT_DSN)
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -317,41 +398,14 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         print(f"skipped DBOS recovery: {no_dbos}", flush=True)
     memory: dict[str, float] = {}
     for steps in lengths:
-        name = create_database(admin_dsn)
-        if name is None:
-            raise SystemExit(f"PostgreSQL at {admin_dsn} is unreachable")
-        dsn = with_dbname(admin_dsn, name)
-        try:
-            if not results:
-                print(f"postgres: {server_settings(dsn)}", flush=True)
-            rounds = args.rounds if steps <= 1000 else 1
-            start = time.perf_counter()
-            length = await kuralle_length(dsn, steps, rounds)
-            print(
-                f"{steps} steps x {rounds}: kuralle_es done in {time.perf_counter() - start:.1f} s",
-                flush=True,
-            )
-            if not no_dbos:
-                dbos_db = create_database(admin_dsn)
-                assert dbos_db is not None
-                try:
-                    rec, launch, step = dbos_recovery(with_dbname(admin_dsn, dbos_db), steps)
-                    length.dbos_recovery_ms, length.dbos_launch_ms, length.dbos_step_us = (
-                        rec,
-                        launch,
-                        step,
-                    )
-                finally:
-                    drop_database(admin_dsn, dbos_db)
-                print(f"{steps} steps: DBOS recovery done", flush=True)
+        for shape in SHAPES:
+            length = await measure_shape(admin_dsn, steps, shape, args, no_dbos, first=not results)
             results.append(length)
-            if args.paused and steps == lengths[0]:
-                memory = await paused_memory(dsn, args.paused)
-        finally:
-            drop_database(admin_dsn, name)
+            if args.paused and steps == lengths[0] and shape == "one node":
+                memory = await paused_memory_in_fresh_db(admin_dsn, args.paused)
     print()
     header = (
-        f"{'steps':>6} | {'runs':>4} | {'us/step':>7} | {'bytes/step':>10} | "
+        f"{'steps':>6} | {'shape':<12} | {'runs':>4} | {'us/step':>7} | {'bytes/step':>10} | "
         f"{'payload B/step':>14} | {'events B':>10} | "
         f"{'snap B':>10} | {'snaps':>5} | {'load ms':>8} | {'resume ms':>9} | "
         f"{'DBOS recovery ms':>16} | {'DBOS launch ms':>14} | {'DBOS us/step':>12}"
@@ -364,22 +418,26 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 
     for r in results:
         print(
-            f"{r.steps:>6} | {r.runs:>4} | {statistics.median(r.step_us):>7.0f} | "
+            f"{r.steps:>6} | {r.shape:<12} | {r.runs:>4} | {statistics.median(r.step_us):>7.0f} | "
             f"{r.bytes_per_step:>10.0f} | {r.payload_per_step:>14.0f} | "
             f"{r.events_bytes:>10} | {r.snapshot_bytes:>10} | "
             f"{r.snapshots:>5} | {statistics.median(r.load_ms):>8.1f} | "
             f"{statistics.median(r.resume_ms):>9.1f} | {opt(r.dbos_recovery_ms, 16)} | "
             f"{opt(r.dbos_launch_ms, 14)} | {opt(r.dbos_step_us, 12)}"
         )
-    first, last = results[0], results[-1]
     print()
-    payload_ratio = last.payload_per_step / first.payload_per_step
-    resume_ratio = statistics.median(last.resume_ms) / statistics.median(first.resume_ms)
-    print(
-        f"bytes/step at {last.steps} vs {first.steps} steps: "
-        f"{last.bytes_per_step / first.bytes_per_step:.2f}x (payloads alone: "
-        f"{payload_ratio:.2f}x); resume at {last.steps} vs {first.steps}: {resume_ratio:.1f}x"
-    )
+    shortest = results[0]
+    for shape in SHAPES:
+        rows = [r for r in results if r.shape == shape]
+        first, last = rows[0], rows[-1]
+        payload_ratio = last.payload_per_step / first.payload_per_step
+        resume_ratio = statistics.median(last.resume_ms) / statistics.median(shortest.resume_ms)
+        print(
+            f"{shape}: bytes/step at {last.steps} vs {first.steps} steps: "
+            f"{last.bytes_per_step / first.bytes_per_step:.2f}x (payloads alone: "
+            f"{payload_ratio:.2f}x); resume at {last.steps} vs a {shortest.steps}-step run: "
+            f"{resume_ratio:.1f}x"
+        )
     if memory:
         print(
             f"memory per paused run ({memory['paused_runs']:.0f} runs paused by one runtime): "
@@ -390,6 +448,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "lengths": [
             {
                 "steps": r.steps,
+                "shape": r.shape,
                 "runs": r.runs,
                 "step_us": statistics.median(r.step_us),
                 "bytes_per_step": r.bytes_per_step,

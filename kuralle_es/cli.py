@@ -100,9 +100,10 @@ class _CliError(KuralleError):
     """A bad command line: printed as one line, exit code 2."""
 
 
-async def _stored_run(store: RunStore, run_id: str) -> Run | None:
-    """The run (an operator acts on its session, read from the store), or None, said on stderr."""
-    run = await asyncio.to_thread(store.load, run_id)
+async def _stored_run(store: RunStore, run_id: str, *, history: bool = False) -> Run | None:
+    """The run (an operator acts on its session, read from the store), or None, said on
+    stderr; with ``history``, folded with every step it journaled (``load_history``)."""
+    run = await asyncio.to_thread(store.load_history if history else store.load, run_id)
     if run is None:
         print(f"kuralle-es: no run {run_id} in this store", file=sys.stderr)
     return run
@@ -229,7 +230,7 @@ async def _demo(args: argparse.Namespace) -> int:
 
     print(f"== the run's journal (kuralle-es --sqlite {db} runs show {second.run_id})")
     with RunStore.sqlite(str(db)) as store:
-        run = store.load(second.run_id)
+        run = store.load_history(second.run_id)
         assert run is not None
         state = run.to_state()
         print(format_timeline(state, run.step_records(), read_deliveries(store, state.run_id)))
@@ -335,7 +336,7 @@ async def _runs_list(args: argparse.Namespace) -> int:
 
 async def _runs_show(args: argparse.Namespace) -> int:
     with open_store(args, must_exist=True) as store:
-        run = await _stored_run(store, args.run_id)
+        run = await _stored_run(store, args.run_id, history=True)
         if run is None:
             return 1
         state, steps = run.to_state(), run.step_records()

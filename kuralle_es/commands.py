@@ -80,9 +80,12 @@ class TurnEnv:
     inline_sleep_limit: float = 1.0
 
 
-async def load_run(store: RunStore, run_id: str, session_id: str) -> Run | None:
-    """The run, or None when it is unknown or of another session."""
-    run = await asyncio.to_thread(store.load, run_id)
+async def load_run(
+    store: RunStore, run_id: str, session_id: str, *, history: bool = False
+) -> Run | None:
+    """The run, or None when it is unknown or of another session; with ``history``,
+    folded with every step it journaled (``RunStore.load_history``)."""
+    run = await asyncio.to_thread(store.load_history if history else store.load, run_id)
     if run is None or run.session_id != session_id:
         return None
     return run

@@ -64,9 +64,25 @@ def _slot(logical_run: str, callsite: int) -> str:
 
 
 class Run(Aggregate):
-    """One run of an agent or a flow, with its journal of steps."""
+    """One run of an agent or a flow, with its journal of steps.
+
+    The run holds the steps a resume can replay, not all of them: a new
+    turn of a conversation (``TurnStarted``), a flow's move to a node
+    (``NodeEntered``) and a drift restart (``FlowPinned``) each start fresh
+    callsites, so the steps before them are never looked up again and are
+    archived (``archive_steps``): ``steps`` keeps the live ones, from global
+    index ``step_base`` on. A load and a snapshot carry only those; the whole
+    journal stays in the events, where ``RunStore.load_history`` folds it
+    (docs/concepts.md, "What a run holds").
+    """
 
     TOPIC = "kuralle_es:Run"
+    #: Global index of ``steps[0]`` (a class default for snapshots taken before
+    #: steps were archived, which hold every step).
+    step_base: int = 0
+    #: Set on a run folded for its whole journal (``RunStore.load_history``),
+    #: never saved: such a run archives nothing.
+    keeps_all_steps: bool = False
 
     class Event(Aggregate.Event):
         pass
@@ -104,6 +120,7 @@ class Run(Aggregate):
         self.output: Any = None
         self.epoch = 0
         self.callsite_base = 0
+        self.step_base = 0
         self.steps: list[StepData] = []
         self.slots: dict[str, list[int]] = {}
         self.signal_ids: list[str] = []
@@ -142,6 +159,7 @@ class Run(Aggregate):
             run.status = "running"
             run.error = None
             run.callsite_base = 0
+            run.archive_steps()
             run.turn_key = self.idempotency_key
             if self.message is not None:
                 run.messages.append(self.message)
@@ -160,6 +178,7 @@ class Run(Aggregate):
             run.active_node = self.node
             run.state = self.state
             run.callsite_base = self.callsite_base
+            run.archive_steps()
 
     class StepStarted(Event):
         """Intent: an effect is about to run at ``callsite`` with ``key``."""
@@ -202,7 +221,7 @@ class Run(Aggregate):
         result_json: str
 
         def apply(self, run: Run) -> None:
-            step = run.steps[self.index]
+            step = run.step(self.index)
             step["status"] = "finished"
             step["result_json"] = self.result_json
             step["error"] = None
@@ -214,7 +233,7 @@ class Run(Aggregate):
         error: dict[str, Any]
 
         def apply(self, run: Run) -> None:
-            step = run.steps[self.index]
+            step = run.step(self.index)
             step["status"] = "error"
             step["error"] = self.error
             step["finished_at"] = self.timestamp
@@ -233,7 +252,7 @@ class Run(Aggregate):
         retry_at: datetime
 
         def apply(self, run: Run) -> None:
-            step = run.steps[self.index]
+            step = run.step(self.index)
             step["error"] = self.error
             step["failures"] = step.get("failures", 0) + 1
             step["retry_at"] = self.retry_at
@@ -245,7 +264,7 @@ class Run(Aggregate):
         index: int
 
         def apply(self, run: Run) -> None:
-            run.steps[self.index]["retry_allowed"] = True
+            run.step(self.index)["retry_allowed"] = True
 
     class StepRetried(Event):
         """A step left running by a crash is executed again (same key).
@@ -258,7 +277,7 @@ class Run(Aggregate):
         index: int
 
         def apply(self, run: Run) -> None:
-            step = run.steps[self.index]
+            step = run.step(self.index)
             step["retry_allowed"] = False
             step["attempts"] += 1
             step["retry_at"] = None
@@ -307,6 +326,7 @@ class Run(Aggregate):
             run.active_node = self.node
             run.state = {}
             run.callsite_base = 0
+            run.archive_steps()
             run.status = "running"
             run.waiting_for = None
             run.error = None
@@ -438,7 +458,7 @@ class Run(Aggregate):
     ) -> int:
         """Append an intent; returns the new step's index."""
         self._require_status("running", "start a step")
-        index = len(self.steps)
+        index = self.step_count
         self.trigger_event(
             self.StepStarted,
             index=index,
@@ -580,10 +600,37 @@ class Run(Aggregate):
         if self.lease_holder is not None:
             self.trigger_event(self.LeaseReleased)
 
+    @property
+    def snapshot_weight(self) -> int:
+        """About how many events replaying would cost as much as loading this
+        state: a live step is about an event's worth; messages and recorded
+        turns are smaller and decode in bulk (``RunStore`` spaces snapshots by it)."""
+        return len(self.steps) + (len(self.messages) + len(self.turn_keys)) // 8
+
+    # ----------------------------------------------------------------- steps
+    def archive_steps(self) -> None:
+        """Drop the live steps from the run's state: what follows starts fresh
+        callsites, so none of them is replayed again (their events stay)."""
+        if self.keeps_all_steps:
+            return
+        self.step_base += len(self.steps)
+        self.steps = []
+        self.slots = {}
+
+    def step(self, index: int) -> StepData:
+        """The live step with this global index."""
+        return self.steps[index - self.step_base]
+
+    @property
+    def step_count(self) -> int:
+        """How many steps the run has journaled, archived ones included."""
+        return self.step_base + len(self.steps)
+
     # -------------------------------------------------------------- queries
     def steps_at(self, logical_run: str, callsite: int) -> list[StepData]:
         """Every step journaled at this callsite of this logical run, oldest first."""
-        return [self.steps[i] for i in self.slots.get(_slot(logical_run, callsite), [])]
+        base = self.step_base
+        return [self.steps[i - base] for i in self.slots.get(_slot(logical_run, callsite), [])]
 
     @property
     def waiting(self) -> Wait | None:
@@ -626,7 +673,7 @@ class Run(Aggregate):
             lease_holder=self.lease_holder,
             lease_expires_at=self.lease_expires_at,
             version=self.version,
-            step_count=len(self.steps),
+            step_count=self.step_count,
             created_at=self.created_on,
             updated_at=self.modified_on,
             error=StepError.model_validate(self.error) if self.error else None,
@@ -636,6 +683,8 @@ class Run(Aggregate):
         )
 
     def step_records(self) -> list[StepRecord]:
+        """The steps the run holds: every one on a run from ``RunStore.load_history``,
+        the live ones (from ``step_base``) on any other."""
         return [step_record(s) for s in self.steps]
 
     # -------------------------------------------------------------- helpers
@@ -645,8 +694,9 @@ class Run(Aggregate):
             raise InvalidArgumentError(msg)
 
     def _require_step_running(self, index: int) -> None:
-        if self.steps[index]["status"] != "running":
-            msg = f"step {index} of run {self.run_id} is already {self.steps[index]['status']}"
+        status = self.step(index)["status"]
+        if status != "running":
+            msg = f"step {index} of run {self.run_id} is already {status}"
             raise InvalidArgumentError(msg)
 
 
@@ -716,6 +766,11 @@ class SessionRuns(Aggregate):
 
         def apply(self, index: SessionRuns) -> None:
             index.run_ids.append(self.run_id)
+
+    @property
+    def snapshot_weight(self) -> int:
+        """About how many events replaying would cost as much as loading the list."""
+        return len(self.run_ids) // 8
 
     def add_run(self, run_id: str) -> None:
         if run_id not in self.run_ids:

@@ -403,7 +403,7 @@ class Journal:
         Only triggers events; they are saved with the delivery that carried them.
         """
         action = answer["action"]
-        step = self._run.steps[index]
+        step = self._run.step(index)
         if action == "retry":
             self._run.allow_retry(index)
         elif action == "resolve":
@@ -433,7 +433,7 @@ class Journal:
                 raise
             except Exception as exc:
                 error = _step_error(exc)
-                failures = self._run.steps[index].get("failures", 0) + 1 - counted_from
+                failures = self._run.step(index).get("failures", 0) + 1 - counted_from
                 if not retry.retries(exc, failures):
                     raise await self._record_failure(index, error) from exc
                 retry_at = utcnow() + timedelta(seconds=retry.delay(failures))
@@ -459,4 +459,4 @@ class Journal:
         async with self._lock:
             self._run.fail_step(index, error)
             await self._persist_locked()
-            return frozen_error(self._run.steps[index])
+            return frozen_error(self._run.step(index))

@@ -176,7 +176,7 @@ class Runtime:
     async def get_steps(self, run_id: str, session_id: str) -> list[StepRecord]:
         """The run's journal; empty when the run is unknown or of another session
         (like ``get_run``'s None: a read never says whether a foreign run exists)."""
-        run = await load_run(self.store, run_id, session_id)
+        run = await load_run(self.store, run_id, session_id, history=True)
         return run.step_records() if run is not None else []
 
     # ------------------------------------------------------------------ fork

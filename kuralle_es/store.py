@@ -47,32 +47,41 @@ from .transcoding import EscapingJSONTranscoder
 
 __all__ = [
     "RunStore",
-    "is_snapshot_version",
     "parse_run_id",
     "postgres_env",
     "retry_schema_setup",
+    "snapshot_due",
+    "snapshot_spacing",
 ]
 
-#: The first snapshot of an aggregate is taken at this version; the next ones at
-#: each doubling of it (200, 400, 800, ...): see ``is_snapshot_version``.
+#: Events between snapshots of an aggregate whose state is small; a larger
+#: state is snapshotted less often (``snapshot_spacing``).
 SNAPSHOT_INTERVAL = 100
 
 
-def is_snapshot_version(version: int) -> bool:
-    """Whether an aggregate is snapshotted when it reaches ``version``.
+def snapshot_spacing(weight: int) -> int:
+    """Events between snapshots of an aggregate whose state weighs ``weight``.
 
-    At 100, 200, 400, 800, ...: each snapshot is about twice the size of the
-    one before (a run's state grows with its steps), so all of a run's
-    snapshots together stay under twice its latest one, and the bytes and
-    the time spent on snapshots grow with the run's length, not with its
-    square, as they would at a fixed interval. The price is the replay after
-    the latest snapshot: at most about half the run's events, where a load
-    already reads a snapshot as large as the run.
+    ``weight`` is about how many events replaying would cost as much as
+    loading the state (``Run.snapshot_weight``). The spacing is the first of
+    100, 200, 400, ... at least that weight, so a snapshot's bytes are paid
+    for by at least as many events: the bytes a run stores per event stay
+    the same however long it lives, where a fixed interval would make a
+    long run's snapshots add up to the square of its length. A load reads
+    one snapshot and at most one spacing of events after it, both bounded by
+    what the run holds (docs/concepts.md, "What a run holds").
     """
-    if version < SNAPSHOT_INTERVAL or version % SNAPSHOT_INTERVAL:
-        return False
-    multiple = version // SNAPSHOT_INTERVAL
-    return multiple & (multiple - 1) == 0
+    spacing = SNAPSHOT_INTERVAL
+    while spacing < weight:
+        spacing *= 2
+    return spacing
+
+
+def snapshot_due(before: int, after: int, weight: int) -> bool:
+    """Whether a save that took an aggregate from version ``before`` to ``after``
+    crossed a multiple of its ``snapshot_spacing``."""
+    spacing = snapshot_spacing(weight)
+    return after // spacing > before // spacing
 
 
 def project_events(aggregate: Any, events: Iterable[Any]) -> Any:
@@ -264,29 +273,35 @@ class RunStore(Application[UUID]):
         return recordings
 
     def _take_snapshots(self, processing_event: ProcessingEvent[UUID]) -> None:
-        """Snapshot at the versions ``is_snapshot_version`` names, from the aggregate
-        just saved, not from a reload of it.
+        """Snapshot each saved aggregate whose save crossed its spacing
+        (``snapshot_due``), from the aggregate just saved.
 
         The library's default snapshots every ``snapshotting_intervals`` events
         (so a long run's snapshots add up to the square of its length) and
-        reloads the aggregate at the snapshot's version; the saved aggregate is
-        already that state, so this hook saves the reload (the larger share of
-        a snapshot's cost). ``snapshotting_intervals`` still says which
+        reloads the aggregate to do it; the saved aggregate is already the
+        state to snapshot. ``snapshotting_intervals`` still says which
         aggregate types are snapshotted.
         """
+        due = self._due_snapshots(processing_event)
+        if due and self.snapshots is not None:
+            self.snapshots.put([Snapshot.take(aggregate) for aggregate in due])
+
+    def _due_snapshots(self, processing_event: ProcessingEvent[UUID]) -> list[Run | SessionRuns]:
+        if self.snapshots is None:
+            return []
+        first_saved: dict[UUID, int] = {}
         for event in processing_event.events:
-            aggregate = processing_event.aggregates.get(event.originator_id)
+            first_saved.setdefault(event.originator_id, event.originator_version)
+        due: list[Run | SessionRuns] = []
+        for aggregate_id, first in first_saved.items():
+            aggregate = processing_event.aggregates.get(aggregate_id)
             if (
-                aggregate is None
-                or type(aggregate) not in self.snapshotting_intervals
-                or self.snapshots is None
-                or not is_snapshot_version(event.originator_version)
+                isinstance(aggregate, Run | SessionRuns)
+                and type(aggregate) in self.snapshotting_intervals
+                and snapshot_due(first - 1, aggregate.version, aggregate.snapshot_weight)
             ):
-                continue
-            if aggregate.version == event.originator_version:
-                self.snapshots.put([Snapshot.take(aggregate)])
-            else:  # a batch that crossed the interval mid-way: the library's way
-                self.take_snapshot(event.originator_id, version=event.originator_version)
+                due.append(aggregate)
+        return due
 
     def construct_factory(self, env: Environment) -> InfrastructureFactory[Any]:
         """The persistence factory, after one short connection attempt on PostgreSQL:
@@ -359,6 +374,24 @@ class RunStore(Application[UUID]):
             return None
         return run
 
+    def load_history(self, run_id: str) -> Run | None:
+        """The run folded from all its events, every step it ever journaled kept
+        (a loaded run holds only the steps a resume can replay: ``Run``).
+
+        For reading a run's whole journal (``Runtime.get_steps``, ``runs show``,
+        the dashboard); it costs the run's length, where ``load`` does not.
+        Never save it.
+        """
+        aggregate_id = parse_run_id(run_id)
+        if aggregate_id is None:
+            return None
+        run: Any = None
+        for event in self.events.get(aggregate_id):
+            run = event.mutate(run)  # type: ignore[attr-defined]
+            if isinstance(run, Run):
+                run.keeps_all_steps = True
+        return run if isinstance(run, Run) else None
+
     def create_run(self, run: Run) -> None:
         """Save a new run together with its entry in its session's index.
 
@@ -422,7 +455,7 @@ class RunStore(Application[UUID]):
             await saver.insert([self.mapper.to_stored_event(event) for event in events])
         except IntegrityError as e:
             raise StaleWriteError(run.run_id, "another writer appended first") from e
-        if any(is_snapshot_version(event.originator_version) for event in events):
+        if self._due_snapshots(processing_event):
             await asyncio.to_thread(self._take_snapshots, processing_event)
 
     def close(self) -> None:

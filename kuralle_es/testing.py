@@ -136,7 +136,7 @@ def _step_keys(run: Run, kinds: tuple[type[Any], ...]) -> list[str]:
             if isinstance(pending, Run.StepStarted):
                 keys.append(pending.key)
             else:
-                keys.append(run.steps[pending.index]["key"])
+                keys.append(run.step(pending.index)["key"])
     return keys
 
 

@@ -761,7 +761,7 @@ class CrashMachine(RuleBasedStateMachine):
                 self._journals = {}
                 for slot in self.slots:
                     if slot.run_id is not None:
-                        run = store.load(slot.run_id)
+                        run = store.load_history(slot.run_id)  # every step, archived too
                         assert run is not None, f"{slot} was never durable"
                         self._journals[slot.session] = run
             finally:

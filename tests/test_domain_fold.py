@@ -37,7 +37,7 @@ from kuralle_es import (
     end,
 )
 from kuralle_es.domain import Run, new_run
-from kuralle_es.store import is_snapshot_version
+from kuralle_es.store import snapshot_due
 from kuralle_es.waiting import Wait
 
 # ------------------------------------------------------------------ strategies
@@ -152,7 +152,7 @@ def apply(run: Run, store: RunStore, command: tuple[Any, ...]) -> None:
     op = command[0]
     if op == "start_step":
         _, kind, name, callsite, logical, args = command
-        key = f"{len(run.steps):064x}"
+        key = f"{run.step_count:064x}"
         kwargs = {
             "key": key,
             "kind": kind,
@@ -163,18 +163,18 @@ def apply(run: Run, store: RunStore, command: tuple[Any, ...]) -> None:
         }
         if run.status == "running":
             index = run.start_step(**kwargs)
-            assert index == len(run.steps) - 1
-            assert run.steps[index]["status"] == "running"
+            assert index == run.step_count - 1
+            assert run.step(index)["status"] == "running"
         else:
             expect_refusal(run, lambda: run.start_step(**kwargs))
     elif op in ("finish_step", "fail_step"):
         _, which, payload = command
         if not run.steps:
             return
-        index = which % len(run.steps)
+        index = run.step_base + which % len(run.steps)  # a live step
         do = run.finish_step if op == "finish_step" else run.fail_step
         arg = json.dumps(payload) if op == "finish_step" else payload
-        if run.steps[index]["status"] == "running":
+        if run.step(index)["status"] == "running":
             do(index, arg)
         else:
             expect_refusal(run, do, index, arg)
@@ -195,8 +195,8 @@ def apply(run: Run, store: RunStore, command: tuple[Any, ...]) -> None:
     elif op == "allow_retry":
         if not run.steps:
             return
-        index = command[1] % len(run.steps)
-        if run.steps[index]["status"] == "running":
+        index = run.step_base + command[1] % len(run.steps)
+        if run.step(index)["status"] == "running":
             run.allow_retry(index)
         else:
             expect_refusal(run, run.allow_retry, index)
@@ -267,6 +267,13 @@ def check_roundtrip(store: RunStore, run: Run) -> None:
     assert loaded is not None
     assert_same_run(run, loaded)
     assert_same_run(run, fold_stored_events(store, run.id))
+    # The whole journal: every step, the archived ones first, then the live ones.
+    history = store.load_history(run.run_id)
+    assert history is not None
+    assert history.to_state() == run.to_state()
+    records = history.step_records()
+    assert [r.index for r in records] == list(range(run.step_count))
+    assert records[run.step_base :] == run.step_records()
     snapshot_at_head(store, run)  # and now strictly from a snapshot at head
     from_snapshot = store.load(run.run_id)
     assert from_snapshot is not None
@@ -334,16 +341,27 @@ def test_long_runs_cross_automatic_snapshots_and_still_reload_identically(
 ) -> None:
     store = RunStore.memory()
     run = fresh_run()
+    due: list[int] = []
+    saved = 0
+
+    def save() -> None:
+        nonlocal saved
+        store.save_run(run)
+        # A save that crossed a multiple of the spacing its state's weight asks for.
+        if snapshot_due(saved, run.version, run.snapshot_weight):
+            due.append(run.version)
+        saved = run.version
+
     for i, code in enumerate(codes):
-        apply(run, store, cheap_command(code, i))
-        if i % 17 == 0:
-            store.save_run(run)  # save often so that automatic snapshots fire mid-run
-    store.save_run(run)
-    if run.version >= 100:
-        # Every event was saved at some point, so the latest automatic snapshot is at the
-        # last of 100, 200, 400, ... the run reached.
-        due = [v for v in range(1, run.version + 1) if is_snapshot_version(v)]
-        assert latest_snapshot_version(store, run) == due[-1]
+        command = cheap_command(code, i)
+        if command == ("save",) or i % 17 == 0:
+            save()  # save often so that automatic snapshots fire mid-run
+        else:
+            apply(run, store, command)
+    save()
+    assert store.snapshots is not None
+    taken = [s.originator_version for s in store.snapshots.get(run.id)]
+    assert taken == due
     check_roundtrip(store, run)
 
 
@@ -371,7 +389,7 @@ def test_sqlite_store_reloads_the_same_run_even_from_a_new_store_instance(
             reopened.close()
 
 
-def test_automatic_snapshot_is_taken_every_100_events_and_used_on_load() -> None:
+def test_automatic_snapshots_are_spaced_by_the_run_and_used_on_load() -> None:
     store = RunStore.memory()
     run = fresh_run()
     for i in range(130):
@@ -383,7 +401,7 @@ def test_automatic_snapshot_is_taken_every_100_events_and_used_on_load() -> None
     assert run.version == 261
     snapshots = list(store.snapshots.get(run.id, desc=True, limit=1))  # type: ignore[union-attr]
     assert len(snapshots) == 1
-    assert snapshots[0].originator_version == 200
+    assert snapshots[0].originator_version == 201  # 100 steps held: spacing 100
     loaded = store.load(run.run_id)
     assert loaded is not None
     assert_same_run(run, loaded)

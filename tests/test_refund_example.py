@@ -193,7 +193,7 @@ def test_refund_resumed_by_a_new_process_at_every_pause_refunds_exactly_once(
 
     store = _open(shared_db)
     try:
-        run = store.load(run_id)
+        run = store.load_history(run_id)  # every step, the earlier nodes' too
         assert run is not None
         state = run.to_state()
         assert state.status == "finished"

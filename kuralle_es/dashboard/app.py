@@ -237,7 +237,7 @@ class _Dashboard:
 
     async def run_page(self, request: Request) -> Response:
         run_id = request.path_params["run_id"]
-        run = await asyncio.to_thread(self.store.load, run_id)
+        run = await asyncio.to_thread(self.store.load_history, run_id)
         if run is None:
             return self.problem(request, 404, "No such run", f"There is no run {run_id}.")
         deliveries = await asyncio.to_thread(read_deliveries, self.store, run_id)
