@@ -103,7 +103,7 @@ class _CliError(KuralleError):
 async def _stored_run(store: RunStore, run_id: str, *, history: bool = False) -> Run | None:
     """The run (an operator acts on its session, read from the store), or None, said on
     stderr; with ``history``, folded with every step it journaled (``load_history``)."""
-    run = await asyncio.to_thread(store.load_history if history else store.load, run_id)
+    run = await store.load_async(run_id, history=history)
     if run is None:
         print(f"kuralle-es: no run {run_id} in this store", file=sys.stderr)
     return run

@@ -85,7 +85,7 @@ async def load_run(
 ) -> Run | None:
     """The run, or None when it is unknown or of another session; with ``history``,
     folded with every step it journaled (``RunStore.load_history``)."""
-    run = await asyncio.to_thread(store.load_history if history else store.load, run_id)
+    run = await store.load_async(run_id, history=history)
     if run is None or run.session_id != session_id:
         return None
     return run
@@ -348,7 +348,7 @@ class Converse(Command):
 
     async def address(self, env: TurnEnv) -> tuple[Run, bool]:
         run_id = conversation_run_id(self.session_id)
-        existing = await asyncio.to_thread(env.store.load, str(run_id))
+        existing = await env.store.load_async(str(run_id))
         if existing is not None:
             if existing.session_id != self.session_id:
                 raise RunNotFoundError(str(run_id), self.session_id)
@@ -411,7 +411,7 @@ class Deliver(Command):
         run_ids = await asyncio.to_thread(env.store.session_run_ids, self.session_id)
         matches: list[Run] = []
         for run_id in run_ids:
-            run = await asyncio.to_thread(env.store.load, run_id)
+            run = await env.store.load_async(run_id)
             if run is None:
                 continue
             if delivery.signal_id in run.signal_ids:

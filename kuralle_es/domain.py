@@ -28,6 +28,7 @@ from .models import (
     StepError,
     StepRecord,
     WaitingFor,
+    messages_from_json,
 )
 from .waiting import Wait
 
@@ -604,8 +605,9 @@ class Run(Aggregate):
     def snapshot_weight(self) -> int:
         """About how many events replaying would cost as much as loading this
         state: a live step is about an event's worth; messages and recorded
-        turns are smaller and decode in bulk (``RunStore`` spaces snapshots by it)."""
-        return len(self.steps) + (len(self.messages) + len(self.turn_keys)) // 8
+        turns are small and decode in bulk, about sixteen to an event
+        (``RunStore`` spaces snapshots by it; benchmarks/long_conversations.py)."""
+        return len(self.steps) + (len(self.messages) + len(self.turn_keys)) // 16
 
     # ----------------------------------------------------------------- steps
     def archive_steps(self) -> None:
@@ -667,7 +669,7 @@ class Run(Aggregate):
             active_flow=self.active_flow,
             active_node=self.active_node,
             state=copy.deepcopy(self.state),
-            messages=[Message.model_validate(m) for m in self.messages],
+            messages=messages_from_json(self.messages),
             waiting_for=self.public_wait(),
             flow_digest=self.flow_digest,
             lease_holder=self.lease_holder,

@@ -41,7 +41,7 @@ from .errors import (
     error_fields,
 )
 from .heartbeat import Heartbeat
-from .models import Message, StepError
+from .models import Message, StepError, messages_from_json
 from .observability import traced_step
 from .retry import NO_RETRY, RetryPolicy
 from .store import RunStore
@@ -159,7 +159,7 @@ class Journal:
         return copy.deepcopy(self._run.state)
 
     def messages(self) -> list[Message]:
-        return [Message.model_validate(m) for m in self._run.messages]
+        return messages_from_json(self._run.messages)
 
     @property
     def waiting(self) -> Wait | None:

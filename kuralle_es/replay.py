@@ -16,7 +16,6 @@ resume would go on live), at a wait, or at the node's own error.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -111,7 +110,7 @@ async def _nondeterminism(
     store: RunStore, run_id: str, flow: Flow, agents: Sequence[Agent]
 ) -> str | None:
     """Re-run the run's active node against its journal; the mismatch, if any."""
-    run = await asyncio.to_thread(store.load, run_id)
+    run = await store.load_async(run_id)
     if run is None:
         return None
     recorded_models = [step["name"] for step in run.steps if step["kind"] == "model"]
@@ -151,7 +150,7 @@ async def replay_check(
     for summary in await views.list_runs(flow=flow.name, limit=_MAX_RUNS):
         if summary.status not in _LIVE or summary.active_flow != flow.name:
             continue
-        run = await asyncio.to_thread(store.load, summary.run_id)
+        run = await store.load_async(summary.run_id)
         if run is None:
             continue
         if run.flow_digest != flow.digest:

@@ -374,6 +374,15 @@ class RunStore(Application[UUID]):
             return None
         return run
 
+    async def load_async(self, run_id: str, *, history: bool = False) -> Run | None:
+        """``load`` (or ``load_history``) for async code: inline in memory, where a
+        load is pure CPU and cheaper than a thread hop; on a worker thread where
+        it waits on a database."""
+        load = self.load_history if history else self.load
+        if self.saves_block:
+            return await asyncio.to_thread(load, run_id)
+        return load(run_id)
+
     def load_history(self, run_id: str) -> Run | None:
         """The run folded from all its events, every step it ever journaled kept
         (a loaded run holds only the steps a resume can replay: ``Run``).

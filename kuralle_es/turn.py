@@ -9,7 +9,6 @@ new user message, an accepted delivery, a re-pinned flow).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from typing import Any, cast
 
@@ -108,7 +107,7 @@ class _Turn:
         try:
             await self._open(run, journal, opening)
         except StaleWriteError:
-            latest = await asyncio.to_thread(env.store.load, run.run_id)
+            latest = await env.store.load_async(run.run_id)
             if latest is not None and self.command.won_elsewhere(latest, fresh):
                 return self._noop(latest, result_of(latest))
             raise

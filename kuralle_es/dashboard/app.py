@@ -222,7 +222,7 @@ class _Dashboard:
             return self._runtime
 
     async def load(self, run_id: str) -> RunState | None:
-        run = await asyncio.to_thread(self.store.load, run_id)
+        run = await self.store.load_async(run_id)
         return run.to_state() if run is not None else None
 
     # ---------------------------------------------------------------- pages
@@ -237,7 +237,7 @@ class _Dashboard:
 
     async def run_page(self, request: Request) -> Response:
         run_id = request.path_params["run_id"]
-        run = await asyncio.to_thread(self.store.load_history, run_id)
+        run = await self.store.load_async(run_id, history=True)
         if run is None:
             return self.problem(request, 404, "No such run", f"There is no run {run_id}.")
         deliveries = await asyncio.to_thread(read_deliveries, self.store, run_id)
