@@ -10,6 +10,7 @@ OUT=benchmarks/results
 mkdir -p "$OUT"
 "$PY" benchmarks/journal_overhead.py --breakdown 2>&1 | tee "$OUT/journal_overhead.txt"
 "$PY" benchmarks/peers.py --json "$OUT/peers.json" 2>&1 | tee "$OUT/peers.txt"
+"$PY" benchmarks/save_parts.py 2>&1 | tee "$OUT/save_parts.txt"
 "$PY" benchmarks/long_runs.py --json "$OUT/long_runs.json" 2>&1 | tee "$OUT/long_runs.txt"
 "$PY" benchmarks/throughput.py --json "$OUT/throughput.json" 2>&1 | tee "$OUT/throughput.txt"
 "$PY" benchmarks/long_conversations.py 2>&1 | tee "$OUT/long_conversations.txt"
