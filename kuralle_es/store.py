@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, ClassVar, TypeVar
 from urllib.parse import unquote, urlparse
 from uuid import UUID
@@ -282,7 +282,9 @@ class RunStore(Application[UUID]):
         state to snapshot. ``snapshotting_intervals`` still says which
         aggregate types are snapshotted.
         """
-        due = self._due_snapshots(processing_event)
+        self._put_snapshots(self._due_snapshots(processing_event))
+
+    def _put_snapshots(self, due: list[Run | SessionRuns]) -> None:
         if due and self.snapshots is not None:
             self.snapshots.put([Snapshot.take(aggregate) for aggregate in due])
 
@@ -394,12 +396,14 @@ class RunStore(Application[UUID]):
         aggregate_id = parse_run_id(run_id)
         if aggregate_id is None:
             return None
-        run: Any = None
-        for event in self.events.get(aggregate_id):
-            run = event.mutate(run)  # type: ignore[attr-defined]
-            if isinstance(run, Run):
-                run.keeps_all_steps = True
-        return run if isinstance(run, Run) else None
+        events: Iterator[Any] = iter(self.events.get(aggregate_id))
+        created = next(events, None)
+        run = created.mutate(None) if created is not None else None
+        if not isinstance(run, Run):
+            return None
+        run.keeps_all_steps = True  # before any later event can archive a step
+        folded: Run = project_events(run, events)
+        return folded
 
     def create_run(self, run: Run) -> None:
         """Save a new run together with its entry in its session's index.
@@ -464,8 +468,9 @@ class RunStore(Application[UUID]):
             await saver.insert([self.mapper.to_stored_event(event) for event in events])
         except IntegrityError as e:
             raise StaleWriteError(run.run_id, "another writer appended first") from e
-        if self._due_snapshots(processing_event):
-            await asyncio.to_thread(self._take_snapshots, processing_event)
+        due = self._due_snapshots(processing_event)
+        if due:
+            await asyncio.to_thread(self._put_snapshots, due)
 
     def close(self) -> None:
         if self._saver is not None:
