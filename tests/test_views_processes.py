@@ -51,6 +51,18 @@ def projector(url: str, batch: int = 1) -> subprocess.Popen[str]:
     )  # fmt: skip
 
 
+def ready(proc: subprocess.Popen[str]) -> subprocess.Popen[str]:
+    """Wait until the projector says it follows (its SIGTERM handler is installed
+    by then): a SIGTERM while Python still imports would kill it with -15."""
+    assert proc.stderr is not None
+    said: list[str] = []
+    for line in proc.stderr:
+        said.append(line)
+        if "following the run views" in line:
+            return proc
+    raise AssertionError(f"projector exited before following: {''.join(said)}")
+
+
 async def write_runs(runtime: Runtime, runs: int) -> list[str]:
     ids = []
     for _ in range(runs):
@@ -109,7 +121,7 @@ async def test_a_projector_killed_mid_stream_and_restarted_neither_skips_nor_dou
         assert 0 < killed_at < head, f"the kill landed at {killed_at} of {head}"
 
         await write_runs(runtime, 2)  # events arrive while no projector runs
-        second = projector(store_url)
+        second = ready(projector(store_url))
         await write_runs(runtime, 2)  # and while the restarted one follows
         await until(views, store.recorder.max_notification_id(), [second])
         stop(second)
@@ -124,7 +136,7 @@ async def test_two_projectors_on_one_database_never_apply_an_event_twice(store_u
         runtime = Runtime([agent()], store=store)
         await write_runs(runtime, 2)
         views = RunViews(store)
-        procs = [projector(store_url, batch=3), projector(store_url, batch=3)]
+        procs = [ready(projector(store_url, batch=3)), ready(projector(store_url, batch=3))]
         await write_runs(runtime, 6)  # both follow the same stream of new events
         await until(views, store.recorder.max_notification_id(), procs)
         for proc in procs:
