@@ -35,7 +35,11 @@ import pytest
 import uvicorn
 from pydantic import BaseModel
 from selenium import webdriver
-from selenium.common.exceptions import WebDriverException
+from selenium.common.exceptions import (
+    NoSuchElementException,
+    StaleElementReferenceException,
+    WebDriverException,
+)
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
@@ -561,11 +565,21 @@ def test_pages_refresh_themselves(
     paused = maker.refund_paused("s-refresh", "3")
     dashboard = serve(refresh=1)
     visit(browser, f"{dashboard.url}/runs/{paused.run_id}")
-    assert text_of(browser, "run-status") == "paused"
+    # The page reloads itself every second: an element found just before a reload
+    # is stale by the time its text is read, so each wait looks again.
+    until_text(browser, "run-status", "paused", seconds=2)
     maker.deliver(paused, "s-refresh", {"approved": True, "by": "sam"}, "__approval")
-    WebDriverWait(browser, 15, poll_frequency=0.3).until(
-        lambda d: d.find_element(By.ID, "run-status").text == "finished"
-    )
+    until_text(browser, "run-status", "finished", seconds=15)
+
+
+def until_text(driver: webdriver.Chrome, element_id: str, text: str, seconds: float) -> None:
+    """Wait until the element shows ``text`` on a page that reloads itself."""
+    WebDriverWait(
+        driver,
+        seconds,
+        poll_frequency=0.3,
+        ignored_exceptions=(NoSuchElementException, StaleElementReferenceException),
+    ).until(lambda d: d.find_element(By.ID, element_id).text == text)
 
 
 def test_state_changes_need_the_token_and_a_valid_csrf_token(
