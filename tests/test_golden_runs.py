@@ -1,0 +1,482 @@
+"""Golden runs: stored runs written by an earlier release keep loading and resuming.
+
+``tests/golden/runs_0_1_0/`` holds runs that kuralle_es 0.1.0 (commit 014f51e)
+stored with the frozen app of that folder: a SQLite file and a PostgreSQL dump
+of the same set (paused on an approval, on a tool's approval, on a signal with
+a schema, on a durable timer, on a collect node's input, finished, failed,
+cancelled, a conversation, a conversation paused on a model-requested tool's
+approval, a fork, an expired deadline, a retried tool, a run with a snapshot,
+an orphan), and ``manifest.json`` saying how each stands and
+how its resume should end. They are users' data: never regenerated, never
+edited. Each test works on a copy (a temp file, a fresh database), with the
+same body for both stores, and checks that today's code
+
+- loads every run as stored (``get_run``, ``get_steps``) and would resume it
+  without drift or non-determinism (``replay_check``), the flows' digests
+  being computed as they were;
+- answers the run views over the stored view tables (and a rebuild of them);
+- streams the public events of every run, in order (``follow``, ``Consumer``);
+- resumes every run to its end (approvals, signal, timer, input, deadline
+  sweep, orphan recovery, the fork), each effect executed once (the tools'
+  ledger), the orphan's in-doubt step once more under its stored key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import shutil
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from golden.runs_0_1_0 import app
+
+from kuralle_es import (
+    InvalidSignalError,
+    RunState,
+    RunStore,
+    Runtime,
+    SignalMismatchError,
+    ToolExecutionError,
+    TurnResult,
+    fire_timers,
+    recover_orphaned_runs,
+    sweep_deadlines,
+)
+from kuralle_es.events import Consumer, RunEvent, follow
+from kuralle_es.testing import replay_check
+
+GOLDEN = Path(__file__).resolve().parent / "golden" / "runs_0_1_0"
+MANIFEST: dict[str, Any] = json.loads((GOLDEN / "manifest.json").read_text("utf-8"))
+RUNS: dict[str, dict[str, Any]] = MANIFEST["runs"]
+HOLDER = "golden-test"
+#: The status a resume ends in -> the type of the run's last public event.
+LAST_EVENT = {"finished": "RunFinished", "error": "RunErrored", "aborted": "RunAborted"}
+
+BACKENDS = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+
+
+# ------------------------------------------------------------------ loading
+def load_pg_dump(dsn: str, dump: Path) -> None:
+    """Run a plain ``pg_dump`` script on ``dsn`` with psycopg (no ``psql`` needed).
+
+    Statements run as one script between ``COPY ... FROM stdin`` blocks, whose data
+    lines go through psycopg's COPY; psql meta-commands (``\\restrict`` and
+    ``\\unrestrict`` of pg_dump 15.14 and later) are skipped.
+    """
+    lines = iter(dump.read_text("utf-8").splitlines(keepends=True))
+    script: list[str] = []
+    with psycopg.connect(dsn, autocommit=True) as conn:
+
+        def flush() -> None:
+            text = "".join(script).strip()
+            if text:
+                conn.execute(text.encode("utf-8"))
+            script.clear()
+
+        for line in lines:
+            if line.startswith("\\"):
+                continue
+            if line.startswith("COPY ") and line.rstrip().endswith("FROM stdin;"):
+                flush()
+                with conn.cursor() as cur, cur.copy(line.encode("utf-8")) as copy:
+                    for data in lines:
+                        if data.rstrip("\n") == "\\.":
+                            break
+                        copy.write(data.encode("utf-8"))
+                continue
+            script.append(line)
+        flush()
+
+
+@dataclass
+class Golden:
+    """One store's copy of the golden runs, and the ledger its tools write to now."""
+
+    backend: str
+    target: str
+    ledger: Path
+    stores: list[RunStore] = field(default_factory=list)
+
+    @property
+    def own(self) -> dict[str, Any]:
+        """The manifest's facts of this store: run ids, states, keys, its ledger."""
+        stores: dict[str, Any] = MANIFEST["stores"]
+        return dict(stores[self.backend])
+
+    def run_id(self, label: str) -> str:
+        return str(self.own["runs"][label]["run_id"])
+
+    def session(self, label: str) -> str:
+        return str(RUNS[label]["session_id"])
+
+    def open(self) -> RunStore:
+        if self.backend == "sqlite":
+            store = RunStore.sqlite(self.target)
+        else:
+            store = RunStore.postgres(self.target)
+        self.stores.append(store)
+        return store
+
+    def runtime(self, holder: str = HOLDER) -> Runtime:
+        return Runtime(app.build_agents(), store=self.open(), holder=holder)
+
+    def generated_ledger(self, label: str) -> list[dict[str, Any]]:
+        """The effects the generation executed for this run."""
+        run_id = self.run_id(label)
+        return [e for e in self.own["ledger"] if e["run_id"] == run_id]
+
+
+@pytest.fixture(params=BACKENDS)
+def golden(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Golden]:
+    backend = str(request.param)
+    if backend == "sqlite":
+        target = tmp_path / "runs.sqlite"
+        shutil.copyfile(GOLDEN / "runs.sqlite", target)  # never touch the committed file
+        copy = str(target)
+    else:
+        copy = str(request.getfixturevalue("pg_dsn"))  # a fresh database, dropped after
+        load_pg_dump(copy, GOLDEN / "runs.pg.sql")
+    ledger = tmp_path / "ledger.jsonl"
+    app.use_ledger(ledger)
+    found = Golden(backend, copy, ledger)
+    try:
+        yield found
+    finally:
+        app.use_ledger(None)
+        for store in found.stores:
+            with contextlib.suppress(Exception):
+                store.close()
+
+
+def test_the_golden_flows_digests_are_computed_as_they_were() -> None:
+    assert {flow.name: flow.digest for flow in app.FLOWS} == MANIFEST["flows"]
+
+
+# -------------------------------------------------------------------- loads
+async def test_every_golden_run_loads_as_it_was_stored(golden: Golden) -> None:
+    runtime = golden.runtime()
+    for label, expected in RUNS.items():
+        own = golden.own["runs"][label]
+        state = await runtime.get_run(own["run_id"], expected["session_id"])
+        assert state is not None, f"{label}: run {own['run_id']} not found"
+        steps = await runtime.get_steps(own["run_id"], expected["session_id"])
+        wait = state.waiting_for
+        seen = {
+            "kind": state.kind,
+            "status": state.status,
+            "active_flow": state.active_flow,
+            "active_node": state.active_node,
+            "outcome": state.outcome,
+            "error": None if state.error is None else state.error.type,
+            "waiting_for": None if wait is None else {
+                "kind": wait.kind,
+                "name": wait.name,
+                "title": wait.title,
+                "operation": None if wait.operation is None else {
+                    "tool_name": wait.operation.tool_name, "args": wait.operation.args,
+                },
+            },
+            "lease": state.lease_holder,
+            "step_count": state.step_count,
+            "steps": [app.step_signature(s) for s in steps],
+            "messages": [m.role for m in state.messages],
+        }  # fmt: skip
+        assert seen == {k: expected[k] for k in seen}, label
+        assert state.state == own["state"], label
+        assert [s.key for s in steps] == own["step_keys"], label
+        assert state.flow_digest == own["flow_digest"], label
+        if state.active_flow is not None:
+            assert state.flow_digest == MANIFEST["flows"][state.active_flow], label
+        if wait is not None and wait.deadline is not None:
+            assert wait.deadline.tzinfo is not None, label
+
+    fork = await runtime.get_run(golden.run_id("fork"), golden.session("fork"))
+    assert fork is not None
+    assert fork.forked_from == {"run_id": golden.run_id("fork_origin"), "at_step": 1}
+    orphan = await runtime.get_run(golden.run_id("orphan"), golden.session("orphan"))
+    assert orphan is not None and orphan.lease_expires_at is not None
+    assert orphan.lease_expires_at < datetime.now(UTC)
+
+    # Today's code would resume every live run as recorded: no drift, no non-determinism.
+    store = golden.open()
+    for flow in app.FLOWS:
+        assert await replay_check(store, flow, agents=app.build_agents()) == [], flow.name
+
+
+# -------------------------------------------------------------------- views
+def summaries_by_label(golden: Golden, summaries: list[Any]) -> dict[str, Any]:
+    labels = {golden.run_id(label): label for label in RUNS}
+    return {labels.get(s.run_id, s.run_id): s for s in summaries}
+
+
+async def test_the_views_of_the_golden_runs_answer_as_stored_and_rebuilt(golden: Golden) -> None:
+    views = golden.runtime().views
+    await views.wait_until_caught_up(30.0)
+    now = datetime.now(UTC)
+
+    listed = summaries_by_label(golden, await views.list_runs(limit=100))
+    assert {label: s.status for label, s in listed.items()} == {
+        label: run["status"] for label, run in RUNS.items()
+    }
+    for label, summary in listed.items():
+        run = RUNS[label]
+        assert summary.session_id == run["session_id"], label
+        assert (summary.kind, summary.step_count) == (run["kind"], run["step_count"]), label
+        assert summary.active_flow == run["active_flow"], label
+        wait = run["waiting_for"]
+        assert (None if summary.waiting_for is None else summary.waiting_for.kind) == (
+            None if wait is None else wait["kind"]
+        ), label
+
+    paused = {label for label, run in RUNS.items() if run["status"] == "paused"}
+    assert set(summaries_by_label(golden, await views.waiting_runs())) == paused
+    assert list(summaries_by_label(golden, await views.orphaned_runs(now))) == ["orphan"]
+    assert list(summaries_by_label(golden, await views.due_timers(now))) == ["timer"]
+    assert list(summaries_by_label(golden, await views.expired_deadlines(now))) == [
+        "expired_deadline"
+    ]
+    order = golden.session("fork")
+    assert set(summaries_by_label(golden, await views.list_runs(session_id=order))) == {
+        "fork", "fork_origin",
+    }  # fmt: skip
+    stats = {s.name: s for s in await views.step_stats()}
+    assert {"charge", "quote", "explode", "flaky", "double", "settle", "lookup"} <= set(stats)
+    assert stats["explode"].errors == 1 and stats["double"].count == app.LONG_VISITS
+
+    # The stored view tables say what a projection of the stored events says.
+    before = [s.model_dump() for s in await views.list_runs(limit=100)]
+    await views.rebuild()
+    assert [s.model_dump() for s in await views.list_runs(limit=100)] == before
+
+
+# ------------------------------------------------------------------- events
+async def take_all(events: AsyncIterator[RunEvent], count: int) -> list[RunEvent]:
+    taken = [await asyncio.wait_for(anext(events), 10.0) for _ in range(count)]
+    with pytest.raises(TimeoutError):  # nothing more is stored
+        await asyncio.wait_for(anext(events), 0.5)
+    return taken
+
+
+def by_label(golden: Golden, events: list[RunEvent]) -> dict[str, list[str]]:
+    labels = {golden.run_id(label): label for label in RUNS}
+    grouped: dict[str, list[str]] = {}
+    for event in events:
+        assert event.run_id in labels, f"an event of an unknown run: {event}"
+        label = labels[event.run_id]
+        assert event.session_id == RUNS[label]["session_id"], event
+        grouped.setdefault(label, []).append(app.event_signature(event))
+    return grouped
+
+
+async def test_the_public_events_of_the_golden_runs_stream_in_order(golden: Golden) -> None:
+    store = golden.open()
+    expected = {label: run["events"] for label, run in RUNS.items()}
+    count = sum(len(events) for events in expected.values())
+
+    streamed = await take_all(follow(store), count)
+
+    positions = [e.position for e in streamed]
+    assert positions == sorted(positions) and len(set(positions)) == len(positions)
+    assert by_label(golden, streamed) == expected
+    consumed: list[RunEvent] = []
+    assert await Consumer(store, "golden-reader", consumed.append).run_until_caught_up() == count
+    assert [e.model_dump() for e in consumed] == [e.model_dump() for e in streamed]
+    # A follower started in the middle reads the same events from there.
+    middle = streamed[count // 2].position
+    rest = await take_all(follow(store, after=middle), count - count // 2 - 1)
+    assert [e.model_dump() for e in rest] == [e.model_dump() for e in streamed[count // 2 + 1 :]]
+
+
+# ------------------------------------------------------------------ resumes
+Action = Callable[[Runtime, Golden, str], Any]
+
+
+async def approve(runtime: Runtime, golden: Golden, label: str) -> TurnResult:
+    spec = RUNS[label]["resume"]
+    run_id, session = golden.run_id(label), golden.session(label)
+    signal_id = f"golden-{label}"
+    result = await runtime.approve(run_id, session, by=spec["by"], signal_id=signal_id)
+    # The same decision again (a webhook retry) is a no-op.
+    version = await state_version(runtime, golden, label)
+    again = await runtime.approve(run_id, session, by=spec["by"], signal_id=signal_id)
+    assert again.status == result.status
+    assert await state_version(runtime, golden, label) == version
+    if "output" in spec:
+        assert result.output == spec["output"], label
+    return result
+
+
+async def signal(runtime: Runtime, golden: Golden, label: str) -> TurnResult:
+    spec = RUNS[label]["resume"]
+    run_id, session = golden.run_id(label), golden.session(label)
+    if "bad_payload" in spec:  # the stored schema topic still resolves: a bad payload is refused
+        version = await state_version(runtime, golden, label)
+        with pytest.raises(InvalidSignalError):
+            await runtime.signal(run_id, session, spec["name"], spec["bad_payload"])
+        assert await state_version(runtime, golden, label) == version
+    return await runtime.signal(
+        run_id, session, spec["name"], spec["payload"], signal_id=f"golden-{label}"
+    )
+
+
+async def fire(runtime: Runtime, golden: Golden, label: str) -> None:
+    assert await fire_timers(runtime) == [golden.run_id(label)]
+
+
+async def sweep(runtime: Runtime, golden: Golden, label: str) -> None:
+    assert await sweep_deadlines(runtime) == [golden.run_id(label)]
+
+
+async def recover(runtime: Runtime, golden: Golden, label: str) -> None:
+    assert await recover_orphaned_runs(runtime) == [golden.run_id(label)]
+
+
+async def give_input(runtime: Runtime, golden: Golden, label: str) -> TurnResult:
+    spec = RUNS[label]["resume"]
+    return await runtime.run(
+        golden.session(label), run_id=golden.run_id(label), input=spec["input"]
+    ).result()
+
+
+async def converse(runtime: Runtime, golden: Golden, label: str) -> TurnResult:
+    spec = RUNS[label]["resume"]
+    await readdress(runtime, golden, label)
+    result = await runtime.run(golden.session(label), input=spec["input"]).result()
+    assert (result.run_id, result.output) == (golden.run_id(label), spec["output"])
+    return result
+
+
+async def readdress(runtime: Runtime, golden: Golden, label: str) -> None:
+    """A run that ended, addressed again: it executes nothing."""
+    spec = RUNS[label]["resume"]
+    run_id, session = golden.run_id(label), golden.session(label)
+    before = await state_version(runtime, golden, label)
+    if spec.get("raises") == "ToolExecutionError":
+        # An errored run drives its node again: the frozen error replays, nothing runs.
+        with pytest.raises(ToolExecutionError):
+            await runtime.run(session, run_id=run_id).result()
+        return
+    if spec.get("refused_approval"):
+        with pytest.raises(SignalMismatchError):
+            await runtime.approve(run_id, session, by="late")
+    result = await runtime.run(session, run_id=run_id).result()
+    assert result.status == RUNS[label]["status"]
+    if "restart_key" in spec:  # a retried start with the same key finds the stored run
+        flow = RUNS[label]["flow"]
+        again = await runtime.run(
+            session, kind="flow", flow_name=flow, idempotency_key=spec["restart_key"]
+        ).result()
+        assert (again.run_id, again.status) == (run_id, RUNS[label]["status"])
+    assert await state_version(runtime, golden, label) == before
+
+
+ACTIONS: dict[str, Action] = {
+    "approve": approve,
+    "signal": signal,
+    "fire_timers": fire,
+    "sweep_deadlines": sweep,
+    "recover": recover,
+    "input": give_input,
+    "converse": converse,
+    "readdress": readdress,
+}
+
+
+async def state_version(runtime: Runtime, golden: Golden, label: str) -> int:
+    return (await final_state(runtime, golden, label)).version
+
+
+async def final_state(runtime: Runtime, golden: Golden, label: str) -> RunState:
+    state = await runtime.get_run(golden.run_id(label), golden.session(label))
+    assert state is not None, label
+    return state
+
+
+async def test_every_golden_run_resumes_to_its_end_with_each_effect_once(golden: Golden) -> None:
+    runtime = golden.runtime()
+    added: dict[str, list[dict[str, Any]]] = {}
+    for label, run in RUNS.items():
+        spec = run["resume"]
+        before = len(app.read_ledger())
+        stored = await runtime.get_steps(golden.run_id(label), golden.session(label))
+        await ACTIONS[spec["do"]](runtime, golden, label)
+
+        # The stored journal is history: every step that had ended is as it was
+        # (its key, result, times), and the resume only appended to it.
+        steps = await runtime.get_steps(golden.run_id(label), golden.session(label))
+        assert [s.key for s in steps[: len(stored)]] == [s.key for s in stored], label
+        for was, is_now in zip(stored, steps, strict=False):
+            if was.status != "running":
+                assert is_now == was, (label, was.index)
+
+        state = await final_state(runtime, golden, label)
+        assert (state.status, state.outcome) == (spec["status"], spec["outcome"]), label
+        assert state.waiting_for is None and state.lease_holder is None, label
+        new = app.read_ledger()[before:]
+        assert {e["run_id"] for e in new} <= {golden.run_id(label)}, (label, new)
+        assert [e["tool"] for e in new] == spec["adds"], label
+        added[label] = new
+
+    # The orphan: its in-doubt settle ran once more, under the key the dead worker
+    # executed (so a payment system deduplicating on it sees one settlement).
+    (settled,) = added["orphan"]
+    (generated,) = golden.generated_ledger("orphan")
+    assert settled["key"] == generated["key"] == golden.own["runs"]["orphan"]["step_keys"][0]
+    steps = await runtime.get_steps(golden.run_id("orphan"), golden.session("orphan"))
+    assert [app.step_signature(s) for s in steps] == ["tool settle finished x2"]
+    # The frozen refund executed with the arguments its approver saw.
+    (refund,) = added["tool_approval"]
+    assert refund["args"] == RUNS["tool_approval"]["waiting_for"]["operation"]["args"]
+    # The retried tool and the fork's quote replayed; the long run's total is its own.
+    retried = await runtime.get_steps(golden.run_id("retried"), golden.session("retried"))
+    assert [app.step_signature(s) for s in retried] == [
+        "tool flaky finished x2",
+        "signal continue finished x1",
+        "tool charge finished x1",
+    ]
+    fork = await runtime.get_steps(golden.run_id("fork"), golden.session("fork"))
+    assert [s.name for s in fork] == ["quote", "__approval", "charge"]
+    assert added["long"][0]["args"] == {"cents": sum(2 * n for n in range(app.LONG_VISITS))}
+
+    # Every effect once: no key twice now, and none the generation executed, but the
+    # in-doubt steps the manifest says re-execute (the orphan's settle), each under a
+    # key the generation executed for that very run.
+    now_keys = [e["key"] for label in added for e in added[label]]
+    assert len(now_keys) == len(set(now_keys))
+    reexecuted: set[str] = set()
+    for label, run in RUNS.items():
+        again = [e for e in added[label] if e["tool"] in run["resume"].get("reexecutes", [])]
+        assert [e["tool"] for e in again] == run["resume"].get("reexecutes", []), label
+        assert {e["key"] for e in again} <= {e["key"] for e in golden.generated_ledger(label)}
+        reexecuted |= {e["key"] for e in again}
+    assert reexecuted == {settled["key"]}
+    generated_keys = {e["key"] for e in golden.own["ledger"]}
+    assert set(now_keys) & generated_keys == reexecuted
+
+    # Nothing is left to do, and the views and the events say how each run ended.
+    assert await recover_orphaned_runs(runtime) == []
+    assert await fire_timers(runtime) == []
+    assert await sweep_deadlines(runtime) == []
+    assert await runtime.views.waiting_runs() == []
+    assert await runtime.views.orphaned_runs(datetime.now(UTC)) == []
+    listed = summaries_by_label(golden, await runtime.views.list_runs(limit=100))
+    assert {label: s.status for label, s in listed.items()} == {
+        label: run["resume"]["status"] for label, run in RUNS.items()
+    }
+    store = golden.open()
+    events: list[RunEvent] = []
+    await Consumer(store, "golden-after", events.append).run_until_caught_up()
+    positions = [e.position for e in events]
+    assert positions == sorted(positions)
+    grouped = by_label(golden, events)
+    for label, run in RUNS.items():
+        assert grouped[label][: len(run["events"])] == run["events"], label
+        assert grouped[label][-1].split()[0] == LAST_EVENT[run["resume"]["status"]], label
+    assert len(app.read_ledger()) == sum(len(run["resume"]["adds"]) for run in RUNS.values())
