@@ -27,6 +27,7 @@ from .errors import (
     ToolExecutionError,
     ToolResultTypeError,
     ToolTimeoutError,
+    TurnClosedError,
     UnknownToolError,
 )
 from .flows import End, Flow, Goto, Handoff, action, collect, define_flow, end, goto, handoff, reply
@@ -122,6 +123,7 @@ __all__ = [
     "ToolResultTypeError",
     "ToolStats",
     "ToolTimeoutError",
+    "TurnClosedError",
     "TurnHandle",
     "TurnResult",
     "UnknownToolError",

@@ -144,6 +144,9 @@ async def run_tool_calls(
             return await _outcome(journal, call)
 
     for group in _groups(pending):
+        if len(group) > 1:  # a parallel batch, recorded as one on its steps
+            for call in group:
+                call.site = call.site.in_batch(group[0].site.callsite)
         for call in group:
             emit(
                 StreamPart(
@@ -155,6 +158,11 @@ async def run_tool_calls(
             )
         # return_exceptions: a suspend in the group lets the others settle first.
         outcomes = await asyncio.gather(*(bounded(c) for c in group), return_exceptions=True)
+        # A crash or a cancellation of one call is the cause of whatever the
+        # others then met (a broken journal's StaleWriteError): it goes first.
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException) and not isinstance(outcome, Exception):
+                raise outcome
         suspended: SuspendError | None = None
         for call, outcome in zip(group, outcomes, strict=True):
             if isinstance(outcome, SuspendError):

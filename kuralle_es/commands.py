@@ -293,6 +293,11 @@ class Command(ABC):
     def prepare(self, run: Run, fresh: bool, env: TurnEnv) -> Opening | None:
         """The opening this turn needs (None: nothing to do), or a refusal."""
 
+    def already_done(self, run: Run) -> bool:
+        """Whether the run already has what this call delivers (a retried
+        delivery): a no-op, answered even while another holder drives the run."""
+        return False
+
     def won_elsewhere(self, latest: Run, fresh: bool) -> bool:
         """After losing the opening save: whether the winner did this very turn."""
         return False
@@ -432,9 +437,10 @@ class Deliver(Command):
             )
         raise SignalMismatchError("", msg)
 
+    def already_done(self, run: Run) -> bool:
+        return waits.is_duplicate(run, self.delivery)
+
     def prepare(self, run: Run, fresh: bool, env: TurnEnv) -> Opening | None:
-        if waits.is_duplicate(run, self.delivery):
-            return None
         require_current_flow(run, env.registry)
         payload = waits.check(
             run, self.delivery, utcnow(), env.registry.schemas, from_sweeper=self.from_sweeper

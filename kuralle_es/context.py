@@ -1,17 +1,24 @@
-"""``RunContext``: what an ``action`` node sees (API). Thin wrappers over the funnel."""
+"""``RunContext``: what an ``action`` node sees (API). Thin wrappers over the funnel.
+
+A context is bound to one node visit: once the node has returned (or
+raised), every effect asked of it raises ``TurnClosedError`` and executes
+nothing, so a task the node left running cannot act for the run. While the
+visit lasts, the journal admits each effect (it refuses every effect after
+the turn suspended), docs/node-code.md.
+"""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from datetime import datetime, timedelta
 from typing import Any
 from uuid import uuid4
 
 from pydantic import BaseModel, ValidationError
 
-from .cursor import Cursor
-from .errors import InvalidArgumentError, InvalidSignalError, UnknownToolError
+from .cursor import Cursor, Site
+from .errors import InvalidArgumentError, InvalidSignalError, TurnClosedError, UnknownToolError
 from .journal import Journal, decode, utcnow
 from .models import ApprovalDecision, StreamPart
 from .tool_steps import run_tool
@@ -37,6 +44,7 @@ class RunContext:
         self._tools = tools
         self._emit = emit
         self._schemas = schemas
+        self._closed = False
 
     @property
     def run_id(self) -> str:
@@ -46,6 +54,20 @@ class RunContext:
     def session_id(self) -> str:
         return self._journal.session_id
 
+    def close(self) -> None:
+        """End this context's node visit (the driver calls it when the node is done)."""
+        self._closed = True
+
+    def _require_open(self, what: str) -> None:
+        if self._closed:
+            raise TurnClosedError(self._journal.run_id, what)
+
+    def _admit(self, what: str) -> None:
+        """Refuse an effect once the visit ended (``TurnClosedError``) or the turn
+        suspended (``SuspendError``); nothing is reserved or executed then."""
+        self._require_open(what)
+        self._journal.admit(what)
+
     # ----------------------------------------------------------------- tools
     def tool(
         self,
@@ -54,47 +76,70 @@ class RunContext:
         *,
         callsite: int | None = None,
         index: int | None = None,
-    ) -> Awaitable[Any]:
+    ) -> Coroutine[Any, Any, Any]:
         """Run a tool durably. The callsite is reserved now, when called, not when awaited.
 
         Unknown names and invalid args are refused here, before any callsite
-        is taken or anything is journaled.
+        is taken or anything is journaled, and so is a request made after the
+        turn suspended. Awaited after the node returned, it raises ``TurnClosedError``.
         """
+        self._admit(f"tool {name!r}")
         tool = self._tools.get(name)
         if tool is None:
             raise UnknownToolError(name, list(self._tools))
         validated = tool.validate(args)
         explicit = _explicit_site(callsite, index)
-        site = self._cursor.take() if explicit is None else self._cursor.site(explicit)
-        return run_tool(self._journal, site, tool, validated, self._emit)
+        return self._run_tool(self._cursor.request(explicit), tool, validated)
+
+    async def _run_tool(self, site: Site, tool: Tool[Any], args: BaseModel) -> Any:
+        try:
+            self._require_open(f"tool {tool.name!r}")
+            return await run_tool(self._journal, site, tool, args, self._emit)
+        finally:
+            self._cursor.settled()
 
     # ------------------------------------------------------------- waiting
-    async def approve(
+    def approve(
         self,
         title: str,
         description: str | None = None,
         deadline: datetime | timedelta | float | None = None,
-    ) -> ApprovalDecision:
+    ) -> Coroutine[Any, Any, ApprovalDecision]:
         """Suspend until an ``__approval`` signal arrives; returns the decision."""
-        callsite = self._cursor.reserve(1)[0]
+        self._admit("approval")
+        return self._approve(title, description, deadline)
+
+    async def _approve(
+        self, title: str, description: str | None, deadline: datetime | timedelta | float | None
+    ) -> ApprovalDecision:
+        self._require_open("approval")
         payload = await self._wait(
-            callsite, APPROVAL, "approval", title=title, description=description, deadline=deadline
+            APPROVAL, "approval", title=title, description=description, deadline=deadline
         )
         return approval_decision(payload)
 
-    async def signal(
+    def signal(
         self,
         name: str,
         deadline: datetime | timedelta | float | None = None,
         schema: type[BaseModel] | None = None,
-    ) -> Any:
+    ) -> Coroutine[Any, Any, Any]:
         """Suspend until signal ``name`` arrives; returns its payload (validated by
         ``schema`` when given, except the deadline sweeper's deny, returned as is)."""
         if not isinstance(name, str) or not name or name.startswith("__"):
             msg = f"signal name must be a non-empty string not starting with '__', got {name!r}"
             raise InvalidArgumentError(msg)
-        callsite = self._cursor.reserve(1)[0]
-        payload = await self._wait(callsite, name, "signal", deadline=deadline, schema=schema)
+        self._admit(f"signal {name!r}")
+        return self._signal(name, deadline, schema)
+
+    async def _signal(
+        self,
+        name: str,
+        deadline: datetime | timedelta | float | None,
+        schema: type[BaseModel] | None,
+    ) -> Any:
+        self._require_open(f"signal {name!r}")
+        payload = await self._wait(name, "signal", deadline=deadline, schema=schema)
         if schema is None or is_deadline_deny(payload):
             return payload
         try:
@@ -104,7 +149,6 @@ class RunContext:
 
     async def _wait(
         self,
-        callsite: int,
         name: str,
         kind: str,
         *,
@@ -113,24 +157,27 @@ class RunContext:
         deadline: datetime | timedelta | float | None = None,
         schema: type[BaseModel] | None = None,
     ) -> Any:
-        site = self._cursor.site(callsite)
-        step = self._journal.recorded(site, kind, name, site.key(name))
-        if step is not None and step["status"] == "finished":
-            return decode(step)
-        suspend(
-            self._journal,
-            site,
-            name=name,
-            kind=kind,
-            title=title,
-            description=description,
-            deadline=deadline,
-            schema=schema,
-            schemas=self._schemas,
-        )
+        site = self._cursor.request()
+        try:
+            step = self._journal.recorded(site, kind, name, site.key(name))
+            if step is not None and step["status"] == "finished":
+                return decode(step)
+            suspend(
+                self._journal,
+                site,
+                name=name,
+                kind=kind,
+                title=title,
+                description=description,
+                deadline=deadline,
+                schema=schema,
+                schemas=self._schemas,
+            )
+        finally:
+            self._cursor.settled()
 
     # ----------------------------------------------------------------- sleep
-    async def sleep(self, duration: float | timedelta) -> None:
+    def sleep(self, duration: float | timedelta) -> Coroutine[Any, Any, None]:
         """Sleep durably for ``duration`` (seconds, or a ``timedelta``).
 
         Takes one callsite and journals one ``timer`` step whose result is the
@@ -142,7 +189,18 @@ class RunContext:
         ``InvalidArgumentError`` for a negative or non-finite duration.
         """
         seconds = _seconds(duration)
-        site = self._cursor.take()
+        self._admit("sleep")
+        return self._sleep(seconds)
+
+    async def _sleep(self, seconds: float) -> None:
+        self._require_open("sleep")
+        site = self._cursor.request()
+        try:
+            await self._sleep_at(site, seconds)
+        finally:
+            self._cursor.settled()
+
+    async def _sleep_at(self, site: Site, seconds: float) -> None:
         recorded = await self._journal.record_value(
             site,
             kind="timer",
@@ -161,28 +219,42 @@ class RunContext:
         suspend(self._journal, site, name=TIMER, kind="timer", deadline=wake_at)
 
     # ---------------------------------------------------------- clock, uuid
-    async def now(self) -> datetime:
+    def now(self) -> Coroutine[Any, Any, datetime]:
         """The current UTC time, recorded once and replayed identically."""
+        self._admit("now")
+        return self._now()
+
+    async def _now(self) -> datetime:
         value = await self._value("now", lambda: utcnow().isoformat())
         return datetime.fromisoformat(value)
 
-    async def uuid(self) -> str:
+    def uuid(self) -> Coroutine[Any, Any, str]:
         """A uuid4 string, recorded once and replayed identically."""
+        self._admit("uuid")
+        return self._uuid()
+
+    async def _uuid(self) -> str:
         return str(await self._value("uuid", lambda: str(uuid4())))
 
     async def _value(self, kind: str, make: Callable[[], str]) -> Any:
-        site = self._cursor.take()
-        return await self._journal.record_value(
-            site, kind=kind, name=kind, key=site.key(kind), args=None, make=make
-        )
+        self._require_open(kind)
+        site = self._cursor.request()
+        try:
+            return await self._journal.record_value(
+                site, kind=kind, name=kind, key=site.key(kind), args=None, make=make
+            )
+        finally:
+            self._cursor.settled()
 
     # ---------------------------------------------------------------- misc
     def emit(self, part: Any) -> None:
         """Send a custom part to the turn's stream (not journaled)."""
+        self._require_open("emit")
         self._emit(StreamPart(type="custom", data=part))
 
     def reserve_callsites(self, n: int) -> list[int]:
         """Reserve ``n`` ordinals now; pass them as ``callsite=`` to later calls."""
+        self._require_open("reserve_callsites")
         return self._cursor.reserve(n)
 
 

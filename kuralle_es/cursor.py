@@ -4,6 +4,12 @@ A ``Cursor`` hands out the ordinals of one flow visit (or one conversation
 epoch) in call order; a ``Site`` is one of them, in its logical run and lane.
 The driver owns the cursor and moves it at each node (re-)entry; the journal
 only ever sees sites.
+
+A site also says which parallel batch its effect belongs to. An effect node
+code requests while another of its requests has not settled joins that
+one's batch (``asyncio.gather(ctx.tool(a), ctx.tool(b))`` requests both
+before either runs), so the batch is known when the effect is requested, the
+same on every backend, whatever order the effects then run in.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ class Site:
     logical_run: str
     callsite: int
     lane: str = ""
+    #: The callsite of the first effect of this one's parallel batch (None: alone).
+    batch: int | None = None
 
     def key(self, payload: Any, override: str | None = None) -> str:
         """The effect's idempotency key here (``override`` is a caller's own key)."""
@@ -37,7 +45,10 @@ class Site:
         return idempotency_key(self.logical_run, self.callsite, payload)
 
     def in_lane(self, lane: str) -> Site:
-        return Site(self.logical_run, self.callsite, lane)
+        return Site(self.logical_run, self.callsite, lane, self.batch)
+
+    def in_batch(self, batch: int | None) -> Site:
+        return Site(self.logical_run, self.callsite, self.lane, batch)
 
 
 class Cursor:
@@ -46,6 +57,9 @@ class Cursor:
     def __init__(self, logical_run: str, base: int = 0) -> None:
         self._logical_run = logical_run
         self._next = base
+        #: Requests not settled yet, and the batch they belong to.
+        self._unsettled = 0
+        self._batch = base
 
     @property
     def logical_run(self) -> str:
@@ -73,3 +87,17 @@ class Cursor:
 
     def site(self, callsite: int) -> Site:
         return Site(self._logical_run, callsite)
+
+    def request(self, callsite: int | None = None) -> Site:
+        """The site of an effect node code requests now (the next callsite, or an
+        explicit one), in the batch of the requests not settled yet; pair it
+        with ``settled`` once the effect is done."""
+        site = self.take() if callsite is None else self.site(callsite)
+        if self._unsettled == 0:
+            self._batch = site.callsite
+        self._unsettled += 1
+        return site.in_batch(self._batch)
+
+    def settled(self) -> None:
+        """A requested effect is done (returned, raised or was refused)."""
+        self._unsettled -= 1

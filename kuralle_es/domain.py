@@ -182,9 +182,17 @@ class Run(Aggregate):
             run.archive_steps()
 
     class StepStarted(Event):
-        """Intent: an effect is about to run at ``callsite`` with ``key``."""
+        """Intent: an effect is about to run at ``callsite`` with ``key``.
+
+        ``batch`` is the callsite of the first effect of the parallel batch
+        this one belongs to (one ``gather`` of effects, or one model turn's
+        parallel-safe tool calls), or None for an effect requested alone; it is
+        recorded when requested, so every backend agrees on it (a fork never
+        starts inside a batch).
+        """
 
         TOPIC = "kuralle_es:Run.StepStarted"
+        class_version = 2
         index: int
         key: str
         kind: str
@@ -192,6 +200,12 @@ class Run(Aggregate):
         callsite: int
         logical_run: str
         args: Any
+        batch: int | None
+
+        @staticmethod
+        def upcast_v1_v2(state: dict[str, Any]) -> None:
+            """Intents stored before batches were recorded: not known to be in one."""
+            state["batch"] = None
 
         def apply(self, run: Run) -> None:
             run.steps.append(
@@ -455,7 +469,15 @@ class Run(Aggregate):
         )
 
     def start_step(
-        self, *, key: str, kind: str, name: str, callsite: int, logical_run: str, args: Any
+        self,
+        *,
+        key: str,
+        kind: str,
+        name: str,
+        callsite: int,
+        logical_run: str,
+        args: Any,
+        batch: int | None = None,
     ) -> int:
         """Append an intent; returns the new step's index."""
         self._require_status("running", "start a step")
@@ -469,6 +491,7 @@ class Run(Aggregate):
             callsite=callsite,
             logical_run=logical_run,
             args=args,
+            batch=batch,
         )
         return index
 

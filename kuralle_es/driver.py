@@ -61,8 +61,12 @@ async def drive(
     cursor = Cursor(logical_run_id(journal.run_id, journal.epoch), journal.callsite_base)
     try:
         reply = await agent_turn(journal, cursor, agent, emit, max_tool_concurrency)
+    except Exception:
+        journal.raise_if_suspended()
+        raise
     finally:
         await journal.settle()
+    journal.raise_if_suspended()
     return Driven(End(None), journal.state(), conversation=True, reply=reply)
 
 
@@ -87,13 +91,22 @@ async def drive_flow(
             journal.callsite_base,
         )
         state = journal.state()
-        visit = _Visit(journal, cursor, flow, agent, emit, schemas)
+        ctx = RunContext(journal, cursor, agent.tools, emit, schemas)
+        visit = _Visit(journal, cursor, flow, agent, emit, schemas, ctx)
         try:
             returned = await _run_node(node, state, visit)
+        except Exception:
+            # A suspension wins over whatever the node raised after catching it.
+            journal.raise_if_suspended()
+            raise
         finally:
-            # Let every effect of a gather batch finish and journal, even when
-            # one of them suspended or failed, before the turn moves on.
+            # The context refuses effects from now on (a task left running);
+            # every effect already admitted, such as the rest of a gather batch
+            # when one of them suspended or failed, finishes and journals.
+            ctx.close()
             await journal.settle()
+        # A node that caught a suspension and returned: its return is discarded.
+        journal.raise_if_suspended()
         transition = to_transition(returned, flow, node_id)
         if isinstance(transition, Goto) and transition.data:
             state.update(transition.data)
@@ -115,12 +128,13 @@ class _Visit:
     agent: Agent
     emit: Emit
     schemas: Schemas
+    #: The context of an action node (bound to this visit).
+    ctx: RunContext
 
 
 async def _run_node(node: Node, state: dict[str, Any], visit: _Visit) -> Any:
     if isinstance(node, ActionNode):
-        ctx = RunContext(visit.journal, visit.cursor, visit.agent.tools, visit.emit, visit.schemas)
-        return await node.run(state, ctx)
+        return await node.run(state, visit.ctx)
     if isinstance(node, CollectNode):
         return await _collect(node, state, visit)
     if isinstance(node, ReplyNode):

@@ -41,18 +41,44 @@ class SuspendError(KuralleError):
 
 
 class NonDeterminismError(KuralleError):
-    """The code asked for a different effect at a callsite than the journal holds."""
+    """The code asked for a different effect at a callsite than the journal holds.
 
-    def __init__(self, callsite: int, expected: str, actual: str) -> None:
+    Either another kind or name, or the same one under another idempotency
+    key (``recorded_key`` and ``requested_key`` are then set): args computed
+    from a value the journal did not record (``datetime.now()``, ``random``)
+    would execute the effect again under a new key (docs/node-code.md).
+    """
+
+    def __init__(
+        self,
+        callsite: int,
+        expected: str,
+        actual: str,
+        *,
+        recorded_key: str | None = None,
+        requested_key: str | None = None,
+    ) -> None:
         self.callsite = callsite
         self.expected = expected
         self.actual = actual
-        super().__init__(
-            f"non-deterministic replay at callsite {callsite}: the journal recorded "
-            f"{expected}, the code now requests {actual}; nothing was executed. "
-            "Restore the previous code path, or run the flow under a new definition "
-            "(a changed flow digest starts fresh keys)"
-        )
+        self.recorded_key = recorded_key
+        self.requested_key = requested_key
+        if recorded_key is not None and recorded_key != requested_key:
+            message = (
+                f"non-deterministic replay at callsite {callsite}: the journal recorded "
+                f"{expected} with key {recorded_key}, the code now requests it with key "
+                f"{requested_key} (other args); nothing was executed. Derive the args from "
+                "recorded values (ctx.now(), ctx.uuid(), earlier results), not from "
+                "datetime.now() or random, or give the tool an idempotency_key override"
+            )
+        else:
+            message = (
+                f"non-deterministic replay at callsite {callsite}: the journal recorded "
+                f"{expected}, the code now requests {actual}; nothing was executed. "
+                "Restore the previous code path, or run the flow under a new definition "
+                "(a changed flow digest starts fresh keys)"
+            )
+        super().__init__(message)
 
 
 class ToolExecutionError(KuralleError):
@@ -205,6 +231,23 @@ class LeaseHeldError(KuralleError):
         super().__init__(
             f"run {run_id!r} is leased by {holder!r} until {expires_at.isoformat()}; "
             "wait for that turn to end or for the lease to expire"
+        )
+
+
+class TurnClosedError(KuralleError):
+    """An effect was asked of a ``RunContext`` after its node visit or turn ended.
+
+    A task the node left running (or a thread) cannot act for the run once
+    the turn is over: nothing is executed or journaled (docs/node-code.md).
+    """
+
+    def __init__(self, run_id: str, effect: str) -> None:
+        self.run_id = run_id
+        self.effect = effect
+        super().__init__(
+            f"run {run_id}: {effect} was asked after the node (or turn) that owned this "
+            "RunContext had ended, so nothing was executed; await every effect before the "
+            "node returns (a task the node starts must be awaited by it)"
         )
 
 

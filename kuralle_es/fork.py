@@ -223,6 +223,29 @@ def _refuse_unsettled(walk: _Walk, run_id: str, at_step: int, step_count: int) -
     raise InvalidArgumentError(msg)
 
 
+def _refuse_inside_batch(starts: Sequence[Run.StepStarted], at_step: int, run_id: str) -> None:
+    """A fork point is never a step of a parallel batch other than its first: the
+    batch is recorded on each intent, so every backend refuses the same points."""
+    if at_step >= len(starts) or starts[at_step].batch is None:
+        return
+    step = starts[at_step]
+    earlier = [
+        s.index
+        for s in starts[:at_step]
+        if (s.logical_run, s.batch) == (step.logical_run, step.batch)
+        and s.callsite != step.callsite
+    ]
+    if not earlier:
+        return
+    first = earlier[0]
+    msg = (
+        f"cannot fork run {run_id} at step {at_step}: it is inside a parallel batch (one "
+        f"gather of effects, or one model turn's parallel tool calls) that starts at step "
+        f"{first}; fork at step {first}, or after the batch"
+    )
+    raise InvalidArgumentError(msg)
+
+
 def plan_fork(events: Sequence[Any], at_step: int, fork_id: str, digest: str) -> ForkPlan:
     """The fork of the run whose stored ``events`` these are, at ``at_step``.
 
@@ -243,6 +266,7 @@ def plan_fork(events: Sequence[Any], at_step: int, fork_id: str, digest: str) ->
             f"got {at_step!r}"
         )
         raise InvalidArgumentError(msg)
+    _refuse_inside_batch([events[i] for i in starts], at_step, run_id)
     cut = starts[at_step] if at_step < step_count else len(events)
     prefix = events[:cut]
     rekey = _Rekey(run_id, fork_id, _pinned_at(prefix), digest)

@@ -10,6 +10,12 @@ signals, model turns) goes through ``Journal.effect`` or
     recorded running (crash window)  -> execute again with the same key
     absent                           -> persist intent, execute, persist result or error
 
+Once an effect has suspended the turn, the journal refuses every effect
+node code requests afterwards (``SuspendError`` again, on the first wait),
+and once the turn has ended it refuses every effect (``TurnClosedError``):
+node code that catches a suspension, or a task it left running, cannot
+execute anything the journal did not admit (docs/node-code.md).
+
 The journal also owns the run's single writer: one ``asyncio.Lock`` orders
 the appends of a ``gather`` batch, every save is compare-and-set on the
 aggregate version (``StaleWriteError`` for a loser) and renews the lease, and
@@ -26,7 +32,7 @@ import inspect
 import json
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 from .cursor import Site
 from .domain import Run, StepData
@@ -38,6 +44,7 @@ from .errors import (
     ToolExecutionError,
     ToolResultTypeError,
     ToolTimeoutError,
+    TurnClosedError,
     error_fields,
 )
 from .heartbeat import Heartbeat
@@ -125,6 +132,9 @@ class Journal:
         self._idle = asyncio.Event()
         self._idle.set()
         self._broken: StaleWriteError | None = None
+        #: The turn's first wait, once an effect suspended it.
+        self._suspended: Wait | None = None
+        self._closed = False
         self._beat_every = timedelta(seconds=lease_ttl / 3)
         self._heartbeat = Heartbeat(self._beat, lease_ttl / 3)
 
@@ -237,8 +247,42 @@ class Journal:
             self._heartbeat.leave()
 
     async def close(self) -> None:
-        """End the turn's heartbeat; call once the turn has stopped executing effects."""
+        """End the turn: no effect is admitted any more, and the heartbeat stops."""
+        self._closed = True
         await self._heartbeat.stop()
+
+    # ------------------------------------------------------------ admission
+    def suspend(self, wait: Wait) -> NoReturn:
+        """Suspend the turn on ``wait``, or on its first wait if it already suspended.
+
+        The first suspension is the one the run pauses on, whatever the node
+        does with the exception afterwards.
+        """
+        if self._suspended is None:
+            self._suspended = wait
+        raise SuspendError(self._suspended)
+
+    def require_open(self, what: str) -> None:
+        """Refuse every effect once the turn ended (``TurnClosedError``)."""
+        if self._closed:
+            raise TurnClosedError(self._run.run_id, what)
+
+    def admit(self, what: str) -> None:
+        """Let node code request an effect, or refuse it: ``TurnClosedError``
+        once the turn ended, ``SuspendError`` (its first wait) once it suspended.
+
+        Checked when the effect is requested: the rest of a ``gather`` batch,
+        requested before one of its effects suspended, still runs and settles.
+        """
+        self.require_open(what)
+        if self._suspended is not None:
+            raise SuspendError(self._suspended)
+
+    def raise_if_suspended(self) -> None:
+        """After node code returned or raised: a suspended turn ends on its
+        first wait, and what the node returned or raised is discarded."""
+        if self._suspended is not None:
+            raise SuspendError(self._suspended)
 
     # ------------------------------------------------------------ in flight
     async def settle(self) -> None:
@@ -256,7 +300,12 @@ class Journal:
 
     # ---------------------------------------------------------------- lookup
     def recorded(self, site: Site, kind: str, name: str, key: str) -> StepData | None:
-        """The step recorded for this effect, or None; raises on a kind/name mismatch."""
+        """The step recorded for this effect, or None.
+
+        Raises ``NonDeterminismError`` when the callsite holds another kind or
+        name, or the same one under another key (args computed from a value
+        the journal did not record): re-keying would execute it again.
+        """
         steps: list[StepData] = self._run.steps_at(site.logical_run + site.lane, site.callsite)
         if not steps:
             return None
@@ -265,8 +314,15 @@ class Journal:
             raise NonDeterminismError(
                 site.callsite, f"{latest['kind']} {latest['name']!r}", f"{kind} {name!r}"
             )
-        matching = [step for step in steps if step["key"] == key]
-        return matching[-1] if matching else None
+        if latest["key"] != key:
+            raise NonDeterminismError(
+                site.callsite,
+                f"{latest['kind']} {latest['name']!r}",
+                f"{kind} {name!r}",
+                recorded_key=latest["key"],
+                requested_key=key,
+            )
+        return latest
 
     def _start(self, site: Site, kind: str, name: str, key: str, args: Any) -> int:
         return self._run.start_step(
@@ -276,6 +332,7 @@ class Journal:
             callsite=site.callsite,
             logical_run=site.logical_run + site.lane,
             args=args,
+            batch=site.batch,
         )
 
     # ---------------------------------------------------------------- funnel
@@ -303,6 +360,7 @@ class Journal:
         the passes. ``retry`` says which failed attempts are journaled and
         tried again (same key) instead of being frozen.
         """
+        self.require_open(f"{kind} {name!r}")
         self._enter()
         try:
             retry_at: datetime | None = None
@@ -370,6 +428,7 @@ class Journal:
         pass asks again. ``on_recorded`` runs only when the value is new, and
         whatever events it triggers are saved in the same transaction.
         """
+        self.require_open(f"{kind} {name!r}")
         self._enter()
         try:
             async with self._lock:

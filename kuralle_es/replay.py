@@ -124,6 +124,8 @@ async def _nondeterminism(
     try:
         await drive(journal, agent, flow, ignore, schemas=Schemas(), max_tool_concurrency=1)
     except NonDeterminismError as e:
+        if e.recorded_key is not None and not agents:
+            return None  # other args or defaults: only the tools' input models can tell
         return str(e)
     except (_WouldExecute, Exception):
         return None  # the frontier, a wait, or the node's own error: as recorded
@@ -143,7 +145,8 @@ async def replay_check(
     with the tools' own input models (defaults filled in, as at run time);
     without, any tool name is accepted with the arguments the node passes, so
     a reordered or renamed call is still found, but a call whose arguments
-    would validate differently reads as new. Executes nothing, writes nothing.
+    differ (or would validate differently) is not judged: pass ``agents`` to
+    find args computed from unrecorded values. Executes nothing, writes nothing.
     """
     views = RunViews(store)
     findings: list[ReplayFinding] = []

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import inspect
 import json
 import math
@@ -150,21 +151,20 @@ class Tool(Generic[ArgsT]):
     async def invoke(self, args: ArgsT, call: ToolCall) -> Any:
         """Run ``execute`` (sync or async, with or without ``call``), within ``timeout``.
 
-        Past the timeout an async tool is cancelled; a sync tool, which Python
-        cannot interrupt, runs in a thread of its own that is abandoned (it
-        runs on, its result ignored). Either way ``ToolTimeoutError`` is raised.
+        A sync ``execute`` always runs on a thread of its own, never on the
+        event loop: a blocking call must not stop the lease heartbeat (another
+        worker would take the run over mid-call) or the other turns. Past the
+        timeout an async tool is cancelled; a sync tool, which Python cannot
+        interrupt, is abandoned: its thread runs on and its result is ignored
+        (docs/node-code.md). Either way ``ToolTimeoutError`` is raised.
         """
+        work = self._call(args, call) if self.is_async else _in_own_thread(
+            lambda: self._call(args, call)
+        )
         if self.timeout is None:
-            outcome = self._call(args, call)
-            if inspect.isawaitable(outcome):
-                outcome = await outcome
-            return outcome
+            return await work
         try:
-            if self.is_async:
-                return await asyncio.wait_for(self._call(args, call), self.timeout)
-            return await asyncio.wait_for(
-                _in_own_thread(lambda: self._call(args, call)), self.timeout
-            )
+            return await asyncio.wait_for(work, self.timeout)
         except TimeoutError:
             raise ToolTimeoutError(
                 self.name,
@@ -192,9 +192,11 @@ async def _in_own_thread(fn: Callable[[], Any]) -> Any:
     """Run a sync tool in a daemon thread of its own (awaiting an awaitable it returns).
 
     Not the loop's default executor: an abandoned attempt would hold one of
-    its threads, and ``asyncio.run`` waits for that executor at exit.
+    its threads, and ``asyncio.run`` waits for that executor at exit. The
+    tool runs in a copy of the caller's context (as ``asyncio.to_thread``).
     """
     loop = asyncio.get_running_loop()
+    context = contextvars.copy_context()
     future: asyncio.Future[Any] = loop.create_future()
 
     def settle(value: Any, error: BaseException | None) -> None:
@@ -207,7 +209,7 @@ async def _in_own_thread(fn: Callable[[], Any]) -> Any:
 
     def work() -> None:
         try:
-            value, error = fn(), None
+            value, error = context.run(fn), None
         except BaseException as exc:  # handed to the awaiting task
             value, error = None, exc
         # RuntimeError: the loop is gone, nobody waits for this attempt any more.

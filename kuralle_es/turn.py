@@ -77,11 +77,15 @@ class _Turn:
             # The turn this key started is still in flight (or was cut off, for
             # recovery to finish): a retry must not start it a second time.
             return self._noop(run, result_of(run))
+        if command.already_done(run):
+            return self._noop(run, result_of(run))
+        # A run another holder is driving is not this caller's to address yet:
+        # refused before anything the call delivers is checked.
+        run.require_lease_free(env.holder, utcnow())
         opening = command.prepare(run, fresh, env)
         if opening is None:
             return self._noop(run, result_of(run))
         agent, flow = opening.enters or self._definitions(run)
-        run.require_lease_free(env.holder, utcnow())
         journal = Journal(
             env.store,
             run,

@@ -28,7 +28,6 @@ from .errors import (
     InvalidSignalError,
     KuralleError,
     SignalMismatchError,
-    SuspendError,
 )
 from .journal import Journal, utcnow
 from .keys import canonical_json, plain_json_problem, sha256_hex
@@ -135,7 +134,11 @@ def suspend(
     schema: type[BaseModel] | None = None,
     schemas: Schemas | None = None,
 ) -> NoReturn:
-    """Stop the turn until ``name`` is delivered for this site."""
+    """Stop the turn until ``name`` is delivered for this site.
+
+    The journal keeps the turn's first suspension: node code that catches
+    this ``SuspendError`` and goes on gets it again at its next effect.
+    """
     current = journal.waiting
     if current is not None and current.is_at(site.logical_run, site.callsite, name, site.lane):
         request_id = current.request_id
@@ -160,7 +163,7 @@ def suspend(
         step_index=step_index,
         schema_topic=topic,
     )
-    raise SuspendError(wait)
+    journal.suspend(wait)
 
 
 def is_deadline_deny(payload: Any) -> bool:
@@ -288,6 +291,13 @@ def check(
             run.run_id,
             f"run {run.run_id} sleeps on a durable timer until {until} and takes no "
             f"delivery; signal {delivery.name!r} was not delivered (fire_timers wakes it)",
+        )
+    if wait.kind == "input":
+        raise SignalMismatchError(
+            run.run_id,
+            f"run {run.run_id} waits for input at a collect node, which is sent as text "
+            f"(runtime.run(..., input=...)), not as a signal; signal {delivery.name!r} "
+            "was not delivered",
         )
     if delivery.name != wait.name:
         raise SignalMismatchError(
