@@ -538,6 +538,32 @@ async def _dashboard(args: argparse.Namespace) -> int:
     return 0
 
 
+# ------------------------------------------------------------------- serve
+def _add_serve(sub: SubParsers) -> None:
+    serve = _command(
+        sub, "serve", "the HTTP API over the runs, JSON in and out (docs/http.md)", _serve
+    )
+    serve.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="the interface to bind (default 127.0.0.1; another needs KURALLE_API_TOKEN)",
+    )
+    serve.add_argument("--port", type=int, default=8000, help="the port (default 8000)")
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    try:  # the `dashboard` extra (Starlette, uvicorn): imported only by this command
+        from .http import TOKEN_ENV, check_bind, serve
+    except ImportError as e:
+        raise _CliError(f"serve needs: pip install 'kuralle_es[dashboard]' ({e})") from None
+    token = os.environ.get(TOKEN_ENV) or None
+    check_bind(args.host, token)  # before anything is opened
+    agents = load_agents(args.app)  # starts and deliveries drive runs in this process
+    with open_store(args) as store:
+        await serve(Runtime(agents, store=store), args.host, args.port, token)
+    return 0
+
+
 # ----------------------------------------------------------------- consume
 def _add_consume(sub: SubParsers) -> None:
     consume = _command(
@@ -668,7 +694,7 @@ async def _sweep(args: argparse.Namespace) -> int:
 #: Every command: each adds its parser (and handler) to the subparsers.
 COMMANDS: list[Callable[[SubParsers], None]] = [
     _add_demo, _add_runs, _add_deliveries, _add_cancel, _add_views, _add_dashboard, _add_consume,
-    _add_recovery,
+    _add_recovery, _add_serve,
 ]  # fmt: skip
 
 

@@ -12,12 +12,9 @@ never import the user's app.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
-import signal
 import sys
-import threading
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import quote
@@ -37,12 +34,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ..errors import InvalidArgumentError, KuralleError
 from ..models import RunState
 from ..runtime import Runtime
+from ..serving import Server, is_loopback
 from ..store import RunStore
 from ..timeline import read_deliveries
 from ..views import RunViews
 from .decisions import Decision, deliver, new_signal_id, refusal_status, valid_signal_id
 from .overview import overview, tool_overview
-from .security import CSRF_COOKIE, SESSION_COOKIE, TOKEN_ENV, Gate, Operator, is_loopback
+from .security import CSRF_COOKIE, SESSION_COOKIE, TOKEN_ENV, Gate, Operator
 from .security import valid_operator_name as _valid_name
 from .timeline import pretty_json, timeline_rows
 
@@ -52,7 +50,6 @@ RuntimeFactory = Callable[[RunStore], Runtime]
 Handler = Callable[[Request], Awaitable[Response]]
 REFRESH_SECONDS = 5
 _FAILED_LOGIN_PAUSE = 0.5
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _SECURITY_HEADERS = {
     "Content-Security-Policy": (
         "default-src 'none'; style-src 'self'; img-src 'self' data:; "
@@ -396,25 +393,4 @@ async def serve(
     mode = "approve/deny need a login" if token else f"read-only: {TOKEN_ENV} is unset"
     print(f"kuralle-es: dashboard on http://{host}:{port}/ ({mode})", file=sys.stderr)
     config = uvicorn.Config(app, host=host, port=port, log_level="info", server_header=False)
-    await _Server(config).serve()
-
-
-class _Server(uvicorn.Server):
-    """uvicorn, but a SIGINT/SIGTERM stop returns to the caller.
-
-    uvicorn shuts down gracefully on those signals and then raises the signal
-    again, which ends the process before the caller closes its store; here the
-    stop is a plain return.
-    """
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        previous = {sig: signal.signal(sig, self.handle_exit) for sig in _STOP_SIGNALS}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+    await Server(config).serve()

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
 from uuid import uuid4
 
+from ..deliveries import approval_delivery
 from ..errors import (
     InvalidSignalError,
     KuralleError,
@@ -25,7 +25,6 @@ from ..runtime import Runtime
 
 __all__ = ["Decision", "deliver", "new_signal_id", "refusal_status", "valid_signal_id"]
 
-APPROVAL = "__approval"
 _SIGNAL_ID = re.compile(r"^dash-[0-9a-f]{32}$")
 
 
@@ -49,15 +48,12 @@ class Decision:
     reason: str | None
 
     def delivery(self) -> SignalDelivery:
-        payload: dict[str, Any] = {"approved": self.approved, "by": self.operator}
-        if self.reason:
-            payload["reason"] = self.reason
-        return SignalDelivery(
+        return approval_delivery(
+            approved=self.approved,
+            by=self.operator,
+            reason=self.reason or None,
             signal_id=self.signal_id,
-            name=APPROVAL,
-            payload=payload,
             request_id=self.request_id,
-            actor=self.operator,
         )
 
 

@@ -21,12 +21,13 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
-import ipaddress
 import json
 import re
 import secrets
 import time
 from dataclasses import dataclass
+
+from ..serving import is_loopback  # shared with the HTTP API; re-exported here
 
 __all__ = [
     "CSRF_COOKIE",
@@ -43,16 +44,6 @@ SESSION_COOKIE = "kuralle_dashboard_session"
 CSRF_COOKIE = "kuralle_dashboard_csrf"
 SESSION_SECONDS = 12 * 3600
 _OPERATOR_NAME = re.compile(r"^[\w.@+ -]{1,64}$")
-
-
-def is_loopback(host: str) -> bool:
-    """True for hosts only this machine can reach (``localhost``, 127.0.0.0/8, ::1)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def valid_operator_name(name: str) -> bool:

@@ -1,0 +1,36 @@
+"""``kuralle-es serve``: the HTTP API under uvicorn until SIGINT/SIGTERM (internal).
+
+One process, one ``Runtime``: each request that starts or delivers is a turn
+driven within the request (docs/http.md). Nothing here needs to survive the
+process: a run's every step is in the store, so a server killed mid-way is
+replaced by starting another on the same store (the kill-and-resume test,
+tests/test_http_api.py).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import uvicorn
+
+from ..runtime import Runtime
+from ..serving import Server
+from .app import create_app
+from .auth import TOKEN_ENV, check_bind
+
+__all__ = ["serve"]
+
+
+async def serve(
+    runtime: Runtime, host: str = "127.0.0.1", port: int = 8000, token: str | None = None
+) -> None:
+    """Serve the API over ``runtime`` until SIGINT/SIGTERM; ``token`` defaults to the
+    environment's ``KURALLE_API_TOKEN``; a non-loopback ``host`` needs one."""
+    token = token if token is not None else os.environ.get(TOKEN_ENV) or None
+    check_bind(host, token)
+    app = create_app(runtime, token=token)
+    mode = "bearer token required" if token else f"read-only: {TOKEN_ENV} is unset"
+    print(f"kuralle-es: HTTP API on http://{host}:{port}/ ({mode})", file=sys.stderr, flush=True)
+    config = uvicorn.Config(app, host=host, port=port, log_level="info", server_header=False)
+    await Server(config).serve()

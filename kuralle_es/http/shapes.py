@@ -1,0 +1,125 @@
+"""The JSON the HTTP API reads and the error it answers with, as pydantic models (internal).
+
+Every request body is one of these models, validated with extra fields
+forbidden, so a typo in a field name is refused instead of ignored. The id
+rules repeat the library's doors (``kuralle_es/doors.py``: non-empty, not
+only spaces, no control character, at most ``MAX_ID_LENGTH`` characters) so
+that the OpenAPI document says what will be accepted; the doors check again
+behind them. Responses are the library's own models (``TurnResult``,
+``RunState``, ``StepRecord``, ``RunSummary``).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, get_args
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..doors import MAX_ID_LENGTH
+from ..models import RunStatus
+
+__all__ = [
+    "ID_PATTERN",
+    "LIST_LIMIT_MAX",
+    "REQUEST_MODELS",
+    "RUN_STATUSES",
+    "TEXT_PATTERN",
+    "Approval",
+    "Cancel",
+    "ErrorBody",
+    "Input",
+    "ListQuery",
+    "Signal",
+    "StartRun",
+]
+
+#: An id as the doors accept it: no control character (C0, DEL, C1) and one
+#: character that is not a space (``doors.check_id``).
+ID_PATTERN = r"^[^\x00-\x1f\x7f-\x9f]*[^\s\x00-\x1f\x7f-\x9f][^\x00-\x1f\x7f-\x9f]*$"
+#: Text that must say something: one character that is not a space.
+TEXT_PATTERN = r"\S"
+#: The most runs one ``GET /api/runs`` returns.
+LIST_LIMIT_MAX = 1000
+RUN_STATUSES: tuple[str, ...] = get_args(RunStatus)
+
+Id = Annotated[str, Field(min_length=1, max_length=MAX_ID_LENGTH, pattern=ID_PATTERN)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+def _example(example: dict[str, Any]) -> ConfigDict:
+    """The body's example in the OpenAPI document (what a reader copies, what a fuzzer starts
+    from); the forbidding of extra fields is inherited."""
+    return ConfigDict(json_schema_extra={"examples": [example]})
+
+
+class StartRun(_Body):
+    """``POST /api/runs``: start a flow run in a session (driven to its first pause or end)."""
+
+    model_config = _example(
+        {"session_id": "customer-42", "flow": "refund", "input": "I want a refund"}
+    )
+
+    session_id: Id = Field(description="the session the run belongs to")
+    flow: str = Field(description="the name of a flow of the server's agents")
+    input: str | None = Field(default=None, description="the user's first message, if any")
+
+
+class Signal(_Body):
+    """``POST /api/runs/{run_id}/signals``: deliver a named signal (``Idempotency-Key`` is its
+    ``signal_id``)."""
+
+    model_config = _example({"name": "shipped", "payload": {"tracking": "1Z999"}})
+
+    name: Id = Field(description="the signal the run waits for (ctx.signal's name)")
+    payload: Any = Field(default=None, description="any JSON; validated by the wait's schema")
+
+
+class Approval(_Body):
+    """``POST /api/runs/{run_id}/approve`` or ``/deny``: decide what the run waits for."""
+
+    model_config = _example({"by": "ann", "reason": "receipt checked"})
+
+    by: Id = Field(description="who decides: journaled as the delivery's actor")
+    reason: str | None = Field(default=None, description="why (the node or model sees it)")
+
+
+class Input(_Body):
+    """``POST /api/runs/{run_id}/input``: the user's text for a run waiting for input."""
+
+    model_config = _example({"text": "It was $42.50"})
+
+    text: str = Field(description="what the user said")
+
+
+class Cancel(_Body):
+    """``POST /api/runs/{run_id}/cancel``: stop the run, whoever holds its lease."""
+
+    model_config = _example({"reason": "customer left"})
+
+    reason: Annotated[str, Field(pattern=TEXT_PATTERN)] = Field(
+        description="why: the run's outcome becomes 'cancelled: <reason>'"
+    )
+
+
+class ListQuery(BaseModel):
+    """``GET /api/runs``'s query parameters: the run views' ``list_runs`` filters."""
+
+    status: RunStatus | None = None
+    session_id: str | None = None
+    flow: str | None = None
+    limit: int = Field(default=100, ge=1, le=LIST_LIMIT_MAX)
+
+
+class ErrorBody(BaseModel):
+    """Every refusal: the error's class, what happened and what to do, and its fields."""
+
+    error: str = Field(description="the error's class, e.g. RunNotFoundError")
+    message: str = Field(description="what happened and what to do")
+    fields: dict[str, Any] = Field(description="the error's attributes (run_id, holder, ...)")
+
+
+#: The request bodies, for the OpenAPI document.
+REQUEST_MODELS: tuple[type[BaseModel], ...] = (StartRun, Signal, Approval, Input, Cancel)
