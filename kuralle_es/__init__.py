@@ -9,6 +9,7 @@ from __future__ import annotations
 from .agents import Agent, define_agent
 from .context import RunContext
 from .errors import (
+    BudgetExceededError,
     FlowDriftError,
     FlowNotFoundError,
     InvalidArgumentError,
@@ -70,11 +71,14 @@ from .retry import RetryPolicy
 from .runtime import Runtime
 from .store import RunStore
 from .tools import Tool, define_tool
+from .usage import Budget, Usage
 from .views import RunSummary, RunViews, ToolStats
 
 __all__ = [
     "Agent",
     "ApprovalDecision",
+    "Budget",
+    "BudgetExceededError",
     "End",
     "Flow",
     "FlowDriftError",
@@ -127,6 +131,7 @@ __all__ = [
     "TurnHandle",
     "TurnResult",
     "UnknownToolError",
+    "Usage",
     "WaitingFor",
     "action",
     "collect",

@@ -207,7 +207,9 @@ async def agent_turn(
             tools=schemas,
             instructions=agent.instructions,
         )
-        response = await model_turn(journal, cursor, agent.model, request, on_new)
+        response = await model_turn(
+            journal, cursor, agent.model, request, on_new, budget=agent.budget
+        )
         if not response.tool_calls:
             return response.content
         await run_tool_calls(journal, cursor, agent, response.tool_calls, emit, max_concurrency)

@@ -32,6 +32,7 @@ from .keys import canonical_json
 from .models import Message, SignalDelivery
 from .registry import Registry
 from .store import RunStore
+from .usage import Prices
 
 __all__ = [
     "Command",
@@ -78,6 +79,8 @@ class TurnEnv:
     max_tool_concurrency: int
     #: A durable sleep up to this many seconds waits inline; a longer one pauses the run.
     inline_sleep_limit: float = 1.0
+    #: What 1,000 tokens of each model cost (``Runtime(prices=...)``), for budgets.
+    prices: Prices | None = None
 
 
 async def load_run(
@@ -103,11 +106,11 @@ def _is_live_in_flow(run: Run) -> bool:
 
 
 def require_current_flow(run: Run, registry: Registry) -> None:
-    """Refuse a live run whose pinned flow digest is not the flow's digest now."""
+    """Refuse a live run pinned to a flow digest that no version of its flow has now."""
     if run.active_flow is None or not _is_live_in_flow(run):
         return
     _, flow = registry.flow(run.active_flow)
-    if run.flow_digest != flow.digest:
+    if registry.pinned(run.active_flow, run.flow_digest, run.flow_version) is None:
         raise FlowDriftError(run.run_id, run.flow_digest, flow.digest)
 
 
@@ -116,7 +119,7 @@ async def drifted_run(env: TurnEnv, run_id: str, session_id: str) -> tuple[Run, 
     run = await _addressed(env, run_id, session_id)
     if run.active_flow is not None and _is_live_in_flow(run):
         _, flow = env.registry.flow(run.active_flow)
-        if run.flow_digest != flow.digest:
+        if env.registry.pinned(run.active_flow, run.flow_digest, run.flow_version) is None:
             return run, flow
     msg = (
         f"run {run_id!r} has no flow drift to resolve (it is {run.status}"
@@ -152,11 +155,11 @@ class _NewRun(Opening):
     async def open(self, run: Run, journal: Journal, env: TurnEnv) -> None:
         run.start_turn(0, self.message, self.idempotency_key)
         if run.active_flow is not None:
-            _, flow = env.registry.flow(run.active_flow)
+            _, flow = env.registry.run_flow(run.active_flow, run.flow_digest, run.flow_version)
             run.enter_node(flow.name, flow.start, {}, 0)
         if self.enters is not None:
             flow = self.enters[1]
-            run.repin_flow(flow.name, flow.digest, flow.start)
+            run.repin_flow(flow.name, flow.digest, flow.start, flow.version)
         await asyncio.to_thread(env.store.create_run, run)
 
 
@@ -172,7 +175,7 @@ class _NewEpoch(Opening):
         run.start_turn(run.epoch + 1, self.message, self.idempotency_key)
         if self.enters is not None:
             flow = self.enters[1]
-            run.repin_flow(flow.name, flow.digest, flow.start)
+            run.repin_flow(flow.name, flow.digest, flow.start, flow.version)
         await journal.persist()
 
 
@@ -213,7 +216,7 @@ class _Repin(Opening):
     flow: Flow
 
     async def open(self, run: Run, journal: Journal, env: TurnEnv) -> None:
-        run.repin_flow(self.flow.name, self.flow.digest, self.flow.start)
+        run.repin_flow(self.flow.name, self.flow.digest, self.flow.start, self.flow.version)
         await journal.persist()
 
 
@@ -327,7 +330,9 @@ class StartFlow(Command):
             existing = await load_run(env.store, str(minted), self.session_id)
             if existing is not None:
                 return existing, False
-        run = new_run(minted, self.session_id, "flow", agent.id, flow.name, flow.digest)
+        run = new_run(
+            minted, self.session_id, "flow", agent.id, flow.name, flow.digest, flow.version
+        )
         return run, True
 
     def prepare(self, run: Run, fresh: bool, env: TurnEnv) -> Opening | None:
@@ -573,6 +578,8 @@ class Fork(Command):
     The original is read, never written; every refusal (a conversation run,
     ``at_step`` out of range or inside a parallel batch, a node the current
     flow lacks) is raised while addressing, before anything is saved.
+    ``fork_id`` names the fork (``runtime.migrate`` derives it, so a retried or
+    racing migration finds the one fork); by default it is fresh.
     """
 
     session_id: str
@@ -580,6 +587,7 @@ class Fork(Command):
     at_step: int
     into_session: str | None = None
     idempotency_key: str | None = None
+    fork_id: str | None = None
     _plan: ForkPlan | None = field(default=None, init=False, repr=False)
 
     async def address(self, env: TurnEnv) -> tuple[Run, bool]:
@@ -589,8 +597,8 @@ class Fork(Command):
             raise InvalidArgumentError(msg)
         events: list[Any] = await asyncio.to_thread(lambda: list(env.store.events.get(original.id)))
         agent, flow = env.registry.flow(str(events[0].flow))
-        fork_id = uuid4()
-        self._plan = plan_fork(events, self.at_step, str(fork_id), flow.digest)
+        fork_id = UUID(self.fork_id) if self.fork_id is not None else uuid4()
+        self._plan = plan_fork(events, self.at_step, str(fork_id), flow.digest, flow.version)
         if self._plan.node not in flow.nodes:
             msg = (
                 f"cannot fork run {self.run_id} at step {self.at_step}: it stood at node "
@@ -599,11 +607,17 @@ class Fork(Command):
             )
             raise InvalidArgumentError(msg)
         session = self.into_session if self.into_session is not None else self.session_id
-        return new_run(fork_id, session, "flow", agent.id, flow.name, flow.digest), True
+        fork = new_run(fork_id, session, "flow", agent.id, flow.name, flow.digest, flow.version)
+        return fork, True
 
     def prepare(self, run: Run, fresh: bool, env: TurnEnv) -> Opening | None:
         assert self._plan is not None, "address() plans the fork"
         return _ForkOpening(self._plan)
+
+    def won_elsewhere(self, latest: Run, fresh: bool) -> bool:
+        # A named fork another caller made first (two migrations racing): the one fork.
+        origin = {"run_id": self.run_id, "at_step": self.at_step}
+        return self.fork_id is not None and getattr(latest, "forked_from", None) == origin
 
     def log_fields(self) -> dict[str, str | None]:
         return {"forked_from": self.run_id, "at_step": str(self.at_step)}

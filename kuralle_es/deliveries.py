@@ -24,12 +24,16 @@ def approval_delivery(
     reason: str | None = None,
     signal_id: str | None = None,
     request_id: str | None = None,
+    raise_to: dict[str, Any] | None = None,
 ) -> SignalDelivery:
     """The ``__approval`` delivery of a decision by ``by`` (the journaled actor); a fresh
-    ``signal_id`` unless one is given (give one to make a retry a no-op)."""
+    ``signal_id`` unless one is given (give one to make a retry a no-op). It answers
+    any approval, a budget's too; ``raise_to`` raises a budget's limits."""
     payload: dict[str, Any] = {"approved": approved, "by": by}
     if reason is not None:
         payload["reason"] = reason
+    if raise_to is not None:
+        payload["raise_to"] = raise_to
     return SignalDelivery(
         signal_id=signal_id or uuid4().hex,
         name=APPROVAL,

@@ -30,6 +30,7 @@ from .models import (
     WaitingFor,
     messages_from_json,
 )
+from .usage import normalise_usage
 from .waiting import Wait
 
 
@@ -58,6 +59,8 @@ class StepData(TypedDict):
 
 #: How the outcome of a cancelled run begins.
 CANCELLED = "cancelled: "
+#: How the outcome of a run migrated to its fork begins (``runtime.migrate``).
+MIGRATED = "migrated: "
 
 
 def _slot(logical_run: str, callsite: int) -> str:
@@ -78,23 +81,37 @@ class Run(Aggregate):
     """
 
     TOPIC = "kuralle_es:Run"
+    #: 2: snapshots carry ``usage``, ``budget`` and ``budget_raises``.
+    class_version = 2
     #: Global index of ``steps[0]`` (a class default for snapshots taken before
     #: steps were archived, which hold every step).
     step_base: int = 0
     #: Set on a run folded for its whole journal (``RunStore.load_history``),
     #: never saved: such a run archives nothing.
     keeps_all_steps: bool = False
+    #: The version label of the flow definition the run is pinned to
+    #: (``define_flow(..., version=)``; a class default for older snapshots).
+    flow_version: str | None = None
+    #: The id of the fork this run was migrated to (``runtime.migrate``), if any.
+    migrated_to: str | None = None
 
     class Event(Aggregate.Event):
         pass
 
     class Created(Event, Aggregate.Created):
         TOPIC = "kuralle_es:Run.Created"
+        class_version = 2
         session_id: str
         kind: str
         agent: str | None
         flow: str | None
         flow_digest: str | None
+        flow_version: str | None
+
+        @staticmethod
+        def upcast_v1_v2(state: dict[str, Any]) -> None:
+            """Runs created before flows had versions: pinned to no version."""
+            state["flow_version"] = None
 
     def __init__(
         self,
@@ -103,6 +120,7 @@ class Run(Aggregate):
         agent: str | None,
         flow: str | None,
         flow_digest: str | None,
+        flow_version: str | None = None,
     ) -> None:
         self.session_id = session_id
         self.kind = kind
@@ -111,6 +129,8 @@ class Run(Aggregate):
         self.active_flow = flow
         self.active_node: str | None = None
         self.flow_digest = flow_digest
+        self.flow_version = flow_version
+        self.migrated_to = None
         self.state: dict[str, Any] = {}
         self.messages: list[dict[str, Any]] = []
         self.waiting_for: dict[str, Any] | None = None
@@ -130,6 +150,21 @@ class Run(Aggregate):
         self.turn_key: str | None = None
         #: ``{"run_id": ..., "at_step": ...}`` when this run is a fork of another.
         self.forked_from: dict[str, Any] | None = None
+        #: Model calls and tokens by model name, over the run's whole journal
+        #: (None: folded from a snapshot older than this count; see ``usage_unknown``).
+        self.usage: dict[str, dict[str, int]] | None = {}
+        #: The budget given to this run (``runtime.run(..., budget=)``), if any.
+        self.budget: dict[str, Any] | None = None
+        #: Limits a human raised when approving past the budget.
+        self.budget_raises: dict[str, Any] = {}
+
+    @staticmethod
+    def upcast_v1_v2(state: dict[str, Any]) -> None:
+        """A snapshot taken before usage was counted: its usage is unknown (a budget
+        check folds the whole journal once), and no budget was set or raised."""
+        state["usage"] = None
+        state["budget"] = None
+        state["budget_raises"] = {}
 
     # ------------------------------------------------------------------ ids
     @property
@@ -229,6 +264,8 @@ class Run(Aggregate):
                 )
             )
             run.slots.setdefault(_slot(self.logical_run, self.callsite), []).append(self.index)
+            if self.kind == "model":
+                run.count_model_call(self.name)
 
     class StepFinished(Event):
         TOPIC = "kuralle_es:Run.StepFinished"
@@ -241,6 +278,8 @@ class Run(Aggregate):
             step["result_json"] = self.result_json
             step["error"] = None
             step["finished_at"] = self.timestamp
+            if step["kind"] == "model":
+                run.count_model_tokens(step["name"], self.result_json)
 
     class StepFailed(Event):
         TOPIC = "kuralle_es:Run.StepFailed"
@@ -293,6 +332,8 @@ class Run(Aggregate):
 
         def apply(self, run: Run) -> None:
             step = run.step(self.index)
+            if step["kind"] == "model":
+                run.count_model_call(step["name"])
             step["retry_allowed"] = False
             step["attempts"] += 1
             step["retry_at"] = None
@@ -331,13 +372,21 @@ class Run(Aggregate):
         """The run's flow restarts from ``node`` under a new definition."""
 
         TOPIC = "kuralle_es:Run.FlowPinned"
+        class_version = 2
         flow: str
         flow_digest: str
         node: str
+        flow_version: str | None
+
+        @staticmethod
+        def upcast_v1_v2(state: dict[str, Any]) -> None:
+            """Pins stored before flows had versions: no version."""
+            state["flow_version"] = None
 
         def apply(self, run: Run) -> None:
             run.active_flow = self.flow
             run.flow_digest = self.flow_digest
+            run.flow_version = self.flow_version
             run.active_node = self.node
             run.state = {}
             run.callsite_base = 0
@@ -413,6 +462,17 @@ class Run(Aggregate):
         def apply(self, run: Run) -> None:
             run.status = "running"
 
+    class Migrated(Event):
+        """The run was forked at ``at_step`` onto the flow's newest definition as
+        run ``to_run_id`` (``runtime.migrate``); saved with its ``Aborted``."""
+
+        TOPIC = "kuralle_es:Run.Migrated"
+        to_run_id: str
+        at_step: int
+
+        def apply(self, run: Run) -> None:
+            run.migrated_to = self.to_run_id
+
     class Aborted(Event):
         TOPIC = "kuralle_es:Run.Aborted"
         reason: str
@@ -431,6 +491,24 @@ class Run(Aggregate):
 
         def apply(self, run: Run) -> None:
             run.turn_keys[self.idempotency_key] = self.result
+
+    class BudgetSet(Event):
+        """The budget a caller gave this run (``runtime.run(..., budget=)``)."""
+
+        TOPIC = "kuralle_es:Run.BudgetSet"
+        budget: dict[str, Any] | None
+
+        def apply(self, run: Run) -> None:
+            run.budget = self.budget
+
+    class BudgetRaised(Event):
+        """A human approved spending past the budget and raised these limits."""
+
+        TOPIC = "kuralle_es:Run.BudgetRaised"
+        raise_to: dict[str, Any]
+
+        def apply(self, run: Run) -> None:
+            run.budget_raises = {**run.budget_raises, **self.raise_to}
 
     class LeaseTaken(Event):
         TOPIC = "kuralle_es:Run.LeaseTaken"
@@ -527,8 +605,16 @@ class Run(Aggregate):
         self._require_status("paused", "accept input")
         self.trigger_event(self.InputAccepted, message=message.model_dump(exclude_none=True))
 
-    def repin_flow(self, flow: str, flow_digest: str, node: str) -> None:
-        self.trigger_event(self.FlowPinned, flow=flow, flow_digest=flow_digest, node=node)
+    def repin_flow(
+        self, flow: str, flow_digest: str, node: str, flow_version: str | None = None
+    ) -> None:
+        self.trigger_event(
+            self.FlowPinned,
+            flow=flow,
+            flow_digest=flow_digest,
+            node=node,
+            flow_version=flow_version,
+        )
 
     def retry_step(self, index: int) -> None:
         """Execute a step left running by a crash again, with its key."""
@@ -584,6 +670,29 @@ class Run(Aggregate):
     def mark_forked(self, from_run_id: str, at_step: int) -> None:
         self.trigger_event(self.Forked, from_run_id=from_run_id, at_step=at_step)
 
+    def migrate(self, to_run_id: str, at_step: int) -> bool:
+        """Record that this run moved to its fork ``to_run_id`` and stop it for good
+        (``aborted``, outcome ``"migrated: <to_run_id>"``, lease released).
+        Returns False (nothing triggered) when it already records that move; an
+        aborted run only records it; a finished run is refused.
+        """
+        if self.migrated_to == to_run_id:
+            return False
+        if self.migrated_to is not None:
+            msg = f"run {self.run_id} was already migrated to run {self.migrated_to}"
+            raise InvalidArgumentError(msg)
+        if self.status == "finished":
+            msg = (
+                f"run {self.run_id} finished (outcome {self.outcome!r}) before its "
+                f"migration to run {to_run_id} completed; there is nothing to migrate"
+            )
+            raise InvalidArgumentError(msg)
+        self.trigger_event(self.Migrated, to_run_id=to_run_id, at_step=at_step)
+        if self.status != "aborted":
+            self.abort(f"{MIGRATED}{to_run_id}")
+        self.release_lease()
+        return True
+
     def copy_event(self, event_class: type[Run.Event], fields: dict[str, Any]) -> None:
         """Append an event copied from another run's history (a fork's opening)."""
         self.trigger_event(event_class, **fields)
@@ -616,6 +725,31 @@ class Run(Aggregate):
 
     def record_turn(self, idempotency_key: str, result: dict[str, Any]) -> None:
         self.trigger_event(self.TurnRecorded, idempotency_key=idempotency_key, result=result)
+
+    def set_budget(self, budget: dict[str, Any] | None) -> None:
+        """Give the run its own budget (replacing the agent's), from now on."""
+        if budget != self.budget:
+            self.trigger_event(self.BudgetSet, budget=budget)
+
+    def raise_budget(self, raise_to: dict[str, Any]) -> None:
+        self.trigger_event(self.BudgetRaised, raise_to=raise_to)
+
+    def count_model_call(self, model: str) -> None:
+        """One more attempt of a call to ``model`` (folded from the step events)."""
+        if self.usage is not None:
+            self.usage.setdefault(model, _no_usage())["calls"] += 1
+
+    def count_model_tokens(self, model: str, result_json: str) -> None:
+        """Add the tokens a finished call to ``model`` reported."""
+        if self.usage is None:
+            return
+        response = json.loads(result_json)
+        reported = normalise_usage(response.get("usage") if isinstance(response, dict) else None)
+        if reported is None:
+            return
+        tally = self.usage.setdefault(model, _no_usage())
+        for field, count in reported.items():
+            tally[field] += count or 0
 
     def take_lease(self, holder: str, expires_at: datetime) -> None:
         self.trigger_event(self.LeaseTaken, holder=holder, expires_at=expires_at)
@@ -695,6 +829,7 @@ class Run(Aggregate):
             messages=messages_from_json(self.messages),
             waiting_for=self.public_wait(),
             flow_digest=self.flow_digest,
+            flow_version=self.flow_version,
             lease_holder=self.lease_holder,
             lease_expires_at=self.lease_expires_at,
             version=self.version,
@@ -705,6 +840,7 @@ class Run(Aggregate):
             outcome=self.outcome,
             # Snapshots taken before forks existed lack the attribute.
             forked_from=copy.deepcopy(getattr(self, "forked_from", None)),
+            migrated_to=self.migrated_to,
         )
 
     def step_records(self) -> list[StepRecord]:
@@ -723,6 +859,10 @@ class Run(Aggregate):
         if status != "running":
             msg = f"step {index} of run {self.run_id} is already {status}"
             raise InvalidArgumentError(msg)
+
+
+def _no_usage() -> dict[str, int]:
+    return {"calls": 0, "input_tokens": 0, "output_tokens": 0, "total_tokens": 0}
 
 
 def step_record(step: StepData) -> StepRecord:
@@ -749,6 +889,7 @@ def new_run(
     agent: str | None,
     flow: str | None,
     flow_digest: str | None,
+    flow_version: str | None = None,
 ) -> Run:
     return Run._create(
         Run.Created,
@@ -758,6 +899,7 @@ def new_run(
         agent=agent,
         flow=flow,
         flow_digest=flow_digest,
+        flow_version=flow_version,
     )
 
 

@@ -62,11 +62,11 @@ async def drive(
     try:
         reply = await agent_turn(journal, cursor, agent, emit, max_tool_concurrency)
     except Exception:
-        journal.raise_if_suspended()
+        journal.raise_if_stopped()
         raise
     finally:
         await journal.settle()
-    journal.raise_if_suspended()
+    journal.raise_if_stopped()
     return Driven(End(None), journal.state(), conversation=True, reply=reply)
 
 
@@ -96,8 +96,8 @@ async def drive_flow(
         try:
             returned = await _run_node(node, state, visit)
         except Exception:
-            # A suspension wins over whatever the node raised after catching it.
-            journal.raise_if_suspended()
+            # A suspension (or a stop) wins over whatever the node raised after catching it.
+            journal.raise_if_stopped()
             raise
         finally:
             # The context refuses effects from now on (a task left running);
@@ -106,7 +106,7 @@ async def drive_flow(
             ctx.close()
             await journal.settle()
         # A node that caught a suspension and returned: its return is discarded.
-        journal.raise_if_suspended()
+        journal.raise_if_stopped()
         transition = to_transition(returned, flow, node_id)
         if isinstance(transition, Goto) and transition.data:
             state.update(transition.data)
@@ -169,7 +169,9 @@ async def _collect(node: CollectNode, state: dict[str, Any], visit: _Visit) -> A
         ),
         schema=node.schema.model_json_schema(),
     )
-    response = await model_turn(journal, cursor, visit.agent.model, request)
+    response = await model_turn(
+        journal, cursor, visit.agent.model, request, budget=visit.agent.budget
+    )
     state.update(_valid_fields(node.schema, response.data or {}))
     missing = [name for name in node.required if state.get(name) is None]
     if missing:
@@ -202,5 +204,7 @@ async def _reply(node: ReplyNode, state: dict[str, Any], visit: _Visit) -> Any:
     request = ModelRequest(
         purpose="reply", messages=journal.messages(), instructions=node.instructions
     )
-    await model_turn(journal, visit.cursor, visit.agent.model, request, on_new)
+    await model_turn(
+        journal, visit.cursor, visit.agent.model, request, on_new, budget=visit.agent.budget
+    )
     return node.next_transition(state)

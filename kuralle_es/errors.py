@@ -234,6 +234,27 @@ class LeaseHeldError(KuralleError):
         )
 
 
+class BudgetExceededError(KuralleError):
+    """A model call would start past the run's budget (``Budget(on_exceed="fail")``).
+
+    ``usage`` is what the run spent so far and ``budget`` its limits, as
+    plain mappings; ``reached`` names the limits at or past which it stands.
+    """
+
+    def __init__(
+        self, run_id: str, reached: list[str], usage: dict[str, Any], budget: dict[str, Any]
+    ) -> None:
+        self.run_id = run_id
+        self.reached = reached
+        self.usage = usage
+        self.budget = budget
+        super().__init__(
+            f"run {run_id} reached its budget ({', '.join(reached)}: spent {usage}, "
+            f"budget {budget}), so no further model call was made; give the run a larger "
+            "Budget (runtime.run(..., budget=)), or on_exceed='ask' to let a human decide"
+        )
+
+
 class TurnClosedError(KuralleError):
     """An effect was asked of a ``RunContext`` after its node visit or turn ended.
 

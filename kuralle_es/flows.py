@@ -8,6 +8,7 @@ small value types, so the driver handles exactly three cases.
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -36,8 +37,10 @@ __all__ = [
     "end",
     "goto",
     "handoff",
+    "pinned_version",
     "reply",
     "to_transition",
+    "version_key",
 ]
 
 
@@ -267,20 +270,87 @@ def _transition_from_mapping(value: Mapping[str, Any], flow: Flow, node_id: str)
 
 @dataclass(frozen=True)
 class Flow:
-    """A named graph of nodes, entered at ``start``."""
+    """A named graph of nodes, entered at ``start``.
+
+    ``version`` is an optional label (``define_flow(..., version="2")``) that
+    tells several definitions of one flow apart: a runtime given several
+    starts new runs on the newest (``version_key``) and resumes each run on
+    the definition whose ``digest`` it pinned. The label is not part of the
+    digest.
+    """
 
     name: str
     description: str
     start: str
     nodes: dict[str, Node]
     digest: str
+    version: str | None = None
 
     def node(self, node_id: str) -> Node:
         return self.nodes[node_id]
 
 
-def define_flow(name: str, description: str, start: Node | str, nodes: Sequence[Node]) -> Flow:
-    """Define a flow; ids are checked and the digest is computed once, here."""
+_VERSION_PARTS = re.compile(r"([0-9]+)")
+
+
+def version_key(version: str | None) -> tuple[tuple[int, int, str], ...]:
+    """How flow versions compare: naturally, runs of digits as numbers, so
+    ``"2" < "10"`` and ``"1.9" < "1.10"``; a flow without a version is older
+    than every flow with one."""
+    if version is None:
+        return ()
+    parts = _VERSION_PARTS.split(version)
+    return tuple(
+        (0, int(part), "") if part[0] in "0123456789" else (1, 0, part) for part in parts if part
+    )
+
+
+def pinned_version(
+    versions: Sequence[Flow], digest: str | None, version: str | None
+) -> Flow | None:
+    """Of ``versions`` (definitions of one flow), the one a run pinned to ``digest``
+    and labelled ``version`` resumes on, or None when none has that digest.
+
+    Versions with identical definitions share a digest: the one with the run's
+    own label is taken then, else the newest of them.
+    """
+    same = [flow for flow in versions if flow.digest == digest]
+    for flow in same:
+        if flow.version == version:
+            return flow
+    return max(same, key=lambda flow: version_key(flow.version)) if same else None
+
+
+def _version_label(name: str, version: str | int | None) -> str | None:
+    if version is None:
+        return None
+    if isinstance(version, bool) or not isinstance(version, str | int):
+        msg = f"flow {name!r}: version must be a string (or an int), got {version!r}"
+        raise InvalidArgumentError(msg)
+    label = str(version).strip()
+    if not label:
+        msg = f"flow {name!r}: version must not be empty; leave it out for no version"
+        raise InvalidArgumentError(msg)
+    return label
+
+
+def define_flow(
+    name: str,
+    description: str,
+    start: Node | str,
+    nodes: Sequence[Node],
+    *,
+    version: str | int | None = None,
+) -> Flow:
+    """Define a flow; ids are checked and the digest is computed once, here.
+
+    ``version`` labels this definition (``"2"``; an int is taken as its text)
+    so a runtime can hold several definitions of the flow at once: new runs
+    start on the newest (compared naturally, ``"10"`` after ``"2"``), and a
+    run resumes on the definition whose digest it pinned (docs/deploying.md).
+    The label does not enter ``digest``.
+    """
+    label = _version_label(name, version)
     by_id: dict[str, Node] = {}
     for node in nodes:
         if not isinstance(node, Node):
@@ -300,4 +370,7 @@ def define_flow(name: str, description: str, start: Node | str, nodes: Sequence[
         "nodes": [by_id[k].describe() for k in sorted(by_id)],
     }
     digest = sha256_hex(canonical_json(description_of_flow))
-    return Flow(name=name, description=description, start=start_id, nodes=by_id, digest=digest)
+    return Flow(
+        name=name, description=description, start=start_id, nodes=by_id, digest=digest,
+        version=label,
+    )  # fmt: skip

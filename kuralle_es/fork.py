@@ -108,16 +108,28 @@ def _payload(kind: str, name: str, args: Any) -> Any:
 class _Rekey:
     """Rewrites the original's logical runs and keys to the fork's."""
 
-    def __init__(self, original_id: str, fork_id: str, pinned: str | None, digest: str) -> None:
+    def __init__(
+        self,
+        original_id: str,
+        fork_id: str,
+        pinned: str | None,
+        digest: str,
+        version: str | None = None,
+    ) -> None:
         self.original_id = original_id
         self.fork_id = fork_id
         self.pinned = pinned
         self.digest = digest
+        self.version = version
 
     def digest_of(self, pinned: str | None) -> str | None:
         """Steps of the digest pinned at the fork point replay under the current one;
         steps of an older pin (before a drift restart) stay dead history."""
         return self.digest if pinned == self.pinned else pinned
+
+    def version_of(self, pinned: str | None, version: str | None) -> str | None:
+        """The version label that goes with ``digest_of(pinned)``."""
+        return self.version if pinned == self.pinned else version
 
     def logical_run(self, logical: str) -> tuple[str, str]:
         """The fork's logical run (lane included) and that run without its lane."""
@@ -189,7 +201,11 @@ def _walk(events: Sequence[Any], rekey: _Rekey) -> _Walk:
             walk.copy(event)
         elif isinstance(event, Run.FlowPinned):
             walk.node = event.node
-            walk.copy(event, flow_digest=rekey.digest_of(event.flow_digest))
+            walk.copy(
+                event,
+                flow_digest=rekey.digest_of(event.flow_digest),
+                flow_version=rekey.version_of(event.flow_digest, event.flow_version),
+            )
         elif isinstance(event, Run.MessageAppended):
             walk.copy(event)
         elif isinstance(event, Run.InputAccepted):
@@ -246,12 +262,14 @@ def _refuse_inside_batch(starts: Sequence[Run.StepStarted], at_step: int, run_id
     raise InvalidArgumentError(msg)
 
 
-def plan_fork(events: Sequence[Any], at_step: int, fork_id: str, digest: str) -> ForkPlan:
+def plan_fork(
+    events: Sequence[Any], at_step: int, fork_id: str, digest: str, version: str | None = None
+) -> ForkPlan:
     """The fork of the run whose stored ``events`` these are, at ``at_step``.
 
-    ``digest`` is the flow's current digest. Refuses (``InvalidArgumentError``)
-    a conversation run, an ``at_step`` out of ``0..len(steps)``, and a point
-    inside a parallel batch.
+    ``digest`` is the flow's current digest (``version`` its label). Refuses
+    (``InvalidArgumentError``) a conversation run, an ``at_step`` out of
+    ``0..len(steps)``, and a point inside a parallel batch.
     """
     created = events[0]
     run_id = str(created.originator_id)
@@ -269,7 +287,7 @@ def plan_fork(events: Sequence[Any], at_step: int, fork_id: str, digest: str) ->
     _refuse_inside_batch([events[i] for i in starts], at_step, run_id)
     cut = starts[at_step] if at_step < step_count else len(events)
     prefix = events[:cut]
-    rekey = _Rekey(run_id, fork_id, _pinned_at(prefix), digest)
+    rekey = _Rekey(run_id, fork_id, _pinned_at(prefix), digest, version)
     walk = _walk(prefix, rekey)
     _refuse_unsettled(walk, run_id, at_step, step_count)
     if walk.node is None:

@@ -53,9 +53,20 @@ from .observability import traced_step
 from .retry import NO_RETRY, RetryPolicy
 from .store import RunStore
 from .tools import encode_json
+from .usage import Budget, ModelUsage, Prices, Usage, total
 from .waiting import Wait
 
-__all__ = ["Journal", "decode", "frozen_error", "utcnow"]
+__all__ = ["Journal", "RunStopped", "decode", "frozen_error", "utcnow"]
+
+
+class RunStopped(Exception):
+    """The turn ends the run here with ``outcome`` (internal: a budget a human
+    refused to raise). Like a suspension, it cannot be swallowed: the journal
+    refuses every later effect of the turn and the turn finishes the run."""
+
+    def __init__(self, outcome: str) -> None:
+        self.outcome = outcome
+        super().__init__(f"the run ends here: {outcome}")
 
 #: ``StepError.data`` marker of a result the journal could not hold.
 _UNRECORDABLE = "unrecordable_result"
@@ -120,8 +131,10 @@ class Journal:
         holder: str,
         lease_ttl: float,
         inline_sleep_limit: float = 1.0,
+        prices: Prices | None = None,
     ) -> None:
         self._store = store
+        self._prices = prices
         self._run = run
         self._holder = holder
         self.lease_ttl = timedelta(seconds=lease_ttl)
@@ -132,8 +145,9 @@ class Journal:
         self._idle = asyncio.Event()
         self._idle.set()
         self._broken: StaleWriteError | None = None
-        #: The turn's first wait, once an effect suspended it.
-        self._suspended: Wait | None = None
+        #: What stopped the turn first: the wait it suspended on, the outcome it
+        #: ended the run with, or the replay mismatch that refused an effect.
+        self._stopped: Wait | str | NonDeterminismError | None = None
         self._closed = False
         self._beat_every = timedelta(seconds=lease_ttl / 3)
         self._heartbeat = Heartbeat(self._beat, lease_ttl / 3)
@@ -258,9 +272,33 @@ class Journal:
         The first suspension is the one the run pauses on, whatever the node
         does with the exception afterwards.
         """
-        if self._suspended is None:
-            self._suspended = wait
-        raise SuspendError(self._suspended)
+        if self._stopped is None:
+            self._stopped = wait
+        raise self._stop_error()
+
+    def stop(self, outcome: str) -> NoReturn:
+        """End the run with ``outcome`` at the end of this turn (``RunStopped``)."""
+        if self._stopped is None:
+            self._stopped = outcome
+        raise self._stop_error()
+
+    def refuse_replay(self, mismatch: NonDeterminismError) -> NoReturn:
+        """Refuse an effect that does not match the journal, and every effect of
+        the turn after it: node code that catches the ``NonDeterminismError`` and
+        goes on would otherwise take the next recorded callsite for another effect
+        (an approval given for one question read as the answer to another)."""
+        if self._stopped is None:
+            self._stopped = mismatch
+        raise self._stop_error()
+
+    def _stop_error(self) -> Exception:
+        stopped = self._stopped
+        assert stopped is not None
+        if isinstance(stopped, Wait):
+            return SuspendError(stopped)
+        if isinstance(stopped, NonDeterminismError):
+            return stopped
+        return RunStopped(stopped)
 
     def require_open(self, what: str) -> None:
         """Refuse every effect once the turn ended (``TurnClosedError``)."""
@@ -269,20 +307,43 @@ class Journal:
 
     def admit(self, what: str) -> None:
         """Let node code request an effect, or refuse it: ``TurnClosedError``
-        once the turn ended, ``SuspendError`` (its first wait) once it suspended.
+        once the turn ended, ``SuspendError`` (its first wait) once it
+        suspended, ``RunStopped`` once it ended the run, the
+        ``NonDeterminismError`` once a replay did not match.
 
         Checked when the effect is requested: the rest of a ``gather`` batch,
         requested before one of its effects suspended, still runs and settles.
         """
         self.require_open(what)
-        if self._suspended is not None:
-            raise SuspendError(self._suspended)
+        if self._stopped is not None:
+            raise self._stop_error()
 
-    def raise_if_suspended(self) -> None:
-        """After node code returned or raised: a suspended turn ends on its
-        first wait, and what the node returned or raised is discarded."""
-        if self._suspended is not None:
-            raise SuspendError(self._suspended)
+    def raise_if_stopped(self) -> None:
+        """After node code returned or raised: a turn that suspended (or ended
+        the run) stops there, and what the node returned or raised is discarded."""
+        if self._stopped is not None:
+            raise self._stop_error()
+
+    # ---------------------------------------------------------------- spending
+    def budget(self, agent_budget: Budget | None) -> Budget | None:
+        """The budget the run's next model call is checked against: the run's own
+        (``runtime.run(..., budget=)``) or its agent's, with what a human raised."""
+        run = self._run
+        base = Budget.model_validate(run.budget) if run.budget is not None else agent_budget
+        if base is None or not run.budget_raises:
+            return base
+        return base.raised(run.budget_raises)
+
+    async def usage(self) -> Usage:
+        """What the run's model calls spent so far, over its whole journal."""
+        run = self._run
+        if run.usage is None:
+            # Folded from a snapshot older than the count: count the whole journal
+            # once; the run's next snapshot carries the count.
+            history = await self._store.load_async(run.run_id, history=True)
+            run.usage = {} if history is None or history.usage is None else history.usage
+        by_model = [ModelUsage(model=model, **tally) for model, tally in run.usage.items()]
+        return total(by_model, 0, self._prices)
 
     # ------------------------------------------------------------ in flight
     async def settle(self) -> None:
@@ -304,23 +365,29 @@ class Journal:
 
         Raises ``NonDeterminismError`` when the callsite holds another kind or
         name, or the same one under another key (args computed from a value
-        the journal did not record): re-keying would execute it again.
+        the journal did not record): re-keying would execute it again. The
+        mismatch stops the turn (``refuse_replay``): it ends in that error
+        whatever the node does with it.
         """
         steps: list[StepData] = self._run.steps_at(site.logical_run + site.lane, site.callsite)
         if not steps:
             return None
         latest = steps[-1]
         if (latest["kind"], latest["name"]) != (kind, name):
-            raise NonDeterminismError(
-                site.callsite, f"{latest['kind']} {latest['name']!r}", f"{kind} {name!r}"
+            self.refuse_replay(
+                NonDeterminismError(
+                    site.callsite, f"{latest['kind']} {latest['name']!r}", f"{kind} {name!r}"
+                )
             )
         if latest["key"] != key:
-            raise NonDeterminismError(
-                site.callsite,
-                f"{latest['kind']} {latest['name']!r}",
-                f"{kind} {name!r}",
-                recorded_key=latest["key"],
-                requested_key=key,
+            self.refuse_replay(
+                NonDeterminismError(
+                    site.callsite,
+                    f"{latest['kind']} {latest['name']!r}",
+                    f"{kind} {name!r}",
+                    recorded_key=latest["key"],
+                    requested_key=key,
+                )
             )
         return latest
 
@@ -348,8 +415,10 @@ class Journal:
         execute: Callable[[], Awaitable[Any]],
         replay: bool = True,
         on_running: Callable[[StepData], Awaitable[None]] | None = None,
+        on_recorded: Callable[[Any], None] | None = None,
         on_executed: Callable[[Any], None] | None = None,
         retry: RetryPolicy = NO_RETRY,
+        journal_errors: bool = True,
     ) -> Any:
         """Run one effect through the journal; returns its (recorded) JSON result.
 
@@ -358,7 +427,12 @@ class Journal:
         ``replay=False`` (a read re-run on every pass) a recorded step is run
         again on the same record: one step per key, its ``attempts`` counting
         the passes. ``retry`` says which failed attempts are journaled and
-        tried again (same key) instead of being frozen.
+        tried again (same key) instead of being frozen. ``on_recorded`` runs
+        with a fresh result before the save that carries it (the events it
+        triggers ride on that save); ``on_executed`` runs after. With
+        ``journal_errors=False`` a failed attempt is not journaled: its error
+        propagates and the step stays ``running``, so the next pass runs it
+        again as its next attempt (a model call: nothing is frozen).
         """
         self.require_open(f"{kind} {name!r}")
         self._enter()
@@ -389,18 +463,22 @@ class Journal:
             await self._save_intent()
             if retry_at is not None:
                 await self._next_attempt(index, retry_at)
-            value = await self._attempts(index, execute, retry, counted_from)
+            value = await self._attempts(index, execute, retry, counted_from, journal_errors)
             try:
                 result_json = encode_json(value, f"the result of {kind} {name!r}")
             except (TypeError, KuralleError) as exc:
+                if not journal_errors:
+                    raise
                 error = StepError(
                     type=type(exc).__name__, message=str(exc), data={"reason": _UNRECORDABLE}
                 )
                 raise await self._record_failure(index, error) from None
+            result = json.loads(result_json)
             async with self._lock:
                 self._run.finish_step(index, result_json)
+                if on_recorded is not None:
+                    on_recorded(result)
                 await self._persist_locked()
-            result = json.loads(result_json)
             if on_executed is not None:
                 on_executed(result)
             return result
@@ -478,6 +556,7 @@ class Journal:
         execute: Callable[[], Awaitable[Any]],
         retry: RetryPolicy,
         counted_from: int,
+        journal_errors: bool = True,
     ) -> Any:
         """Execute until an attempt succeeds; a failure the policy retries is
         journaled (the step stays running) and waited out, the last one frozen.
@@ -491,6 +570,8 @@ class Journal:
             except (SuspendError, asyncio.CancelledError):
                 raise
             except Exception as exc:
+                if not journal_errors:
+                    raise
                 error = _step_error(exc)
                 failures = self._run.step(index).get("failures", 0) + 1 - counted_from
                 if not retry.retries(exc, failures):

@@ -11,10 +11,11 @@ import json
 import os
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from .errors import KuralleError
 from .models import Message
+from .usage import normalise_usage
 
 if TYPE_CHECKING:
     from openai import AsyncOpenAI
@@ -64,12 +65,22 @@ class ToolCallRequest(BaseModel):
 
 
 class ModelResponse(BaseModel):
-    """Assistant text, tool calls, extracted ``data`` and token ``usage``."""
+    """Assistant text, tool calls, extracted ``data`` and token ``usage``.
+
+    ``usage`` is kept as ``{"input_tokens", "output_tokens", "total_tokens"}``
+    (OpenAI's ``prompt_tokens``/``completion_tokens`` are mapped, a missing
+    total is their sum), or None when the model reported nothing usable.
+    """
 
     content: str | None = None
     tool_calls: list[ToolCallRequest] = Field(default_factory=list)
     data: dict[str, Any] | None = None
     usage: dict[str, Any] | None = None
+
+    @field_validator("usage", mode="before")
+    @classmethod
+    def _normalise_usage(cls, value: Any) -> dict[str, int | None] | None:
+        return normalise_usage(value)
 
 
 class ModelRequest(BaseModel):

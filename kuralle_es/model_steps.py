@@ -1,4 +1,11 @@
-"""Model turns as journaled ``model`` steps, and the chat messages they make."""
+"""Model turns as journaled ``model`` steps, and the chat messages they make.
+
+A model call is an effect like a tool call: its intent is journaled before
+the call, so a call cut off by a crash is in doubt and its re-run is the
+step's next attempt (every attempt is counted in the run's usage). Before a
+fresh call the run's budget is checked (docs/usage.md): a call that would
+start past it fails the run, or waits for a human's yes on ``__budget``.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +14,13 @@ from collections.abc import Callable
 from typing import Any
 
 from .cursor import Cursor, Site
-from .errors import InvalidArgumentError
-from .journal import Journal
+from .errors import BudgetExceededError, InvalidArgumentError
+from .journal import Journal, decode
 from .keys import plain_json_problem
 from .llm import Model, ModelRequest, ModelResponse, ModelResponseError, as_response
 from .models import Message
+from .usage import Budget
+from .waits import BUDGET, BUDGET_LANE, approval_decision, frozen_operation, suspend
 
 __all__ = ["assistant_message", "model_turn", "tool_message", "turn_key"]
 
@@ -27,21 +36,29 @@ async def model_turn(
     model: Model | None,
     request: ModelRequest,
     on_new: Callable[[ModelResponse], None] | None = None,
+    budget: Budget | None = None,
 ) -> ModelResponse:
     """Ask ``model`` once, journaled: a replay returns the recorded response.
 
-    The response (content, tool calls, usage) is saved in one step after the
-    model answers; ``on_new`` runs only for a fresh answer, and the events it
-    triggers (the assistant message) are saved with it.
+    The intent is saved before the call and the response (content, tool
+    calls, usage) after it; ``on_new`` runs only for a fresh answer, and the
+    events it triggers (the assistant message) are saved with the response.
+    A call that fails journals nothing more: the next pass asks again.
+    ``budget`` is the agent's (the run's own replaces it).
     """
     if model is None:
         msg = (
             f"run {journal.run_id} needs a model for a {request.purpose!r} turn, but its "
-            "agent has none; pass model= to define_agent (openai_model(...) or ScriptedModel)"
+            "agent has none; pass model= to define_agent: openai_model(...), any object with "
+            "an id and async respond(request), or kuralle_es.testing.ScriptedModel offline "
+            "(docs/agents.md)"
         )
         raise InvalidArgumentError(msg)
     site = cursor.take()
     model_id = model.id
+    key = turn_key(site, model_id, request.purpose)
+    if journal.recorded(site, "model", model_id, key) is None:
+        await _within_budget(journal, site, budget)
 
     async def ask() -> dict[str, Any]:
         answer = as_response(model_id, await model.respond(request))
@@ -62,16 +79,50 @@ async def model_turn(
         if on_new is not None:
             on_new(ModelResponse.model_validate(value))
 
-    value = await journal.record_value(
+    value = await journal.effect(
         site,
         kind="model",
         name=model_id,
-        key=turn_key(site, model_id, request.purpose),
+        key=key,
         args={"purpose": request.purpose},
-        make=ask,
+        execute=ask,
         on_recorded=recorded,
+        journal_errors=False,
     )
     return ModelResponse.model_validate(value)
+
+
+async def _within_budget(journal: Journal, site: Site, agent_budget: Budget | None) -> None:
+    """Let a fresh model call start, or stop it: past the budget, ``"fail"`` raises
+    ``BudgetExceededError`` and ``"ask"`` waits for a human on ``__budget`` (in a
+    lane beside the call, so the run's callsites stay as they were). Approved,
+    the call goes on (under the raised limits, if the approval raised them);
+    denied, the run ends with outcome ``"budget exceeded"``."""
+    budget = journal.budget(agent_budget)
+    if budget is None:
+        return
+    usage = await journal.usage()
+    reached = budget.exceeded_by(usage)
+    if not reached:
+        return
+    spent = usage.model_dump(mode="json", exclude={"tool_calls"})
+    if budget.on_exceed == "fail":
+        raise BudgetExceededError(journal.run_id, reached, spent, budget.limits())
+    approval = site.in_lane(BUDGET_LANE)
+    step = journal.recorded(approval, "approval", BUDGET, site.key(BUDGET))
+    if step is not None and step["status"] == "finished":
+        if approval_decision(decode(step)).approved:
+            return
+        journal.stop("budget exceeded")
+    suspend(
+        journal,
+        approval,
+        name=BUDGET,
+        kind="approval",
+        title="Approve spending past the budget",
+        description=f"the run reached {', '.join(reached)}; approve (with raise_to) or deny",
+        operation=frozen_operation(BUDGET, {"usage": spent, "budget": budget.limits()}),
+    )
 
 
 def assistant_message(response: ModelResponse) -> Message:

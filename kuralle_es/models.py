@@ -105,6 +105,8 @@ class RunState(BaseModel):
     messages: list[Message] = Field(default_factory=list)
     waiting_for: WaitingFor | None = None
     flow_digest: str | None = None
+    #: The version label of the flow definition the run is pinned to, if it has one.
+    flow_version: str | None = None
     lease_holder: str | None = None
     lease_expires_at: datetime | None = None
     version: int
@@ -115,6 +117,8 @@ class RunState(BaseModel):
     outcome: str | None = None
     #: ``{"run_id": ..., "at_step": ...}`` for a run forked from another.
     forked_from: dict[str, Any] | None = None
+    #: The id of the fork this run was migrated to (``runtime.migrate``), if any.
+    migrated_to: str | None = None
 
 
 class SignalDelivery(BaseModel):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 from uuid import uuid4
@@ -31,16 +31,18 @@ from .commands import (
     drifted_run,
     load_run,
 )
+from .deliveries import approval_delivery
 from .doors import check_turn_args
 from .errors import InvalidArgumentError, RunNotFoundError
 from .flows import Flow
 from .handle import TurnHandle, TurnSink
 from .journal import utcnow
+from .migrate import migrate_run
 from .models import RunState, SignalDelivery, StepRecord, TurnResult
 from .registry import Registry
 from .store import RunStore
 from .turn import drive_turn
-from .waits import APPROVAL
+from .usage import Budget, validate_prices
 
 if TYPE_CHECKING:
     from .views import RunViews
@@ -68,6 +70,7 @@ class Runtime:
         holder: str | None = None,
         max_tool_concurrency: int = 8,
         inline_sleep_limit: float = 1.0,
+        prices: Mapping[str, tuple[float, float]] | None = None,
     ) -> None:
         if not isinstance(lease_ttl, int | float) or lease_ttl <= 0:
             msg = f"lease_ttl must be a positive number of seconds, got {lease_ttl!r}"
@@ -91,6 +94,8 @@ class Runtime:
         #: A ``ctx.sleep`` that wakes within this many seconds sleeps inline; a
         #: longer one pauses the run until a sweeper's ``fire_timers`` wakes it.
         self.inline_sleep_limit = float(inline_sleep_limit)
+        #: What 1,000 input and output tokens of each model cost (docs/usage.md).
+        self.prices = validate_prices(prices)
         self._env = TurnEnv(
             registry=self._registry,
             store=self.store,
@@ -98,6 +103,7 @@ class Runtime:
             lease_ttl=self.lease_ttl,
             max_tool_concurrency=max_tool_concurrency,
             inline_sleep_limit=self.inline_sleep_limit,
+            prices=self.prices,
         )
 
     @property
@@ -115,7 +121,7 @@ class Runtime:
         """Queries over the runs of this runtime's store (made on first use)."""
         from .views import RunViews
 
-        return RunViews(self.store)
+        return RunViews(self.store, prices=self.prices)
 
     # ------------------------------------------------------------- lifecycle
     def close(self) -> None:
@@ -144,11 +150,19 @@ class Runtime:
         run_id: str | None = None,
         signal_delivery: SignalDelivery | None = None,
         idempotency_key: str | None = None,
+        budget: Budget | None = None,
     ) -> TurnHandle:
-        """Start a turn; returns its handle at once (errors surface through it)."""
+        """Start a turn; returns its handle at once (errors surface through it).
+
+        ``budget`` gives the run a budget of its own from this turn on, in place
+        of its agent's (docs/usage.md).
+        """
 
         def command() -> Command:
             check_turn_args(session_id, input, idempotency_key, signal_delivery)
+            if budget is not None and not isinstance(budget, Budget):
+                msg = f"budget must be a kuralle_es.Budget, got {budget!r}"
+                raise InvalidArgumentError(msg)
             if signal_delivery is not None:
                 return Deliver(session_id, run_id, signal_delivery, idempotency_key)
             if run_id is not None:
@@ -163,7 +177,7 @@ class Runtime:
             return Converse(session_id, input, flow_name, idempotency_key)
 
         async def turn(sink: TurnSink) -> TurnResult:
-            return await drive_turn(self._env, command(), sink)
+            return await drive_turn(self._env, command(), sink, budget)
 
         return TurnHandle(turn)
 
@@ -209,6 +223,27 @@ class Runtime:
             raise InvalidArgumentError(msg)
         command = Fork(session_id, run_id, at_step, into_session)
         return await TurnHandle(lambda sink: drive_turn(self._env, command, sink)).result()
+
+    async def migrate(self, run_id: str, session_id: str, at_step: int) -> TurnResult:
+        """Move a live flow run onto its flow's newest definition; the fork's turn result.
+
+        Forks the run at step ``at_step`` (exactly ``fork``: steps before it
+        replay, the rest executes afresh under the newest definition, within
+        this call, to the fork's next pause or its end), then stops the
+        original for good: ``aborted`` with outcome ``"migrated: <fork id>"``
+        and ``RunState.migrated_to`` set to the fork's id, whoever holds its
+        lease. The fork's id is derived from the run's id and ``at_step``, so
+        a migration retried after a crash between the fork and the stop (or
+        racing another) finds the one fork, drives it on if it was cut off,
+        and stops the original: it converges. A fork whose turn raises (its
+        replay no longer matches the code: ``NonDeterminismError``) leaves
+        the original as it was.
+
+        Refused, writing nothing, where ``fork`` refuses (``InvalidArgumentError``,
+        ``RunNotFoundError``), and for a finished or aborted run or one already
+        migrated at another step (``InvalidArgumentError``).
+        """
+        return await migrate_run(self._env, run_id, session_id, at_step)
 
     # ----------------------------------------------------------------- drift
     async def resolve_drift(self, run_id: str, session_id: str, recovery: str) -> RunState:
@@ -261,14 +296,16 @@ class Runtime:
         by: str,
         reason: str | None = None,
         signal_id: str | None = None,
+        raise_to: dict[str, Any] | None = None,
     ) -> TurnResult:
         """Approve what the run waits for, as ``by``; the turn's result (its errors raised).
 
         Exactly ``run(..., signal_delivery=...)`` of an ``__approval`` with
         ``actor=by`` and a fresh ``signal_id`` unless one is given (give one to
-        make a retry a no-op).
+        make a retry a no-op). It answers any approval, a budget's too, whose
+        limits ``raise_to`` raises (``{"max_total_tokens": 20000}``, docs/usage.md).
         """
-        return await self._decide(run_id, session_id, True, by, reason, signal_id)
+        return await self._decide(run_id, session_id, True, by, reason, signal_id, raise_to)
 
     async def deny(
         self,
@@ -310,13 +347,12 @@ class Runtime:
         by: str,
         reason: str | None,
         signal_id: str | None,
+        raise_to: dict[str, Any] | None = None,
     ) -> TurnResult:
-        payload: dict[str, Any] = {"approved": approved, "by": by}
-        if reason is not None:
-            payload["reason"] = reason
-        return await self.signal(
-            run_id, session_id, APPROVAL, payload, signal_id=signal_id, actor=by
+        delivery = approval_delivery(
+            approved=approved, by=by, reason=reason, signal_id=signal_id, raise_to=raise_to
         )
+        return await self.run(session_id, run_id=run_id, signal_delivery=delivery).result()
 
     # ----------------------------------------------------------- definitions
     def default_agent(self) -> Agent:

@@ -12,7 +12,8 @@ of your own runs exactly once under crashes, is in docs/howto/testing.md:
 - ``drive_through_crash``: start a flow run on a store that dies, then resume
   it on fresh runtimes and stores until its turn ends.
 - ``replay_check``: the live runs today's code could not resume (drift or
-  non-determinism), found without executing anything.
+  non-determinism), found without executing anything; ``check_runs``: every
+  live run of a store checked against an application (``kuralle-es check``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from .domain import Run
 from .errors import KuralleError
 from .llm import ModelRequest, ModelResponse, as_response
 from .models import ToolCall, TurnResult
-from .replay import ReplayFinding, replay_check
+from .replay import ReplayFinding, RunCheck, check_runs, replay_check
 from .runtime import Runtime
 from .store import RunStore
 
@@ -43,7 +44,9 @@ __all__ = [
     "CrashingStore",
     "ExactlyOnceLedger",
     "ReplayFinding",
+    "RunCheck",
     "ScriptedModel",
+    "check_runs",
     "crash_plans",
     "drive_through_crash",
     "replay_check",

@@ -128,10 +128,13 @@ def format_timeline(
         f"{len(steps)} step(s), {len(deliveries)} deliver{'y' if len(deliveries) == 1 else 'ies'}",
     ]
     if state.active_flow:
-        lines.append(f"  flow {state.active_flow} at node {state.active_node}")
+        version = f" (version {state.flow_version})" if state.flow_version else ""
+        lines.append(f"  flow {state.active_flow} at node {state.active_node}{version}")
     if state.forked_from:
         origin = state.forked_from
         lines.append(f"  forked from run {origin['run_id']} at step {origin['at_step']}")
+    if state.migrated_to:
+        lines.append(f"  migrated to run {state.migrated_to}")
     if state.lease_holder:
         lines.append(f"  lease held by {state.lease_holder} until {_when(state.lease_expires_at)}")
     timed: list[tuple[datetime, int, str]] = [

@@ -17,11 +17,12 @@ from .commands import Command, Opening, TurnEnv
 from .domain import Run
 from .driver import Driven, drive
 from .errors import StaleWriteError, SuspendError, error_fields
-from .flows import Flow, Handoff
+from .flows import End, Flow, Handoff
 from .handle import TurnSink
-from .journal import Journal, utcnow
+from .journal import Journal, RunStopped, utcnow
 from .models import StepError, StreamPart, TurnResult
 from .observability import log_event, set_status, span
+from .usage import Budget
 
 __all__ = ["drive_turn", "result_of"]
 
@@ -37,16 +38,23 @@ def result_of(run: Run, output: Any = None) -> TurnResult:
     )
 
 
-async def drive_turn(env: TurnEnv, command: Command, sink: TurnSink) -> TurnResult:
-    """Run one turn of ``command`` to its end; its refusals and errors are raised."""
-    return await _Turn(env, command, sink).drive()
+async def drive_turn(
+    env: TurnEnv, command: Command, sink: TurnSink, budget: Budget | None = None
+) -> TurnResult:
+    """Run one turn of ``command`` to its end; its refusals and errors are raised.
+
+    ``budget`` (the caller's, for the run) is saved with the turn's opening."""
+    return await _Turn(env, command, sink, budget).drive()
 
 
 class _Turn:
-    def __init__(self, env: TurnEnv, command: Command, sink: TurnSink) -> None:
+    def __init__(
+        self, env: TurnEnv, command: Command, sink: TurnSink, budget: Budget | None
+    ) -> None:
         self.env = env
         self.command = command
         self.sink = sink
+        self.budget = budget
         self.last_text: str | None = None
         self.span: Any = None
 
@@ -61,15 +69,21 @@ class _Turn:
             "kuralle.session_id": self.command.session_id,
             "kuralle.command": type(self.command).__name__,
         }
-        with span("kuralle.turn", attributes) as current:
+        try:
+            run, fresh = await self.command.address(self.env)
+        except Exception:
+            with span("kuralle.turn", attributes):  # refused before a run was found
+                raise
+        # Every turn of the run joins the run's trace (observability.span).
+        attributes["kuralle.run_id"] = run.run_id
+        with span("kuralle.turn", attributes, run_id=run.run_id) as current:
             self.span = current
-            result = await self._drive()
+            result = await self._drive(run, fresh)
             set_status(current, result.status)
             return result
 
-    async def _drive(self) -> TurnResult:
+    async def _drive(self, run: Run, fresh: bool) -> TurnResult:
         command, env = self.command, self.env
-        run, fresh = await command.address(env)
         key = command.idempotency_key
         if key and key in run.turn_keys:
             return self._noop(run, TurnResult.model_validate(run.turn_keys[key]))
@@ -92,6 +106,7 @@ class _Turn:
             holder=env.holder,
             lease_ttl=env.lease_ttl,
             inline_sleep_limit=env.inline_sleep_limit,
+            prices=env.prices,
         )
         try:
             return await self._open_and_drive(run, fresh, journal, opening, agent, flow)
@@ -135,6 +150,9 @@ class _Turn:
             run.pause(suspended.wait)
             part = StreamPart(type="paused", waiting_for=suspended.waiting_for)
             return await self._close(run, journal, part)
+        except RunStopped as stopped:
+            driven = Driven(End(stopped.outcome), journal.state())
+            return await self._close_finished(run, journal, driven)
         except StaleWriteError:
             raise
         except Exception as exc:
@@ -165,11 +183,13 @@ class _Turn:
         registry = self.env.registry
         if run.active_flow is None:
             return registry.agent(run.active_agent), None
-        return registry.flow(run.active_flow)
+        return registry.run_flow(run.active_flow, run.flow_digest, run.flow_version)
 
     async def _open(self, run: Run, journal: Journal, opening: Opening) -> None:
         """The turn's first save: the lease, with what opens the turn."""
         run.take_lease(self.env.holder, utcnow() + journal.lease_ttl)
+        if self.budget is not None:
+            run.set_budget(self.budget.model_dump(mode="json"))
         await opening.open(run, journal, self.env)
 
     # --------------------------------------------------------------- closing

@@ -33,11 +33,14 @@ from .journal import Journal, utcnow
 from .keys import canonical_json, plain_json_problem, sha256_hex
 from .models import ApprovalDecision, FrozenOperation, SignalDelivery
 from .tools import encode_json
+from .usage import Budget
 from .waiting import Wait
 
 __all__ = [
     "APPROVAL",
     "APPROVAL_LANE",
+    "BUDGET",
+    "BUDGET_LANE",
     "DEADLINE_DENY",
     "INPUT",
     "IN_DOUBT",
@@ -54,12 +57,16 @@ __all__ = [
 ]
 
 APPROVAL = "__approval"
+#: The approval a run waits for before a model call past its budget.
+BUDGET = "__budget"
 IN_DOUBT = "__in_doubt"
 INPUT = "__input"
 #: The wait of a run paused on a durable sleep (``ctx.sleep``); nothing is delivered to it.
 TIMER = "__timer"
 #: The journal lane of a tool's approval (beside the tool's own step).
 APPROVAL_LANE = "!approval"
+#: The journal lane of a budget approval (beside the model step it lets start).
+BUDGET_LANE = "!budget"
 #: What the deadline sweeper delivers to a wait whose deadline passed.
 DEADLINE_DENY: dict[str, Any] = {
     "approved": False,
@@ -201,6 +208,9 @@ def validate_payload(wait: Wait, payload: Any, schemas: Schemas, *, from_sweeper
         return payload
     if name == APPROVAL:
         _check_approval(payload)
+    elif name == BUDGET:
+        _check_approval(payload, BUDGET)
+        _check_raise_to(payload.get("raise_to"))
     elif name == IN_DOUBT:
         _check_in_doubt(payload)
     else:
@@ -217,18 +227,38 @@ def validate_payload(wait: Wait, payload: Any, schemas: Schemas, *, from_sweeper
     return payload
 
 
-def _check_approval(payload: Any) -> None:
+def _check_approval(payload: Any, name: str = APPROVAL) -> None:
     if not isinstance(payload, Mapping) or not isinstance(payload.get("approved"), bool):
         msg = (
             f"an approval payload must be a mapping with a boolean 'approved' "
             f"(optional 'by', 'reason'), got {payload!r}"
         )
-        raise InvalidSignalError(APPROVAL, msg)
+        raise InvalidSignalError(name, msg)
     for field in ("by", "reason"):
         value = payload.get(field)
         if value is not None and not isinstance(value, str):
             msg = f"approval field {field!r} must be a string or absent, got {value!r}"
-            raise InvalidSignalError(APPROVAL, msg)
+            raise InvalidSignalError(name, msg)
+
+
+def _check_raise_to(raise_to: Any) -> None:
+    """A budget approval's ``raise_to``: absent, or new values of ``Budget`` limits."""
+    if raise_to is None:
+        return
+    limits = set(Budget.model_fields) - {"on_exceed"}
+    problem = None
+    if not isinstance(raise_to, Mapping) or not raise_to:
+        problem = f"must be a non-empty mapping of {sorted(limits)}"
+    elif not set(raise_to) <= limits:
+        problem = f"may only raise {sorted(limits)}, got {sorted(raise_to)}"
+    else:
+        try:
+            Budget.model_validate(dict(raise_to))
+        except ValidationError as e:
+            problem = f"is not valid: {e.errors(include_url=False)}"
+    if problem is not None:
+        msg = f"the approval's 'raise_to' {problem}; e.g. {{'max_total_tokens': 20000}}"
+        raise InvalidSignalError(BUDGET, msg)
 
 
 def _check_in_doubt(payload: Any) -> None:
@@ -299,7 +329,7 @@ def check(
             f"(runtime.run(..., input=...)), not as a signal; signal {delivery.name!r} "
             "was not delivered",
         )
-    if delivery.name != wait.name:
+    if not _names_match(delivery.name, wait):
         raise SignalMismatchError(
             run.run_id,
             f"run {run.run_id} waits for {wait.name!r}, not {delivery.name!r}; "
@@ -320,13 +350,20 @@ def check(
     return validate_payload(wait, delivery.payload, schemas, from_sweeper=from_sweeper)
 
 
+def _names_match(name: str, wait: Wait) -> bool:
+    """Whether a delivery named ``name`` is for ``wait``: its own name, or
+    ``__approval`` for any approval (a budget's ``__budget`` too), so every way
+    of approving (Python, CLI, dashboard, HTTP) answers every approval."""
+    return name == wait.name or (name == APPROVAL and wait.kind == "approval")
+
+
 def waits_for(run: Run, delivery: SignalDelivery) -> bool:
     """Whether a paused run's wait matches this delivery's name and request id."""
     wait = run.waiting
     return (
         run.status == "paused"
         and wait is not None
-        and wait.name == delivery.name
+        and _names_match(delivery.name, wait)
         and delivery.request_id in (None, wait.request_id)
     )
 
@@ -347,6 +384,8 @@ async def accept(journal: Journal, run: Run, delivery: SignalDelivery, payload: 
         journal.answer_in_doubt(wait.step_index, answer)
         await journal.persist()
         return
+    if wait.name == BUDGET and payload.get("approved") and payload.get("raise_to"):
+        run.raise_budget(dict(payload["raise_to"]))
     site = Site(wait.logical_run, wait.callsite, wait.lane)
     operation = wait.operation.model_dump(mode="json") if wait.operation else None
     await journal.record_value(

@@ -145,9 +145,17 @@ async def test_each_model_turn_is_a_model_step_with_its_response_journaled(
     assert (first.name, second.name) == ("scripted-7", "scripted-7")
     assert first.status == second.status == "finished"
     assert first.result["tool_calls"] == [{"id": "c1", "name": "add", "args": {"a": 2, "b": 2}}]
-    assert first.result["usage"] == {"total_tokens": 17}
+    assert first.result["usage"] == {
+        "input_tokens": None,
+        "output_tokens": None,
+        "total_tokens": 17,
+    }
     assert second.result["content"] == "Four."
-    assert second.result["usage"] == {"total_tokens": 21}
+    assert second.result["usage"] == {
+        "input_tokens": None,
+        "output_tokens": None,
+        "total_tokens": 21,
+    }
     assert len({s.key for s in steps}) == 3
 
 

@@ -273,6 +273,10 @@ async def test_tool_arguments_with_a_lone_surrogate_are_refused_when_called(
 async def test_a_model_response_is_refused_before_it_is_journaled_or_used(
     store: RunStore, content: str, args: Any
 ) -> None:
+    """A response JSON cannot hold is refused: none of it is journaled or used. The
+    call's intent was journaled before the call (a model step is an effect like a
+    tool's), so the step stays ``running`` with no result, and the next pass asks
+    the model again as that step's next attempt."""
     call = ToolCallRequest(id="c1", name="keep", args={"text": "t", "extra": args})
     response = ModelResponse(content=content, tool_calls=[call])
     model = ScriptedModel([response] * 2 + ["done"] * 10)
@@ -286,7 +290,10 @@ async def test_a_model_response_is_refused_before_it_is_journaled_or_used(
         assert "response" in str(refused)
         assert not is_plain_json({"content": content, "args": args})
         run_id = await handle.run_id
-        assert await runtime.get_steps(run_id, session) == []  # nothing of it journaled
+        steps = await runtime.get_steps(run_id, session)
+        assert [(s.kind, s.status, s.result, s.error) for s in steps] == [
+            ("model", "running", None, None)
+        ]  # the intent only: nothing of the response journaled
         return
     # Handled: what pydantic turned into plain JSON (bytes into text) is what the
     # journal holds and what the run went on with.

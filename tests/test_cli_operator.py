@@ -193,7 +193,7 @@ def test_a_missing_run_is_one_line_and_exit_1(store_url: str) -> None:
     assert done.returncode == 1
     assert (
         done.stderr.strip()
-        == "kuralle-es: no run 00000000-0000-0000-0000-000000000000 in this store"
+        == "kuralle-es: RunNotFoundError: no run 00000000-0000-0000-0000-000000000000 in this store"
     )
 
 

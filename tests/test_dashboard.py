@@ -45,11 +45,13 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
 from kuralle_es import (
+    ModelResponse,
     RunContext,
     RunState,
     RunStore,
     Runtime,
     SignalDelivery,
+    ToolCallRequest,
     ToolExecutionError,
     TurnResult,
     action,
@@ -227,9 +229,11 @@ def _free_port() -> int:
 class Dashboard:
     """A real uvicorn server on a loopback port, in a thread, over its own store."""
 
-    def __init__(self, store: RunStore, token: str | None, refresh: int) -> None:
+    def __init__(
+        self, store: RunStore, token: str | None, refresh: int, prices: Any = None
+    ) -> None:
         app = create_app(store, lambda s: Runtime(agents(), store=s), token=token,
-                         refresh_seconds=refresh)  # fmt: skip
+                         refresh_seconds=refresh, prices=prices)  # fmt: skip
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
@@ -269,8 +273,8 @@ def ledger_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def serve(open_store: Any, ledger_path: Path) -> Iterator[Callable[..., Dashboard]]:
     started: list[Dashboard] = []
 
-    def start(token: str | None = TOKEN, refresh: int = 3600) -> Dashboard:
-        dashboard = Dashboard(open_store(), token, refresh).start()
+    def start(token: str | None = TOKEN, refresh: int = 3600, prices: Any = None) -> Dashboard:
+        dashboard = Dashboard(open_store(), token, refresh, prices).start()
         started.append(dashboard)
         return dashboard
 
@@ -623,6 +627,26 @@ def test_state_changes_need_the_token_and_a_valid_csrf_token(
     assert status == 403 and "KURALLE_DASHBOARD_TOKEN" in page
 
 
+def test_the_confirmation_of_a_run_waiting_for_a_signal_offers_no_decision(
+    serve: Callable[..., Dashboard], maker: Maker
+) -> None:
+    shipping = maker.flow("s-confirm", "shipping")
+    assert shipping.waiting_for is not None and shipping.waiting_for.kind == "signal"
+    dashboard = serve()
+    operator = Http(dashboard.url)
+    login = {"csrf_token": operator.csrf(), "operator": OPERATOR, "token": TOKEN}
+    assert operator.request("/login", login)[0] == 303
+    for decision in ("approve", "deny"):
+        status, page = operator.request(f"/runs/{shipping.run_id}/{decision}")
+        assert status == 200
+        assert f"Nothing to {decision}" in page and "this request?" not in page
+        assert 'id="not-an-approval"' in page and "waits for a signal" in page
+        assert 'id="confirm"' not in page  # no form to submit
+    paused = maker.refund_paused("s-confirm-2", "3")
+    _, page = operator.request(f"/runs/{paused.run_id}/approve")
+    assert "Approve this request?" in page and 'id="confirm"' in page
+
+
 def test_a_dashboard_beyond_loopback_needs_a_token_and_then_a_login_for_every_page(
     open_store: Any,
 ) -> None:
@@ -638,7 +662,7 @@ def test_a_dashboard_beyond_loopback_needs_a_token_and_then_a_login_for_every_pa
         while not server.started:
             time.sleep(0.05)
         client = Http(f"http://127.0.0.1:{port}")
-        for page in ("/", "/tools", "/runs/whatever"):
+        for page in ("/", "/tools", "/usage", "/runs/whatever"):
             status, _ = client.request(page)
             assert status == 303
         status, page = client.request("/login")
@@ -700,7 +724,8 @@ def test_the_kuralle_es_dashboard_command_serves_the_store_and_stops_on_sigterm(
         assert status == 200 and paused.run_id in page and "Refund $7.00?" in page
         assert "read-only" in page and 'id="approve"' not in page
         assert client.request(f"/runs/{paused.run_id}/approve", {"csrf_token": "x"})[0] == 403
-    assert "(read-only: KURALLE_DASHBOARD_TOKEN is unset)" in log[0]
+    # The start line names the store it serves.
+    assert f"(read-only: KURALLE_DASHBOARD_TOKEN is unset, store {url}" in log[0]
 
     # With a token, the command loads the agents (--app default: the refund example)
     # and a decision resumes the run in the dashboard's process.
@@ -714,3 +739,88 @@ def test_the_kuralle_es_dashboard_command_serves_the_store_and_stops_on_sigterm(
         _, page = client.request(f"/runs/{paused.run_id}")
         assert 'id="run-status">finished<' in page
     assert [e["amount_cents"] for e in refunds(ledger_path)] == [700]
+
+
+# ------------------------------------------------------------------ usage
+def _spending_agent(agent_id: str, model_id: str, turns: int, tokens: int) -> Any:
+    """A conversation agent whose model reports ``tokens`` input and output tokens
+    per answer, and looks an account up once a turn."""
+    script: list[ModelResponse] = []
+    for n in range(turns):
+        call = ToolCallRequest(id=f"c{n}", name="lookup", args={"to": f"acct-{n}", "cents": 1})
+        usage = {"input_tokens": tokens, "output_tokens": tokens, "total_tokens": 2 * tokens}
+        script += [
+            ModelResponse(tool_calls=[call], usage=usage),
+            ModelResponse(content=f"done {n}", usage=usage),
+        ]
+    tool = define_tool("lookup", "Find an account", Payout, lookup)
+    return define_agent(agent_id, "spends", ScriptedModel(script, id=model_id), [tool])
+
+
+def test_the_usage_page_shows_usage_per_agent_and_per_run_and_a_run_shows_its_own(
+    browser: webdriver.Chrome,
+    serve: Callable[..., Dashboard],
+    open_store: Any,
+    backend: str,
+    tmp_path: Path,
+) -> None:
+    store = open_store()
+    big = Runtime([_spending_agent("planner", "m-big", 2, 100)], store=store)
+    small = Runtime([_spending_agent("helper", "m-small", 1, 10)], store=store)
+
+    async def converse(runtime: Runtime, session: str, text: str) -> TurnResult:
+        return await runtime.run(session, input=text).result()
+
+    planned = run_sync(converse(big, "u-plan", "plan it"))
+    run_sync(converse(big, "u-plan", "and again"))
+    helped = run_sync(converse(small, "u-help", "help"))
+    assert (planned.status, helped.status) == ("finished", "finished")
+    prices = {"m-big": (1.0, 2.0), "m-small": (10.0, 10.0)}
+    dashboard = serve(prices=prices)
+
+    # Linked from the overview.
+    visit(browser, dashboard.url + "/")
+    click_and_wait(browser, "usage-link")
+    assert urllib.parse.urlparse(browser.current_url).path == "/usage"
+
+    def cells(row: Any) -> list[str]:
+        return [c.text for c in row.find_elements(By.TAG_NAME, "td")]
+
+    # planner: 4 model calls of 100 + 100 tokens, 2 lookups; helper: 2 calls of 10 + 10, 1.
+    big_cost, small_cost = (400 * 1.0 + 400 * 2.0) / 1000, (20 * 10.0 + 20 * 10.0) / 1000
+    [total] = browser.find_elements(By.CSS_SELECTOR, "#usage-total tbody tr")
+    assert cells(total) == ["6", "420", "420", "840", "3", f"{big_cost + small_cost:.4f}"]
+    agents = browser.find_elements(By.CSS_SELECTOR, "#usage-agents tbody tr")
+    assert [cells(r) for r in agents] == [
+        ["planner", "4", "400", "400", "800", "2", f"{big_cost:.4f}"],
+        ["helper", "2", "20", "20", "40", "1", f"{small_cost:.4f}"],
+    ]
+    bars = browser.find_elements(By.CSS_SELECTOR, "#agents-chart rect")
+    assert len(bars) == 2
+    widths = [float(b.get_attribute("width") or 0) for b in bars]
+    assert widths[0] == pytest.approx(440.0) and widths[1] == pytest.approx(22.0)
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#runs-chart rect")) == 2
+    runs = browser.find_elements(By.CSS_SELECTOR, "#usage-runs tbody tr")
+    assert [cells(r)[0] for r in runs] == [planned.run_id, helped.run_id]
+    screenshot(browser, "usage.png", tmp_path)
+
+    # The last 24 hours hold every step made just now.
+    click_and_wait(browser, "window-24h")
+    assert cells(browser.find_element(By.CSS_SELECTOR, "#usage-total tbody tr"))[0] == "6"
+
+    # A run's page from its link shows that run's usage.
+    click_and_wait(browser, "#usage-runs a.run-link", By.CSS_SELECTOR)
+    assert text_of(browser, "run-id") == planned.run_id
+    [own] = browser.find_elements(By.CSS_SELECTOR, "#run-usage tbody tr")
+    assert cells(own) == ["4", "400", "400", "800", "2", f"{big_cost:.4f}"]
+
+    # The dashboard command takes its prices from KURALLE_PRICES.
+    url = open_store.target if backend == "postgres" else f"sqlite:///{open_store.target}"
+    env = {k: v for k, v in os.environ.items() if k != "KURALLE_DASHBOARD_TOKEN"}
+    command = [sys.executable, "-m", "kuralle_es.cli", "--store", url, "dashboard"]
+    with cli_dashboard(command, {**env, "KURALLE_PRICES": json.dumps(prices)}) as (client, _):
+        status, page = client.request(f"/runs/{helped.run_id}")
+        assert status == 200 and f'<td class="num">{small_cost:.4f}</td>' in page
+    with cli_dashboard(command, env) as (client, _):
+        status, page = client.request("/usage")
+        assert status == 200 and "KURALLE_PRICES" in page and f"{small_cost:.4f}" not in page

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from typing import Any
+from uuid import UUID
 
 import pytest
 from opentelemetry import trace
@@ -158,3 +159,84 @@ async def test_each_step_is_a_span_with_its_kind_name_and_how_it_ended(
         for s in spans.get_finished_spans()
         if s.name == "kuralle.step"
     )
+
+
+# ------------------------------------------------------------ replay and traces
+def _step_spans(spans: InMemorySpanExporter) -> list[dict[str, Any]]:
+    return [
+        dict(s.attributes or {}) for s in spans.get_finished_spans() if s.name == "kuralle.step"
+    ]
+
+
+async def test_a_replayed_step_is_marked_replayed_and_an_executed_one_is_not(
+    spans: InMemorySpanExporter,
+) -> None:
+    await paused_then_resumed(make_runtime())
+    marked = [(s["kuralle.step.name"], s["kuralle.replayed"]) for s in _step_spans(spans)]
+    # Each step is journaled in the turn that made it: none was replayed yet.
+    assert marked == [("__approval", False), ("charge", False), ("now", False)]
+
+
+async def waits_twice(state: dict[str, Any], ctx: RunContext) -> Any:
+    await ctx.now()
+    await ctx.signal("first")
+    await ctx.signal("second")
+    return end("both")
+
+
+async def resumed_twice() -> str:
+    flow = define_flow("twice", "", "go", [action("go", waits_twice)])
+    runtime = Runtime([define_agent("waiter", "", None, [], [flow])], store=RunStore.memory())
+    run_id = (await runtime.run("s2", kind="flow", flow_name="twice").result()).run_id
+    for name in ("first", "second"):
+        await runtime.signal(run_id, "s2", name, {"ok": True}, signal_id=name)
+    state = await runtime.get_run(run_id, "s2")
+    assert state is not None and state.status == "finished"
+    return run_id
+
+
+async def test_a_run_resumed_twice_reports_its_first_step_executed_once(
+    spans: InMemorySpanExporter,
+) -> None:
+    await resumed_twice()
+    nows = [s["kuralle.replayed"] for s in _step_spans(spans) if s["kuralle.step.name"] == "now"]
+    assert nows == [False, True, True]  # executed in the first turn, replayed in two resumes
+
+
+async def test_replayed_steps_make_no_span_when_told_to_omit_them(
+    spans: InMemorySpanExporter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KURALLE_TRACE_REPLAYED", "omit")
+    await resumed_twice()
+    steps = _step_spans(spans)
+    assert [s["kuralle.step.name"] for s in steps if s["kuralle.step.kind"] == "now"] == ["now"]
+    assert not any(s["kuralle.replayed"] for s in steps)
+    # Each signal is journaled once and executed once: only those spans are left.
+    assert sorted(s["kuralle.step.name"] for s in steps) == ["first", "now", "second"]
+
+
+async def test_the_turns_of_one_run_share_a_trace_whose_id_is_the_run_id(
+    spans: InMemorySpanExporter,
+) -> None:
+    run_id = await resumed_twice()
+    turns = [s for s in spans.get_finished_spans() if s.name == "kuralle.turn"]
+    assert len(turns) == 3
+    assert {t.context.trace_id for t in turns} == {UUID(run_id).int}
+    assert {f"{t.context.trace_id:032x}" for t in turns} == {UUID(run_id).hex}
+    # Each turn hangs under the run's own span context (never exported).
+    parents = {t.parent.span_id for t in turns if t.parent is not None}
+    assert len(parents) == 1 and all(t.parent is not None and t.parent.is_remote for t in turns)
+    steps = [s for s in spans.get_finished_spans() if s.name == "kuralle.step"]
+    assert {s.context.trace_id for s in steps} == {UUID(run_id).int}
+
+
+async def test_a_turn_under_a_callers_span_stays_in_its_trace_and_links_to_the_run(
+    spans: InMemorySpanExporter,
+) -> None:
+    runtime = make_runtime()
+    with trace.get_tracer("caller").start_as_current_span("http request") as request:
+        paused = await runtime.run("s1", kind="flow", flow_name="pay").result()
+    [turn] = [s for s in spans.get_finished_spans() if s.name == "kuralle.turn"]
+    assert turn.context.trace_id == request.get_span_context().trace_id
+    assert turn.parent is not None and turn.parent.span_id == request.get_span_context().span_id
+    assert [link.context.trace_id for link in turn.links] == [UUID(paused.run_id).int]

@@ -185,8 +185,13 @@ async def test_token_usage_and_tool_calls_are_journaled_in_the_model_steps(
     turns = model_steps(steps)
     assert [s.name for s in turns] == [MODEL_ID, MODEL_ID]
     assert all(s.status == "finished" for s in turns)
+    # The adapter maps OpenAI's prompt/completion tokens to input/output tokens.
     for step, usage in zip(turns, (USAGE_1, USAGE_2), strict=True):
-        assert {k: step.result["usage"][k] for k in usage} == usage
+        assert step.result["usage"] == {
+            "input_tokens": usage["prompt_tokens"],
+            "output_tokens": usage["completion_tokens"],
+            "total_tokens": usage["total_tokens"],
+        }
     assert turns[0].result["tool_calls"] == [
         {"id": "call_1", "name": "lookup", "args": {"order_id": "B2"}}
     ]
@@ -261,7 +266,7 @@ async def test_a_server_numbering_tool_calls_per_response_still_runs_the_tool_ev
 
 
 # ------------------------------------------------------------- malformed
-async def test_completion_without_choices_fails_the_turn_and_journals_no_model_step(
+async def test_completion_without_choices_fails_the_turn_and_leaves_its_model_step_to_retry(
     server: ScriptedOpenAIServer, clients: list[AsyncOpenAI]
 ) -> None:
     server.queue({"id": "x", "object": "chat.completion", "created": 0, "model": MODEL_ID})
@@ -278,16 +283,18 @@ async def test_completion_without_choices_fails_the_turn_and_journals_no_model_s
     assert state.status == "error"
     assert state.error is not None
     assert state.error.type == "ModelResponseError"
-    assert model_steps(await runtime.get_steps(run_id, "s-nochoice")) == []
+    # The intent was journaled before the call; no response was, so nothing is frozen.
+    (intent,) = model_steps(await runtime.get_steps(run_id, "s-nochoice"))
+    assert (intent.status, intent.attempts) == ("running", 1)
 
-    # Re-addressing the run asks the model again (nothing was recorded to replay).
+    # Re-addressing the run asks the model again: the step's second attempt.
     server.queue(text_completion("Hello!"))
     result = await runtime.run("s-nochoice", run_id=run_id).result()
     assert result.status == "finished"
     assert result.output == "Hello!"
     assert len(server.requests) == 2
     turns = model_steps(await runtime.get_steps(run_id, "s-nochoice"))
-    assert [s.status for s in turns] == ["finished"]
+    assert [(s.status, s.attempts) for s in turns] == [("finished", 2)]
 
 
 async def test_tool_arguments_that_are_not_json_give_the_model_an_error_and_execute_nothing(
@@ -313,7 +320,7 @@ async def test_tool_arguments_that_are_not_json_give_the_model_an_error_and_exec
     assert [s.kind for s in steps] == ["model", "model"]
 
 
-async def test_http_500_fails_the_turn_without_journaling_a_model_step(
+async def test_http_500_fails_the_turn_and_journals_only_the_calls_intent(
     server: ScriptedOpenAIServer, clients: list[AsyncOpenAI]
 ) -> None:
     server.queue(Raw(500, b'{"error": {"message": "upstream exploded"}}'))
@@ -326,7 +333,8 @@ async def test_http_500_fails_the_turn_without_journaling_a_model_step(
     state = await runtime.get_run(run_id, "s-500")
     assert state is not None
     assert state.status == "error"
-    assert await runtime.get_steps(run_id, "s-500") == []
+    steps = await runtime.get_steps(run_id, "s-500")
+    assert [(s.kind, s.status, s.attempts) for s in steps] == [("model", "running", 1)]
 
 
 async def test_client_retry_of_a_5xx_is_one_journaled_model_turn(
@@ -387,4 +395,6 @@ async def test_extraction_content_that_is_not_json_is_a_model_response_error(
     with pytest.raises(ModelResponseError, match="not JSON"):
         await handle.result()
     run_id = await handle.run_id
-    assert model_steps(await runtime.get_steps(run_id, "s-notjson")) == []
+    # Only the call's intent is journaled: nothing frozen, the next pass asks again.
+    turns = model_steps(await runtime.get_steps(run_id, "s-notjson"))
+    assert [(t.status, t.attempts) for t in turns] == [("running", 1)]

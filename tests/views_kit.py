@@ -34,6 +34,7 @@ from kuralle_es import (
 )
 from kuralle_es.agents import Agent
 from kuralle_es.domain import Run, new_run
+from kuralle_es.examples.refund import refund_flow
 from kuralle_es.testing import ScriptedModel
 
 SESSION = "views-session"
@@ -211,6 +212,13 @@ def expected_summary(state: RunState) -> dict[str, Any]:
     keys = (
         "run_id", "session_id", "kind", "status", "active_flow", "active_node",
         "waiting_for", "lease_holder", "lease_expires_at", "step_count", "updated_at",
+        "flow_version",
     )  # fmt: skip
     dumped = state.model_dump(mode="json")
-    return {k: dumped[k] for k in keys}
+    # The last flow the run was in: an ended run keeps its flow's digest.
+    flows = {f.digest: f.name for a in (agent(), agent(2)) for f in a.flows.values()}
+    flows[refund_flow.digest] = refund_flow.name
+    return {
+        **{k: dumped[k] for k in keys},
+        "flow": state.active_flow or flows.get(state.flow_digest or ""),
+    }

@@ -37,9 +37,10 @@ from ..runtime import Runtime
 from ..serving import Server, is_loopback
 from ..store import RunStore
 from ..timeline import read_deliveries
+from ..usage import PRICES_ENV, Prices, prices_from_json, validate_prices
 from ..views import RunViews
 from .decisions import Decision, deliver, new_signal_id, refusal_status, valid_signal_id
-from .overview import overview, tool_overview
+from .overview import overview, tool_overview, usage_overview
 from .security import CSRF_COOKIE, SESSION_COOKIE, TOKEN_ENV, Gate, Operator
 from .security import valid_operator_name as _valid_name
 from .timeline import pretty_json, timeline_rows
@@ -126,8 +127,10 @@ class _Dashboard:
         gate: Gate,
         private_reads: bool,
         refresh_seconds: int,
+        prices: Prices | None = None,
     ) -> None:
         self.store = store
+        self.prices = prices
         self.refresh_seconds = refresh_seconds
         self.gate = gate
         self.private_reads = private_reads
@@ -209,7 +212,7 @@ class _Dashboard:
 
     def views(self) -> RunViews:
         if self._views is None:
-            self._views = RunViews(self.store)
+            self._views = RunViews(self.store, prices=self.prices)
         return self._views
 
     async def runtime(self) -> Runtime:
@@ -232,6 +235,11 @@ class _Dashboard:
         context = {"tools": await tool_overview(self.views())}
         return self.render(request, "tools.html", context, refresh=True)
 
+    async def usage(self, request: Request) -> Response:
+        window = request.query_params.get("window") or None
+        context = {"u": await usage_overview(self.views(), window, datetime.now(UTC))}
+        return self.render(request, "usage.html", context, refresh=True)
+
     async def run_page(self, request: Request) -> Response:
         run_id = request.path_params["run_id"]
         run = await self.store.load_async(run_id, history=True)
@@ -243,6 +251,8 @@ class _Dashboard:
             "run": run.to_state(),
             "rows": timeline_rows(run.step_records(), deliveries),
             "delivered": valid_signal_id(delivered) and delivered,
+            "usage": await self.views().usage(run_id=run_id),
+            "priced": self.prices is not None,
         }
         return self.render(request, "run.html", context, refresh=True)
 
@@ -268,6 +278,9 @@ class _Dashboard:
             "run": run,
             "approve": approve,
             "signal_id": new_signal_id(),
+            # Only an approval is decided here; a run on a timer, a signal or
+            # input is shown with what it waits for instead of a form.
+            "decidable": run.waiting_for is not None and run.waiting_for.kind == "approval",
         }
         return self.render(request, "confirm.html", context)
 
@@ -358,18 +371,25 @@ def create_app(
     host: str = "127.0.0.1",
     token: str | None = None,
     refresh_seconds: int = REFRESH_SECONDS,
+    prices: Prices | None = None,
 ) -> Starlette:
     """The dashboard as an ASGI app; refuses a non-loopback ``host`` without a token.
 
     ``runtime_factory(store)`` builds the ``Runtime`` (with the user's agents)
     that delivers decisions; it is called once, at the first decision.
+    ``prices`` (``{"model-name": (input_per_1k, output_per_1k)}``) give the
+    usage page its costs.
     """
     check_bind(host, token)
     gate = Gate(token)
-    dash = _Dashboard(store, runtime_factory, gate, not is_loopback(host), refresh_seconds)
+    dash = _Dashboard(
+        store, runtime_factory, gate, not is_loopback(host), refresh_seconds,
+        validate_prices(prices),
+    )  # fmt: skip
     routes = [
         Route("/", dash.page(dash.index)),
         Route("/tools", dash.page(dash.tools)),
+        Route("/usage", dash.page(dash.usage)),
         Route("/runs/{run_id}", dash.page(dash.run_page)),
         Route("/runs/{run_id}/approve", dash.decision(True), methods=["GET", "POST"]),
         Route("/runs/{run_id}/deny", dash.decision(False), methods=["GET", "POST"]),
@@ -386,11 +406,19 @@ async def serve(
     host: str = "127.0.0.1",
     port: int = 8765,
     token: str | None = None,
+    *,
+    store_label: str | None = None,
+    prices: Prices | None = None,
 ) -> None:
-    """Serve the dashboard until SIGINT/SIGTERM; ``token`` defaults to the environment's."""
+    """Serve the dashboard until SIGINT/SIGTERM; ``token`` defaults to the environment's.
+    ``store_label`` (no password in it) names the store on the start line; ``prices``
+    default to ``KURALLE_PRICES`` (JSON: model -> [input_per_1k, output_per_1k])."""
     token = token if token is not None else os.environ.get(TOKEN_ENV) or None
-    app = create_app(store, runtime_factory, host=host, token=token)
+    if prices is None and os.environ.get(PRICES_ENV):
+        prices = prices_from_json(os.environ[PRICES_ENV])
+    app = create_app(store, runtime_factory, host=host, token=token, prices=prices)
     mode = "approve/deny need a login" if token else f"read-only: {TOKEN_ENV} is unset"
-    print(f"kuralle-es: dashboard on http://{host}:{port}/ ({mode})", file=sys.stderr)
+    over = f", store {store_label}" if store_label else ""
+    print(f"kuralle-es: dashboard on http://{host}:{port}/ ({mode}{over})", file=sys.stderr)
     config = uvicorn.Config(app, host=host, port=port, log_level="info", server_header=False)
     await Server(config).serve()

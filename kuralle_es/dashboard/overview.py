@@ -1,4 +1,5 @@
-"""What the front page and the tools page show, read from the run views (internal).
+"""What the front page, the tools page and the usage page show, read from the run views
+(internal).
 
 Every figure comes from the views (``RunViews``): the dashboard never scans
 the runs' streams. Counts by status are read with one capped ``list_runs``
@@ -9,12 +10,25 @@ count past the cap reads "N+".
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import get_args
 
 from ..models import RunStatus
+from ..usage import Usage
 from ..views import RunSummary, RunViews, ToolStats
 
-__all__ = ["COUNT_CAP", "Overview", "ToolBar", "ToolsOverview", "overview", "tool_overview"]
+__all__ = [
+    "COUNT_CAP",
+    "USAGE_WINDOWS",
+    "Overview",
+    "ToolBar",
+    "ToolsOverview",
+    "UsageBar",
+    "UsageOverview",
+    "overview",
+    "tool_overview",
+    "usage_overview",
+]
 
 COUNT_CAP = 1_000
 LIST_LIMIT = 200
@@ -99,3 +113,70 @@ async def tool_overview(views: RunViews) -> ToolsOverview:
         for i, s in enumerate(stats)
     ]
     return ToolsOverview(bars=bars, max_ms=slowest, chart_height=max(34, 34 * len(bars)))
+
+
+#: The usage page's time windows: a step counts if it started within one.
+USAGE_WINDOWS: dict[str, timedelta] = {
+    "24h": timedelta(hours=24),
+    "7d": timedelta(days=7),
+    "30d": timedelta(days=30),
+}
+#: The runs the usage page lists: those that spent the most tokens.
+USAGE_RUNS = 50
+_BAR_ROW = 26
+
+
+@dataclass(frozen=True)
+class UsageBar:
+    """One agent's or run's usage and its bar (width in percent of the largest)."""
+
+    key: str | None
+    usage: Usage
+    width: float
+    y: int
+
+
+@dataclass(frozen=True)
+class UsageOverview:
+    total: Usage
+    agents: list[UsageBar]
+    runs: list[UsageBar]
+    window: str | None
+    windows: tuple[str, ...]
+    priced: bool
+    limit: int = USAGE_RUNS
+
+    @property
+    def agents_height(self) -> int:
+        return max(_BAR_ROW, _BAR_ROW * len(self.agents))
+
+    @property
+    def runs_height(self) -> int:
+        return max(_BAR_ROW, _BAR_ROW * len(self.runs))
+
+
+def _bars(groups: list[tuple[str | None, Usage]]) -> list[UsageBar]:
+    """Bars of total tokens (of model calls where no tokens were reported)."""
+    by_tokens = any(u.total_tokens for _, u in groups)
+
+    def size(u: Usage) -> int:
+        return u.total_tokens if by_tokens else u.model_calls
+
+    largest = max((size(u) for _, u in groups), default=0) or 1
+    return [
+        UsageBar(key=key, usage=u, width=100.0 * size(u) / largest, y=i * _BAR_ROW)
+        for i, (key, u) in enumerate(groups)
+    ]
+
+
+async def usage_overview(views: RunViews, window: str | None, now: datetime) -> UsageOverview:
+    chosen = window if window in USAGE_WINDOWS else None
+    since = now - USAGE_WINDOWS[chosen] if chosen is not None else None
+    return UsageOverview(
+        total=await views.usage(since=since),
+        agents=_bars(await views.usage_by("agent", since=since)),
+        runs=_bars(await views.usage_by("run", since=since, limit=USAGE_RUNS)),
+        window=chosen,
+        windows=tuple(USAGE_WINDOWS),
+        priced=views.prices is not None,
+    )

@@ -180,7 +180,11 @@ class _Api:
             body = await read_body(request, Approval)
             # Exactly ``Runtime.approve``/``deny``, through ``run`` for the turn's handle.
             delivery = approval_delivery(
-                approved=approved, by=body.by, reason=body.reason, signal_id=self.key(request)
+                approved=approved,
+                by=body.by,
+                reason=body.reason,
+                signal_id=self.key(request),
+                raise_to=body.raise_to,
             )
             return await self.deliver(request.path_params["run_id"], delivery)
 

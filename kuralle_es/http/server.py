@@ -23,14 +23,22 @@ __all__ = ["serve"]
 
 
 async def serve(
-    runtime: Runtime, host: str = "127.0.0.1", port: int = 8000, token: str | None = None
+    runtime: Runtime,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    token: str | None = None,
+    *,
+    store_label: str | None = None,
 ) -> None:
     """Serve the API over ``runtime`` until SIGINT/SIGTERM; ``token`` defaults to the
-    environment's ``KURALLE_API_TOKEN``; a non-loopback ``host`` needs one."""
+    environment's ``KURALLE_API_TOKEN``; a non-loopback ``host`` needs one.
+    ``store_label`` (no password in it) names the store on the start line."""
     token = token if token is not None else os.environ.get(TOKEN_ENV) or None
     check_bind(host, token)
     app = create_app(runtime, token=token)
     mode = "bearer token required" if token else f"read-only: {TOKEN_ENV} is unset"
-    print(f"kuralle-es: HTTP API on http://{host}:{port}/ ({mode})", file=sys.stderr, flush=True)
+    over = f", store {store_label}" if store_label else ""
+    line = f"kuralle-es: HTTP API on http://{host}:{port}/ ({mode}{over})"
+    print(line, file=sys.stderr, flush=True)
     config = uvicorn.Config(app, host=host, port=port, log_level="info", server_header=False)
     await Server(config).serve()

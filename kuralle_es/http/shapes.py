@@ -84,6 +84,13 @@ class Approval(_Body):
 
     by: Id = Field(description="who decides: journaled as the delivery's actor")
     reason: str | None = Field(default=None, description="why (the node or model sees it)")
+    raise_to: dict[str, int | float] | None = Field(
+        default=None,
+        description=(
+            "approve only, for a run waiting on its budget (__budget): the Budget "
+            "limits to raise, e.g. {\"max_total_tokens\": 20000} (docs/usage.md)"
+        ),
+    )
 
 
 class Input(_Body):

@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import weakref
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import datetime
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from eventsourcing.popo import POPOApplicationRecorder
 from eventsourcing.postgres import PostgresApplicationRecorder
@@ -20,13 +21,14 @@ from eventsourcing.sqlite import SQLiteApplicationRecorder
 
 from ..errors import InvalidArgumentError
 from ..store import RunStore, retry_schema_setup
+from ..usage import Prices, Usage, total, validate_prices
 from .backend import ViewBackend
 from .fold import RunRow, StepRow, as_utc
 from .memory import MemoryViews
 from .models import RunSummary, ToolStats, summary
 from .postgres import PostgresViews
 from .projector import DEFAULT_BATCH, catch_up
-from .query import RunQuery
+from .query import RunQuery, UsageGroup, UsageQuery, usage_by_group
 from .sqlite import SQLiteViews
 
 __all__ = ["RunViews", "open_backend"]
@@ -69,13 +71,23 @@ class RunViews:
     """Queries over the views of a ``RunStore``'s runs (see the module's freshness rule).
 
     ``name`` names the view tables (``<name>_runs``, ``<name>_steps``,
-    ``<name>_tracking``); a second name builds an independent copy.
+    ``<name>_tracking``, ``<name>_meta``); a second name builds an independent
+    copy. ``prices`` (``{"model-name": (input_per_1k, output_per_1k)}``) turn
+    the tokens ``usage`` sums into a cost.
     """
 
-    def __init__(self, store: RunStore, *, name: str = "RunViews", batch: int = DEFAULT_BATCH):
+    def __init__(
+        self,
+        store: RunStore,
+        *,
+        name: str = "RunViews",
+        batch: int = DEFAULT_BATCH,
+        prices: Prices | None = None,
+    ):
         self.store = store
         self.name = name
         self.batch = batch
+        self.prices = validate_prices(prices)
         self.backend = open_backend(store, name)
         self._blocking = not isinstance(self.backend, MemoryViews)
 
@@ -129,6 +141,50 @@ class RunViews:
         await self.catch_up()
         return await self._call(self.backend.select_tool_stats)
 
+    async def usage(
+        self,
+        run_id: str | None = None,
+        session_id: str | None = None,
+        agent_id: str | None = None,
+        since: datetime | str | None = None,
+    ) -> Usage:
+        """What the model and tool steps matching every given filter spent.
+
+        ``model_calls`` and ``tool_calls`` count attempts (a call re-run after
+        a crash counts again); tokens add up over the attempts that reported
+        them; ``cost`` is None without a price (``prices``) for every model
+        that reported tokens. ``agent_id`` is the agent the run had when the
+        step started; ``since`` (a datetime, naive taken as UTC, or ISO-8601
+        text) keeps the steps started at or after it.
+        """
+        query = _usage_query(run_id, session_id, agent_id, since)
+        found = await self._usage(query)
+        return found[0][1] if found else total([], 0, self.prices)
+
+    async def usage_by(
+        self,
+        group: UsageGroup,
+        *,
+        run_id: str | None = None,
+        session_id: str | None = None,
+        agent_id: str | None = None,
+        since: datetime | str | None = None,
+        limit: int | None = None,
+    ) -> list[tuple[str | None, Usage]]:
+        """``usage`` split by ``"run"`` (run id) or ``"agent"`` (None: runs without
+        one), the groups that spent the most tokens first; ``limit`` keeps that many
+        runs (``"run"`` only)."""
+        if group not in ("run", "agent"):
+            msg = f"group must be 'run' or 'agent', got {group!r}"
+            raise InvalidArgumentError(msg)
+        if limit is not None and (
+            group != "run" or not isinstance(limit, int) or isinstance(limit, bool) or limit < 1
+        ):
+            msg = f"limit must be a positive integer, with group='run'; got {limit!r}"
+            raise InvalidArgumentError(msg)
+        query = _usage_query(run_id, session_id, agent_id, since)
+        return await self._usage(replace(query, group=group, limit=limit))
+
     # --------------------------------------------------------- upkeep
     async def catch_up(self) -> int:
         """Apply every event stored so far; returns how many this call applied."""
@@ -162,7 +218,35 @@ class RunViews:
         rows = await self._call(lambda: self.backend.select_runs(query))
         return [summary(r) for r in rows]
 
+    async def _usage(self, query: UsageQuery) -> list[tuple[str | None, Usage]]:
+        await self.catch_up()
+        shares = await self._call(lambda: self.backend.select_usage(query))
+        return usage_by_group(shares, self.prices)
+
     async def _call(self, fn: Callable[[], _T]) -> _T:
         if self._blocking:
             return await asyncio.to_thread(fn)
         return fn()
+
+
+def _usage_query(run_id: Any, session_id: Any, agent_id: Any, since: Any) -> UsageQuery:
+    for label, value in (("run_id", run_id), ("session_id", session_id), ("agent_id", agent_id)):
+        if value is not None and not isinstance(value, str):
+            msg = f"{label} must be a string or None, got {value!r}"
+            raise InvalidArgumentError(msg)
+    return UsageQuery(run_id=run_id, session_id=session_id, agent=agent_id, since=_since(since))
+
+
+def _since(value: Any) -> datetime | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = datetime.fromisoformat(value)
+        except ValueError:
+            msg = f"since must be an ISO-8601 time such as 2025-01-31T09:00:00Z, got {value!r}"
+            raise InvalidArgumentError(msg) from None
+    if not isinstance(value, datetime):
+        msg = f"since must be a datetime or ISO-8601 text, got {value!r}"
+        raise InvalidArgumentError(msg)
+    return as_utc(value)

@@ -16,7 +16,7 @@ from typing import Protocol
 
 from .fold import RunEvent, RunRow, StepRow, fold
 from .models import ToolStats
-from .query import RunQuery
+from .query import RunQuery, UsageQuery, UsageShare
 
 __all__ = ["ViewBackend", "ViewTransaction"]
 
@@ -54,6 +54,10 @@ class ViewBackend(ABC):
 
     @abstractmethod
     def select_tool_stats(self) -> list[ToolStats]: ...
+
+    @abstractmethod
+    def select_usage(self, query: UsageQuery) -> list[UsageShare]:
+        """What the model and tool steps ``query`` covers spent, by group, kind and model."""
 
     @abstractmethod
     def select_steps(self) -> list[StepRow]:

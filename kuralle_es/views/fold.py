@@ -21,6 +21,7 @@ from uuid import UUID
 
 from ..errors import KuralleError
 from ..models import WaitingFor
+from ..usage import normalise_usage
 
 __all__ = [
     "RUN_TOPIC_PREFIX",
@@ -30,6 +31,7 @@ __all__ = [
     "StepRow",
     "fold",
     "public_wait",
+    "reported_usage",
 ]
 
 #: Stored topics of the ``Run`` aggregate's events all start with this.
@@ -79,6 +81,10 @@ class RunRow:
     set when the run ends, so a finished run is still found by its flow.
     ``version`` is the last applied event's version and ``event_count`` how
     many events were applied: equal unless an event was skipped or doubled.
+    ``agent`` is the run's agent now (``Created``, then each ``Finished``: a
+    handoff changes it). ``flow_version`` is the version label of the flow
+    definition the run is pinned to (``Created``, ``FlowPinned``); like
+    ``flow`` it stays set when the run ends.
     """
 
     run_id: str
@@ -96,6 +102,8 @@ class RunRow:
     updated_at: datetime
     version: int
     event_count: int
+    agent: str | None = None
+    flow_version: str | None = None
 
     @property
     def wait_kind(self) -> str | None:
@@ -110,7 +118,12 @@ class RunRow:
 
 @dataclass(frozen=True)
 class StepRow:
-    """One journal step's timing, for per-tool statistics."""
+    """One journal step's timing, for per-tool statistics, and what it spent.
+
+    ``agent`` is the run's agent when the step started; the token counts are
+    a model step's reported usage, added up over its finished attempts (None
+    while none reported that count).
+    """
 
     run_id: str
     index: int
@@ -121,6 +134,10 @@ class StepRow:
     finished_at: datetime | None = None
     attempts: int = 1
     error_type: str | None = None
+    agent: str | None = None
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    total_tokens: int | None = None
 
     @property
     def duration_ms(self) -> float | None:
@@ -203,7 +220,13 @@ def _created(event: RunEvent) -> RunRow:
         updated_at=at,
         version=event.originator_version,
         event_count=1,
+        agent=_agent(data.get("agent")),
+        flow_version=data.get("flow_version"),
     )
+
+
+def _agent(value: Any) -> str | None:
+    return None if value is None else str(value)
 
 
 def _set(**changes: Any) -> _Handler:
@@ -230,6 +253,7 @@ def _flow_pinned(run: RunRow, event: RunEvent, step: StepLookup) -> tuple[RunRow
         active_flow=flow,
         active_node=event.data.get("node"),
         flow=flow or run.flow,
+        flow_version=event.data.get("flow_version"),
         waiting_for=None,
     ), None
 
@@ -241,8 +265,10 @@ def _paused(run: RunRow, event: RunEvent, step: StepLookup) -> tuple[RunRow, Non
 
 
 def _finished(run: RunRow, event: RunEvent, step: StepLookup) -> tuple[RunRow, None]:
+    # The run's agent from now on (a handoff names another), as the aggregate folds it.
+    agent = _agent(event.data["agent"]) if "agent" in event.data else run.agent
     return replace(
-        run, status="finished", active_flow=None, active_node=None, waiting_for=None
+        run, status="finished", active_flow=None, active_node=None, waiting_for=None, agent=agent
     ), None
 
 
@@ -264,6 +290,7 @@ def _step_started(run: RunRow, event: RunEvent, step: StepLookup) -> tuple[RunRo
         name=str(event.data.get("name")),
         status="running",
         started_at=as_utc(event.timestamp),
+        agent=run.agent,
     )
     return replace(run, step_count=run.step_count + 1), row
 
@@ -280,6 +307,42 @@ def _step_ended(status: str) -> _Handler:
         )
 
     return handler
+
+
+_step_ended_ok = _step_ended("finished")
+
+
+def _step_finished(run: RunRow, event: RunEvent, step: StepLookup) -> tuple[RunRow, StepRow | None]:
+    """A step's result; a model step's reported tokens add to what it spent."""
+    run, row = _step_ended_ok(run, event, step)
+    if row is None or row.kind != "model":
+        return run, row
+    reported = reported_usage(event.data.get("result_json"))
+    if reported is None:
+        return run, row
+    return run, replace(
+        row,
+        input_tokens=_plus(row.input_tokens, reported["input_tokens"]),
+        output_tokens=_plus(row.output_tokens, reported["output_tokens"]),
+        total_tokens=_plus(row.total_tokens, reported["total_tokens"]),
+    )
+
+
+def reported_usage(result_json: Any) -> dict[str, int | None] | None:
+    """The token usage a model step's recorded response reported, normalised."""
+    if not isinstance(result_json, str):
+        return None
+    try:
+        response = json.loads(result_json)
+    except ValueError:
+        return None
+    return normalise_usage(response.get("usage") if isinstance(response, dict) else None)
+
+
+def _plus(total: int | None, more: int | None) -> int | None:
+    if more is None:
+        return total
+    return more if total is None else total + more
 
 
 def _step_retried(run: RunRow, event: RunEvent, step: StepLookup) -> tuple[RunRow, StepRow | None]:
@@ -304,7 +367,7 @@ _HANDLERS: dict[str, _Handler] = {
     "TurnStarted": _set(status="running"),
     "NodeEntered": _node_entered,
     "StepStarted": _step_started,
-    "StepFinished": _step_ended("finished"),
+    "StepFinished": _step_finished,
     "StepFailed": _step_ended("error"),
     "StepRetried": _step_retried,
     "StepAttemptFailed": _attempt_failed,

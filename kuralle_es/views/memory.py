@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from .backend import StepKey, ViewBackend
 from .fold import RunRow, StepRow
 from .models import ToolStats
-from .query import RunQuery, matches, sort_key, tool_stats
+from .query import RunQuery, UsageQuery, UsageShare, matches, sort_key, tool_stats, usage_shares
 
 __all__ = ["MemoryViews"]
 
@@ -65,6 +65,11 @@ class MemoryViews(ViewBackend):
         with self._lock:
             steps = list(self._steps.values())
         return tool_stats((s.name, s.status, s.duration_ms) for s in steps if s.kind == "tool")
+
+    def select_usage(self, query: UsageQuery) -> list[UsageShare]:
+        with self._lock:
+            steps, runs = list(self._steps.values()), dict(self._runs)
+        return usage_shares(steps, runs, query)
 
     def select_steps(self) -> list[StepRow]:
         with self._lock:

@@ -29,6 +29,11 @@ class RunSummary(BaseModel):
     lease_expires_at: datetime | None = None
     step_count: int
     updated_at: datetime
+    #: The version label of the flow definition the run is pinned to, if any.
+    flow_version: str | None = None
+    #: The last flow the run was in: unlike ``active_flow`` it stays set when the
+    #: run ends (None for a conversation that never entered a flow).
+    flow: str | None = None
 
 
 class ToolStats(BaseModel):
@@ -61,6 +66,8 @@ def summary(row: RunRow) -> RunSummary:
         "lease_expires_at": row.lease_expires_at,
         "step_count": row.step_count,
         "updated_at": row.updated_at,
+        "flow_version": row.flow_version,
+        "flow": row.flow,
     }
     try:
         return RunSummary.model_validate(fields)

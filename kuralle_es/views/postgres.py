@@ -8,6 +8,13 @@ notification log before a query (one transaction per batch). Either way the
 rows and the tracking record commit in one transaction, under a transaction
 advisory lock that makes concurrent projectors take turns; each skips what
 the tracking record says is applied already, so nothing is applied twice.
+
+Tables of an older ``VIEWS_GENERATION`` (``<prefix>_meta``) are upgraded
+when the views are opened, in the transaction that creates them and under
+the projectors' lock: missing columns added, rows and tracking record
+deleted, so the next catch-up rebuilds them from the log. Of several
+processes opening the views at once, one upgrades; the others wait for the
+lock and find it done.
 """
 
 from __future__ import annotations
@@ -28,13 +35,18 @@ from .backend import StepKey, ViewBackend
 from .fold import RunEvent, RunRow, StepRow, as_utc
 from .models import ToolStats
 from .query import (
+    ADDED_COLUMNS,
     RUN_COLUMNS,
     SQL_INDEXES,
     STEP_COLUMNS,
+    VIEWS_GENERATION,
     RunQuery,
+    UsageQuery,
+    UsageShare,
     run_row,
     run_values,
     sql_order,
+    sql_usage,
     sql_where,
     step_row,
     step_values,
@@ -62,7 +74,13 @@ class PostgresViews(PostgresTrackingRecorder, ViewBackend):
         self.check_identifier_length(f"{runs}_deadline")
         self._runs = Composed([schema, SQL("."), Identifier(runs)])
         self._steps = Composed([schema, SQL("."), Identifier(steps)])
-        self.sql_create_statements += self._create_statements(runs, steps)
+        self._meta = Composed([schema, SQL("."), Identifier(f"{prefix}_meta")])
+        # Indexes are made after the upgrade (``_create_table``): one may cover a
+        # column that the upgrade adds to an older table.
+        self._index_statements: list[Composed] = []
+        for statement in self._create_statements(runs, steps):
+            is_index = statement.as_string().startswith("CREATE INDEX")
+            (self._index_statements if is_index else self.sql_create_statements).append(statement)
         run_updates = SQL(", ").join(
             SQL("{0} = EXCLUDED.{0}").format(Identifier(c)) for c in RUN_COLUMNS[1:]
         )
@@ -112,15 +130,20 @@ class PostgresViews(PostgresTrackingRecorder, ViewBackend):
                 "waiting_for text, wait_kind text, wait_deadline timestamptz, "
                 "lease_holder text, lease_expires_at timestamptz, step_count int NOT NULL, "
                 "created_at timestamptz NOT NULL, updated_at timestamptz NOT NULL, "
-                "version bigint NOT NULL, event_count bigint NOT NULL)"
+                "version bigint NOT NULL, event_count bigint NOT NULL, agent text, "
+                "flow_version text)"
             ).format(self._runs),
             SQL(
                 "CREATE TABLE IF NOT EXISTS {0} ("
                 "run_id text NOT NULL, idx int NOT NULL, kind text NOT NULL, "
                 "name text NOT NULL, status text NOT NULL, started_at timestamptz NOT NULL, "
                 "finished_at timestamptz, attempts int NOT NULL, error_type text, "
-                "duration_ms double precision, PRIMARY KEY (run_id, idx))"
+                "duration_ms double precision, agent text, input_tokens bigint, "
+                "output_tokens bigint, total_tokens bigint, PRIMARY KEY (run_id, idx))"
             ).format(self._steps),
+            SQL(
+                "CREATE TABLE IF NOT EXISTS {0} (name text PRIMARY KEY, value int NOT NULL)"
+            ).format(self._meta),
             SQL("CREATE INDEX IF NOT EXISTS {0} ON {1} (kind, name, duration_ms)").format(
                 Identifier(f"{steps}_tool"), self._steps
             ),
@@ -139,6 +162,31 @@ class PostgresViews(PostgresTrackingRecorder, ViewBackend):
         # that is writing rows.
         curs.execute(self._lock)
         super()._create_table(curs)
+        self._upgrade(curs)
+        for statement in self._index_statements:
+            curs.execute(statement, prepare=False)
+
+    def _upgrade(self, curs: Cursor[DictRow]) -> None:
+        """Bring tables of an older generation to this one; their rows are rebuilt."""
+        curs.execute(SQL("SELECT value FROM {0} WHERE name = 'generation'").format(self._meta))
+        found = curs.fetchone()
+        if found is not None and int(found["value"]) >= VIEWS_GENERATION:
+            return
+        for kind, table in (("runs", self._runs), ("steps", self._steps)):
+            for column, sql_type in ADDED_COLUMNS[kind]:
+                curs.execute(
+                    SQL("ALTER TABLE {0} ADD COLUMN IF NOT EXISTS {1} {2}").format(
+                        table, Identifier(column), SQL(sql_type)
+                    )
+                )
+        self._empty(curs)
+        curs.execute(
+            SQL(
+                "INSERT INTO {0} (name, value) VALUES ('generation', %s) "
+                "ON CONFLICT (name) DO UPDATE SET value = EXCLUDED.value"
+            ).format(self._meta),
+            (VIEWS_GENERATION,),
+        )
 
     # ------------------------------------------------------ ViewBackend
     @contextmanager
@@ -177,6 +225,14 @@ class PostgresViews(PostgresTrackingRecorder, ViewBackend):
             curs.execute(statement)
             return [ToolStats.model_validate(dict(r)) for r in curs.fetchall()]
 
+    def select_usage(self, query: UsageQuery) -> list[UsageShare]:
+        text, params = sql_usage(
+            query, self._steps.as_string(), self._runs.as_string(), "%s", as_utc
+        )
+        with self.datastore.get_connection() as conn, conn.cursor() as curs:
+            curs.execute(text.encode(), params)
+            return [_usage_share(r) for r in curs.fetchall()]
+
     def select_steps(self) -> list[StepRow]:
         statement = SQL("SELECT * FROM {0} ORDER BY run_id, idx").format(self._steps)
         with self.datastore.get_connection() as conn, conn.cursor() as curs:
@@ -186,14 +242,17 @@ class PostgresViews(PostgresTrackingRecorder, ViewBackend):
     def reset_views(self) -> None:
         with self.datastore.transaction(commit=True) as curs:
             curs.execute(self._lock)
-            curs.execute(SQL("DELETE FROM {0}").format(self._runs))
-            curs.execute(SQL("DELETE FROM {0}").format(self._steps))
-            curs.execute(
-                SQL("DELETE FROM {0}.{1} WHERE application_name = %s").format(
-                    Identifier(self.datastore.schema), Identifier(self.tracking_table_name)
-                ),
-                (self.application_name,),
-            )
+            self._empty(curs)
+
+    def _empty(self, curs: Cursor[DictRow]) -> None:
+        curs.execute(SQL("DELETE FROM {0}").format(self._runs))
+        curs.execute(SQL("DELETE FROM {0}").format(self._steps))
+        curs.execute(
+            SQL("DELETE FROM {0}.{1} WHERE application_name = %s").format(
+                Identifier(self.datastore.schema), Identifier(self.tracking_table_name)
+            ),
+            (self.application_name,),
+        )
 
 
 class _PostgresTransaction:
@@ -250,6 +309,11 @@ def _names(columns: Sequence[str]) -> Composed:
 
 def _slots(columns: Sequence[str]) -> Composed:
     return SQL(", ").join(SQL("%s") for _ in columns)
+
+
+def _usage_share(r: DictRow) -> UsageShare:
+    counts = (int(r[c]) for c in ("calls", "input_tokens", "output_tokens", "total_tokens"))
+    return UsageShare(r["grp"], r["kind"], r["model"], *counts)
 
 
 def _utc_or_none(value: datetime | None) -> datetime | None:

@@ -2,7 +2,14 @@
 
 ``RunQuery`` is what ``RunViews`` asks; SQL backends turn it into a WHERE
 clause with ``sql_where`` (served by the indexes in ``SQL_INDEXES``), the
-memory backend tests rows with ``matches``.
+memory backend tests rows with ``matches``. ``UsageQuery`` sums what model
+and tool steps spent: ``sql_usage`` for SQL, ``usage_shares`` in memory.
+
+``VIEWS_GENERATION`` names the shape and meaning of the view rows. Adding a
+column (list it in ``ADDED_COLUMNS``) or changing what the fold writes means
+bumping it: a SQL backend whose stored generation is older adds the missing
+columns and empties its rows and position once, and the next catch-up
+rebuilds them from the log.
 """
 
 from __future__ import annotations
@@ -13,23 +20,32 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
 
+from ..usage import ModelUsage, Prices, Usage, total
 from .fold import RunRow, StepRow
 from .models import ToolStats
 
 __all__ = [
+    "ADDED_COLUMNS",
     "RUN_COLUMNS",
     "STEP_COLUMNS",
+    "VIEWS_GENERATION",
     "RunQuery",
+    "UsageGroup",
+    "UsageQuery",
+    "UsageShare",
     "matches",
     "percentile",
     "run_row",
     "run_values",
     "sort_key",
     "sql_order",
+    "sql_usage",
     "sql_where",
     "step_row",
     "step_values",
     "tool_stats",
+    "usage_by_group",
+    "usage_shares",
 ]
 
 Order = Literal["recent", "oldest", "deadline", "lease"]
@@ -54,12 +70,31 @@ class RunQuery:
 RUN_COLUMNS = (
     "run_id", "session_id", "kind", "status", "flow", "active_flow", "active_node",
     "waiting_for", "wait_kind", "wait_deadline", "lease_holder", "lease_expires_at",
-    "step_count", "created_at", "updated_at", "version", "event_count",
+    "step_count", "created_at", "updated_at", "version", "event_count", "agent",
+    "flow_version",
 )  # fmt: skip
 STEP_COLUMNS = (
     "run_id", "idx", "kind", "name", "status", "started_at", "finished_at",
-    "attempts", "error_type", "duration_ms",
+    "attempts", "error_type", "duration_ms", "agent", "input_tokens", "output_tokens",
+    "total_tokens",
 )  # fmt: skip
+
+#: The generation of the view tables' shape and rows (see the module docstring).
+#: 1: 0.1.0. 2: runs and steps carry their agent, steps their model usage.
+#: 3: runs carry the version of their flow.
+VIEWS_GENERATION = 3
+
+#: Nullable columns added to a table after generation 1, by table ("runs",
+#: "steps"), with a type both SQLite and PostgreSQL read: what an upgrade adds.
+ADDED_COLUMNS: dict[str, tuple[tuple[str, str], ...]] = {
+    "runs": (("agent", "text"), ("flow_version", "text")),
+    "steps": (
+        ("agent", "text"),
+        ("input_tokens", "bigint"),
+        ("output_tokens", "bigint"),
+        ("total_tokens", "bigint"),
+    ),
+}
 
 #: (name, columns) of the indexes each SQL backend creates on the runs table.
 SQL_INDEXES = (
@@ -152,7 +187,7 @@ def run_values(row: RunRow, time: Callable[[datetime], Any]) -> tuple[Any, ...]:
         row.active_node, None if row.waiting_for is None else json.dumps(row.waiting_for),
         row.wait_kind, None if deadline is None else time(deadline), row.lease_holder,
         None if lease is None else time(lease), row.step_count, time(row.created_at),
-        time(row.updated_at), row.version, row.event_count,
+        time(row.updated_at), row.version, row.event_count, row.agent, row.flow_version,
     )  # fmt: skip
 
 
@@ -162,7 +197,7 @@ def step_values(row: StepRow, time: Callable[[datetime], Any]) -> tuple[Any, ...
     return (
         row.run_id, row.index, row.kind, row.name, row.status, time(row.started_at),
         None if finished is None else time(finished), row.attempts, row.error_type,
-        row.duration_ms,
+        row.duration_ms, row.agent, row.input_tokens, row.output_tokens, row.total_tokens,
     )  # fmt: skip
 
 
@@ -186,6 +221,8 @@ def run_row(r: Any, time: Callable[[Any], datetime | None]) -> RunRow:
         updated_at=updated,
         version=r["version"],
         event_count=r["event_count"],
+        agent=r["agent"],
+        flow_version=r["flow_version"],
     )
 
 
@@ -203,6 +240,10 @@ def step_row(r: Any, time: Callable[[Any], datetime | None]) -> StepRow:
         finished_at=time(r["finished_at"]),
         attempts=r["attempts"],
         error_type=r["error_type"],
+        agent=r["agent"],
+        input_tokens=r["input_tokens"],
+        output_tokens=r["output_tokens"],
+        total_tokens=r["total_tokens"],
     )
 
 
@@ -239,3 +280,145 @@ def tool_stats(steps: Iterable[tuple[str, str, float | None]]) -> list[ToolStats
             )
         )
     return stats
+
+
+# ------------------------------------------------------------------- usage
+UsageGroup = Literal["run", "agent"]
+
+
+@dataclass(frozen=True)
+class UsageQuery:
+    """Which model and tool steps a usage sum covers; every set field must hold.
+
+    ``since`` compares a step's start time (inclusive). ``group`` splits the
+    sum by run or by the agent a step ran under; ``limit`` (with ``group="run"``)
+    keeps the runs that spent the most tokens.
+    """
+
+    run_id: str | None = None
+    session_id: str | None = None
+    agent: str | None = None
+    since: datetime | None = None
+    group: UsageGroup | None = None
+    limit: int | None = None
+
+
+@dataclass(frozen=True)
+class UsageShare:
+    """The steps of one group, kind and model (``""`` for tools): attempts and tokens."""
+
+    group: str | None
+    kind: str
+    model: str
+    calls: int
+    input_tokens: int
+    output_tokens: int
+    total_tokens: int
+
+
+_GROUP_SQL = {"run": "s.run_id", "agent": "s.agent", None: "CAST(NULL AS TEXT)"}
+
+
+def sql_usage(
+    q: UsageQuery, steps: str, runs: str, placeholder: str, time: Callable[[datetime], Any]
+) -> tuple[str, list[Any]]:
+    """One SELECT of ``UsageShare`` columns over the steps table ``steps`` (alias ``s``,
+    joined to ``runs`` for a session), and its parameters."""
+    clauses = ["s.kind IN ('model', 'tool')"]
+    params: list[Any] = []
+    join = ""
+    if q.run_id is not None:
+        clauses.append("s.run_id = ?")
+        params.append(q.run_id)
+    if q.session_id is not None:
+        join = f" JOIN {runs} r ON r.run_id = s.run_id"
+        clauses.append("r.session_id = ?")
+        params.append(q.session_id)
+    if q.agent is not None:
+        clauses.append("s.agent = ?")
+        params.append(q.agent)
+    if q.since is not None:
+        clauses.append("s.started_at >= ?")
+        params.append(time(q.since))
+    body = f" FROM {steps} s{join} WHERE " + " AND ".join(clauses)
+    statement = (
+        f"SELECT {_GROUP_SQL[q.group]} AS grp, s.kind AS kind, "
+        "CASE WHEN s.kind = 'model' THEN s.name ELSE '' END AS model, "
+        "SUM(s.attempts) AS calls, COALESCE(SUM(s.input_tokens), 0) AS input_tokens, "
+        "COALESCE(SUM(s.output_tokens), 0) AS output_tokens, "
+        "COALESCE(SUM(s.total_tokens), 0) AS total_tokens" + body
+    )
+    all_params = list(params)
+    if q.group == "run" and q.limit is not None:
+        statement += (
+            f" AND s.run_id IN (SELECT s.run_id{body} GROUP BY s.run_id "
+            "ORDER BY COALESCE(SUM(s.total_tokens), 0) DESC, SUM(s.attempts) DESC, s.run_id "
+            "LIMIT ?)"
+        )
+        all_params += [*params, q.limit]
+    statement += " GROUP BY 1, 2, 3"
+    return statement.replace("?", placeholder), all_params
+
+
+def usage_shares(
+    steps: Iterable[StepRow], runs: dict[str, RunRow], q: UsageQuery
+) -> list[UsageShare]:
+    """``sql_usage`` over rows in memory (``runs`` by id, for the session filter)."""
+    tally: dict[tuple[str | None, str, str], list[int]] = {}
+    for s in steps:
+        if s.kind not in ("model", "tool"):
+            continue
+        if q.run_id is not None and s.run_id != q.run_id:
+            continue
+        if q.session_id is not None and (
+            s.run_id not in runs or runs[s.run_id].session_id != q.session_id
+        ):
+            continue
+        if q.agent is not None and s.agent != q.agent:
+            continue
+        if q.since is not None and s.started_at < q.since:
+            continue
+        group = {"run": s.run_id, "agent": s.agent, None: None}[q.group]
+        key = (group, s.kind, s.name if s.kind == "model" else "")
+        counts = tally.setdefault(key, [0, 0, 0, 0])
+        for i, value in enumerate((s.attempts, s.input_tokens, s.output_tokens, s.total_tokens)):
+            counts[i] += value or 0
+    shares = [UsageShare(g, kind, model, *counts) for (g, kind, model), counts in tally.items()]
+    if q.group == "run" and q.limit is not None:
+        kept = {g for g, _ in _ranked(shares)[: q.limit]}
+        shares = [s for s in shares if s.group in kept]
+    return shares
+
+
+def _ranked(shares: Iterable[UsageShare]) -> list[tuple[str | None, tuple[int, int]]]:
+    """Groups by tokens, then attempts, most first (then by name): the SQL's order."""
+    spent: dict[str | None, tuple[int, int]] = {}
+    for s in shares:
+        tokens, calls = spent.get(s.group, (0, 0))
+        spent[s.group] = (tokens + s.total_tokens, calls + s.calls)
+    return sorted(spent.items(), key=lambda item: (-item[1][0], -item[1][1], item[0] or ""))
+
+
+def usage_by_group(
+    shares: Iterable[UsageShare], prices: Prices | None
+) -> list[tuple[str | None, Usage]]:
+    """Each group's ``Usage`` (cost under ``prices``), most tokens first."""
+    shares = list(shares)
+    models: dict[str | None, list[ModelUsage]] = {}
+    tools: dict[str | None, int] = {}
+    for s in shares:
+        models.setdefault(s.group, [])
+        tools.setdefault(s.group, 0)
+        if s.kind == "tool":
+            tools[s.group] += s.calls
+        else:
+            models[s.group].append(
+                ModelUsage(
+                    model=s.model,
+                    calls=s.calls,
+                    input_tokens=s.input_tokens,
+                    output_tokens=s.output_tokens,
+                    total_tokens=s.total_tokens,
+                )
+            )
+    return [(g, total(models[g], tools[g], prices)) for g, _ in _ranked(shares)]

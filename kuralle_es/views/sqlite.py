@@ -6,6 +6,11 @@ of rows and the tracking position commit in one SQLite transaction; its first
 statement is a write, so it takes the database's write lock at once, and two
 projectors (threads or processes) apply batches one after the other.
 Times are stored as fixed-width UTC text, so comparing text compares times.
+Tables of an older ``VIEWS_GENERATION`` (``<prefix>_meta``) are upgraded
+when the views are opened, in the transaction that creates them: missing
+columns added, rows and position emptied, so the next catch-up rebuilds
+them from the log; that transaction holds the write lock, so of several
+processes opening the views at once one upgrades and the others see it done.
 """
 
 from __future__ import annotations
@@ -23,13 +28,18 @@ from .backend import StepKey, ViewBackend
 from .fold import RunRow, StepRow, as_utc
 from .models import ToolStats
 from .query import (
+    ADDED_COLUMNS,
     RUN_COLUMNS,
     SQL_INDEXES,
     STEP_COLUMNS,
+    VIEWS_GENERATION,
     RunQuery,
+    UsageQuery,
+    UsageShare,
     run_row,
     run_values,
     sql_order,
+    sql_usage,
     sql_where,
     step_row,
     step_values,
@@ -59,6 +69,7 @@ class SQLiteViews(SQLiteRecorder, TrackingRecorder, ViewBackend):
         self.runs_table = f"{prefix}_runs"
         self.steps_table = f"{prefix}_steps"
         self.tracking_table = f"{prefix}_tracking"
+        self.meta_table = f"{prefix}_meta"
         self._prefix = prefix
         super().__init__(datastore)
         placeholders = ", ".join("?" * len(RUN_COLUMNS))
@@ -79,17 +90,21 @@ class SQLiteViews(SQLiteRecorder, TrackingRecorder, ViewBackend):
             "status TEXT NOT NULL, flow TEXT, active_flow TEXT, active_node TEXT, "
             "waiting_for TEXT, wait_kind TEXT, wait_deadline TEXT, lease_holder TEXT, "
             "lease_expires_at TEXT, step_count INTEGER NOT NULL, created_at TEXT NOT NULL, "
-            "updated_at TEXT NOT NULL, version INTEGER NOT NULL, event_count INTEGER NOT NULL)",
+            "updated_at TEXT NOT NULL, version INTEGER NOT NULL, event_count INTEGER NOT NULL, "
+            "agent TEXT, flow_version TEXT)",
             f"CREATE TABLE IF NOT EXISTS {self.steps_table} ("
             "run_id TEXT NOT NULL, idx INTEGER NOT NULL, kind TEXT NOT NULL, name TEXT NOT NULL, "
             "status TEXT NOT NULL, started_at TEXT NOT NULL, finished_at TEXT, "
-            "attempts INTEGER NOT NULL, error_type TEXT, duration_ms REAL, "
+            "attempts INTEGER NOT NULL, error_type TEXT, duration_ms REAL, agent TEXT, "
+            "input_tokens INTEGER, output_tokens INTEGER, total_tokens INTEGER, "
             "PRIMARY KEY (run_id, idx)) WITHOUT ROWID",
             f"CREATE INDEX IF NOT EXISTS {self.steps_table}_tool "
             f"ON {self.steps_table} (kind, name)",
             f"CREATE TABLE IF NOT EXISTS {self.tracking_table} ("
             "application_name TEXT PRIMARY KEY, notification_id INTEGER) WITHOUT ROWID",
             f"INSERT OR IGNORE INTO {self.tracking_table} VALUES ('{self.application_name}', NULL)",
+            f"CREATE TABLE IF NOT EXISTS {self.meta_table} ("
+            "name TEXT PRIMARY KEY, value INTEGER NOT NULL) WITHOUT ROWID",
         ]
         statements += [
             f"CREATE INDEX IF NOT EXISTS {self.runs_table}_{name} ON {self.runs_table} ({columns})"
@@ -112,6 +127,37 @@ class SQLiteViews(SQLiteRecorder, TrackingRecorder, ViewBackend):
                 if "locked" not in str(e) or attempt == _CREATE_ATTEMPTS - 1:
                     raise
                 time.sleep(random.uniform(0.02, 0.1))
+
+    def _create_table(self, c: SQLiteCursor) -> None:
+        # Tables first, then the upgrade (the tracking row's INSERT took the write
+        # lock: upgrading is ours alone), then the indexes: one may cover a column
+        # that the upgrade adds to an older table.
+        statements = self.create_table_statements
+        indexes = [s for s in statements if s.startswith("CREATE INDEX")]
+        for statement in statements:
+            if statement not in indexes:
+                c.execute(statement)
+        self._upgrade(c)
+        for statement in indexes:
+            c.execute(statement)
+
+    def _upgrade(self, c: SQLiteCursor) -> None:
+        """Bring tables of an older generation to this one; their rows are rebuilt."""
+        c.execute(f"SELECT value FROM {self.meta_table} WHERE name = 'generation'")
+        found = c.fetchone()
+        if found is not None and int(found[0]) >= VIEWS_GENERATION:
+            return
+        for kind, table in (("runs", self.runs_table), ("steps", self.steps_table)):
+            c.execute(f"PRAGMA table_info({table})")
+            present = {str(r[1]) for r in c.fetchall()}
+            for column, sql_type in ADDED_COLUMNS[kind]:
+                if column not in present:
+                    c.execute(f"ALTER TABLE {table} ADD COLUMN {column} {sql_type}")
+        self._empty(c)
+        c.execute(
+            f"INSERT OR REPLACE INTO {self.meta_table} (name, value) VALUES ('generation', ?)",
+            (VIEWS_GENERATION,),
+        )
 
     # ------------------------------------------------ TrackingRecorder
     def insert_tracking(self, tracking: Tracking) -> None:
@@ -154,6 +200,15 @@ class SQLiteViews(SQLiteRecorder, TrackingRecorder, ViewBackend):
             )
             return tool_stats((r[0], r[1], r[2]) for r in c.fetchall())
 
+    def select_usage(self, query: UsageQuery) -> list[UsageShare]:
+        statement, params = sql_usage(query, self.steps_table, self.runs_table, "?", to_text)
+        with self.datastore.transaction(commit=False) as c:
+            c.execute(statement, params)
+            return [
+                UsageShare(r[0], r[1], r[2], int(r[3]), int(r[4]), int(r[5]), int(r[6]))
+                for r in c.fetchall()
+            ]
+
     def select_steps(self) -> list[StepRow]:
         with self.datastore.transaction(commit=False) as c:
             c.execute(f"SELECT * FROM {self.steps_table} ORDER BY run_id, idx")
@@ -161,9 +216,12 @@ class SQLiteViews(SQLiteRecorder, TrackingRecorder, ViewBackend):
 
     def reset_views(self) -> None:
         with self.datastore.transaction(commit=True) as c:
-            c.execute(f"UPDATE {self.tracking_table} SET notification_id = NULL")
-            c.execute(f"DELETE FROM {self.runs_table}")
-            c.execute(f"DELETE FROM {self.steps_table}")
+            self._empty(c)
+
+    def _empty(self, c: SQLiteCursor) -> None:
+        c.execute(f"UPDATE {self.tracking_table} SET notification_id = NULL")
+        c.execute(f"DELETE FROM {self.runs_table}")
+        c.execute(f"DELETE FROM {self.steps_table}")
 
 
 class _SQLiteTransaction:
