@@ -74,8 +74,8 @@ from kuralle_es import (
     define_tool,
     end,
 )
-from kuralle_es.context import RunContext
-from kuralle_es.store import postgres_env
+from kuralle_es._journal.store import postgres_env
+from kuralle_es._runtime.context import RunContext
 
 DEFAULT_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
 DSN_ENV = "KURALLE_BENCH_POSTGRES_DSN"

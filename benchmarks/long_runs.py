@@ -80,7 +80,7 @@ from kuralle_es import (
     end,
     goto,
 )
-from kuralle_es.context import RunContext
+from kuralle_es._runtime.context import RunContext
 
 
 class NoopArgs(BaseModel):

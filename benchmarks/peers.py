@@ -70,8 +70,8 @@ from kuralle_es import (
     end,
     goto,
 )
-from kuralle_es.context import RunContext
-from kuralle_es.store import postgres_env
+from kuralle_es._journal.store import postgres_env
+from kuralle_es._runtime.context import RunContext
 
 #: eventsourcing's own recorder, for the row "without the one-round-trip save".
 DEFAULT_RECORDER = "eventsourcing.postgres:PostgresApplicationRecorder"

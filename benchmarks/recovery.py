@@ -60,10 +60,10 @@ from kuralle_es import (
     define_tool,
     end,
 )
-from kuralle_es.domain import new_run
-from kuralle_es.models import Message
-from kuralle_es.store_url import open_store_url
-from kuralle_es.waiting import Wait
+from kuralle_es._journal.run import new_run
+from kuralle_es._journal.store_url import open_store_url
+from kuralle_es._journal.wait import Wait
+from kuralle_es.shapes import Message
 
 DEFAULT_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
 DSN_ENV = "KURALLE_BENCH_POSTGRES_DSN"

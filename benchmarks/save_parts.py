@@ -47,8 +47,8 @@ from journal_overhead import (
 from psycopg.types.composite import register_composite
 
 from kuralle_es import RunStore
-from kuralle_es.domain import new_run
-from kuralle_es.postgres_recorder import OneTripPostgresRecorder
+from kuralle_es._journal.recorders import OneTripPostgresRecorder
+from kuralle_es._journal.run import new_run
 
 
 def parts(dsn: str, calls: int) -> dict[str, float]:

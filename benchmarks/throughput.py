@@ -49,7 +49,7 @@ from journal_overhead import (
 from pydantic import BaseModel
 
 from kuralle_es import RunStore, Runtime, action, define_agent, define_flow, define_tool, end
-from kuralle_es.context import RunContext
+from kuralle_es._runtime.context import RunContext
 
 
 class NoopArgs(BaseModel):

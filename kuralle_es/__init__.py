@@ -6,8 +6,48 @@ recorded outcomes instead of executing again.
 
 from __future__ import annotations
 
-from .agents import Agent, define_agent
-from .context import RunContext
+from ._definitions.agents import Agent, define_agent
+from ._definitions.budget import Budget
+from ._definitions.flows import (
+    End,
+    Flow,
+    Goto,
+    Handoff,
+    action,
+    collect,
+    define_flow,
+    end,
+    goto,
+    handoff,
+    reply,
+)
+from ._definitions.llm import (
+    Model,
+    ModelRequest,
+    ModelResponse,
+    ModelResponseError,
+    OpenAIModel,
+    ToolCallRequest,
+    openai_model,
+)
+from ._definitions.retry import RetryPolicy
+from ._definitions.tools import Tool, define_tool
+from ._journal.keys import idempotency_key
+from ._journal.store import RunStore
+from ._operations.recovery import (
+    Scheduler,
+    Sweeper,
+    SweepJob,
+    SweepReport,
+    create_sweep_job_runner,
+    fire_timers,
+    recover_orphaned_runs,
+    start_run_sweeper,
+    sweep_deadlines,
+)
+from ._runtime.context import RunContext
+from ._runtime.handle import TurnHandle
+from ._runtime.runtime import Runtime
 from .errors import (
     BudgetExceededError,
     FlowDriftError,
@@ -31,19 +71,7 @@ from .errors import (
     TurnClosedError,
     UnknownToolError,
 )
-from .flows import End, Flow, Goto, Handoff, action, collect, define_flow, end, goto, handoff, reply
-from .handle import TurnHandle
-from .keys import idempotency_key
-from .llm import (
-    Model,
-    ModelRequest,
-    ModelResponse,
-    ModelResponseError,
-    OpenAIModel,
-    ToolCallRequest,
-    openai_model,
-)
-from .models import (
+from .shapes import (
     ApprovalDecision,
     FrozenOperation,
     Message,
@@ -54,24 +82,9 @@ from .models import (
     StreamPart,
     ToolCall,
     TurnResult,
+    Usage,
     WaitingFor,
 )
-from .recovery import (
-    Scheduler,
-    Sweeper,
-    SweepJob,
-    SweepReport,
-    create_sweep_job_runner,
-    fire_timers,
-    recover_orphaned_runs,
-    start_run_sweeper,
-    sweep_deadlines,
-)
-from .retry import RetryPolicy
-from .runtime import Runtime
-from .store import RunStore
-from .tools import Tool, define_tool
-from .usage import Budget, Usage
 from .views import RunSummary, RunViews, ToolStats
 
 __all__ = [

@@ -36,29 +36,34 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from .agents import Agent
-from .cancel import cancel_run
-from .domain import Run
-from .errors import FlowNotFoundError, InvalidArgumentError, KuralleError
-from .examples import approval_notifier, refund
-from .handle import TurnHandle
-from .models import TurnResult
-from .observability import LOGGER_NAME
-from .recovery import fire_timers, recover_orphaned_runs, start_run_sweeper, sweep_deadlines
-from .replay import RunCheck, check_runs
-from .runtime import Runtime
-from .store import RunStore
-from .store_url import (
+from ._definitions.agents import Agent
+from ._journal.run import Run
+from ._journal.spending import PRICES_ENV, prices_from_json
+from ._journal.store import RunStore
+from ._journal.store_url import (
     STORE_ENV,
     StoreUnavailableError,
     open_store_from_env,
     open_store_url,
 )
-from .timeline import format_timeline, read_deliveries
-from .usage import PRICES_ENV, Usage, prices_from_json
+from ._operations.recovery import (
+    fire_timers,
+    recover_orphaned_runs,
+    start_run_sweeper,
+    sweep_deadlines,
+)
+from ._operations.replay_check import RunCheck, check_runs
+from ._runtime.cancel import cancel_run
+from ._runtime.handle import TurnHandle
+from ._runtime.observability import LOGGER_NAME
+from ._runtime.runtime import Runtime
+from .errors import FlowNotFoundError, InvalidArgumentError, KuralleError
+from .examples import approval_notifier, refund
+from .shapes import TurnResult, Usage
 from .views import RunSummary, RunViews
 from .views.api import open_backend
 from .views.projector import DEFAULT_BATCH, follow
+from .views.timeline import format_timeline, read_deliveries
 
 __all__ = ["COMMANDS", "main"]
 
@@ -383,7 +388,7 @@ async def _demo(args: argparse.Namespace) -> int:
     with RunStore.sqlite(str(db)) as store:
         run = store.load_history(second.run_id)
         assert run is not None
-        state = run.to_state()
+        state = run.to_state(store.lease(run.run_id))
         print(format_timeline(state, run.step_records(), read_deliveries(store, state.run_id)))
         for message in state.messages:
             print(f"   {message.role}: {message.content}")
@@ -493,7 +498,7 @@ async def _runs_show(args: argparse.Namespace) -> int:
         run = await _stored_run(store, args.run_id, history=True)
         if run is None:
             return 1
-        state, steps = run.to_state(), run.step_records()
+        state, steps = run.to_state(await store.lease_async(run.run_id)), run.step_records()
         deliveries = await asyncio.to_thread(read_deliveries, store, args.run_id)
     if args.json:
         shown = {

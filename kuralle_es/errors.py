@@ -11,7 +11,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .waiting import Wait
+    from ._journal.wait import Wait
 
 
 class KuralleError(Exception):
@@ -315,3 +315,25 @@ def error_fields(exc: BaseException) -> dict[str, Any]:
         if isinstance(value, str | int | float | bool) or value is None:
             out[name] = value
     return out
+
+
+class ProjectionIntegrityError(KuralleError):
+    """A run's events reached a view out of order: one was skipped or applied twice.
+
+    The view stops rather than store a wrong row; rebuild it
+    (``RunViews.rebuild()`` or ``kuralle-es views rebuild``) and report the bug.
+    """
+
+    def __init__(self, run_id: str, expected: int, got: int) -> None:
+        self.run_id = run_id
+        self.expected = expected
+        self.got = got
+        super().__init__(
+            f"view of run {run_id} expected its event version {expected}, got {got}: "
+            "an event was skipped or applied twice; rebuild the views"
+        )
+
+
+class AlreadyApplied(Exception):
+    """Internal (not exported): another instance of a ``Consumer`` recorded this
+    position, or a later one, first; the consumer that lost goes on from there."""

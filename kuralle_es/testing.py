@@ -23,18 +23,20 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from .domain import Run
+from ._definitions.llm import ModelRequest, ModelResponse, as_response
+from ._journal import catalogue as stored
+from ._journal.leases import LeaseOp
+from ._journal.run import Run
+from ._journal.store import RunStore
+from ._operations.replay_check import ReplayFinding, RunCheck, check_runs, replay_check
+from ._runtime.runtime import Runtime
 from .errors import KuralleError
-from .llm import ModelRequest, ModelResponse, as_response
-from .models import ToolCall, TurnResult
-from .replay import ReplayFinding, RunCheck, check_runs, replay_check
-from .runtime import Runtime
-from .store import RunStore
+from .shapes import ToolCall, TurnResult
 
 if TYPE_CHECKING:
     from hypothesis.strategies import SearchStrategy
 
-    from .agents import Agent
+    from ._definitions.agents import Agent
 
 __all__ = [
     "BOUNDARIES",
@@ -136,7 +138,7 @@ def _step_keys(run: Run, kinds: tuple[type[Any], ...]) -> list[str]:
     keys: list[str] = []
     for pending in run.pending_events:
         if isinstance(pending, kinds):
-            if isinstance(pending, Run.StepStarted):
+            if isinstance(pending, stored.StepIntended):
                 keys.append(pending.key)
             else:
                 keys.append(run.step(pending.index)["key"])
@@ -159,20 +161,20 @@ class CrashingStore(RunStore):
     #: plain ``RunStore`` over the same PostgreSQL database resumes what this one saved.
     name = RunStore.name
 
-    async def save_run_async(self, run: Run) -> None:
+    async def save_run_async(self, run: Run, lease: LeaseOp | None = None) -> None:
         plan = self.plan
         if plan is None:
-            await super().save_run_async(run)
+            await super().save_run_async(run, lease)
             return
         if plan.fired:
             raise Crash("the process is dead: it saves nothing more")
-        intents = _step_keys(run, (Run.StepStarted, Run.StepRetried))
-        finals = _step_keys(run, (Run.StepFinished, Run.StepFailed))
+        intents = _step_keys(run, stored.STARTS)
+        finals = _step_keys(run, stored.RESULTS)
         for key in intents:
             plan.reach("before_intent", key)
         for key in finals:
             plan.reach("after_execute", key)
-        await super().save_run_async(run)
+        await super().save_run_async(run, lease)
         for key in intents:
             plan.reach("after_intent", key)
         for key in finals:

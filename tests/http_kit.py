@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kuralle_es.store_url import open_store_url
+from kuralle_es._journal.store_url import open_store_url
 
 PROCS = Path(__file__).resolve().parent / "procs"
 SCRIPT = Path(sys.executable).parent / "kuralle-es"

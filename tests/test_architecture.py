@@ -8,7 +8,6 @@ cycle that only type checkers see is still a cycle in the design.
 from __future__ import annotations
 
 import ast
-import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "kuralle_es"
@@ -134,18 +133,114 @@ def runtime_imports(tree: ast.Module) -> ast.Module:
     return ast.Module(body=body, type_ignores=[])
 
 
-def test_the_readme_lists_modules_so_that_each_imports_only_those_above_it() -> None:
-    readme = (PACKAGE.parent / "README.md").read_text(encoding="utf-8")
-    section = readme.split("## Architecture", 1)[1].split("```", 2)[1]
-    listed = [f"kuralle_es.{name}" for name in re.findall(r"\b([a-z_]+)\.py\b", section)]
+#: The layers of the package, lowest first (README.md, "Architecture"): a module
+#: imports only modules of its own layer or of a layer below it.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("kuralle_es.errors", "kuralle_es.shapes", "kuralle_es._callables"),
+    ("kuralle_es._journal",),
+    ("kuralle_es.views", "kuralle_es.events"),
+    ("kuralle_es._definitions",),
+    ("kuralle_es._runtime",),
+    ("kuralle_es._operations",),
+    ("kuralle_es.testing",),
+    ("kuralle_es",),
+    (
+        "kuralle_es.examples",
+        "kuralle_es.cli",
+        "kuralle_es.dashboard",
+        "kuralle_es.http",
+        "kuralle_es._serving",
+        "kuralle_es.integrations",
+    ),
+)
+
+
+def layer_of(module: str) -> int:
+    """The layer of ``module``: the one whose longest prefix names it."""
+    best, found = -1, -1
+    for index, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
+                best, found = len(prefix), index
+    assert found >= 0, f"{module} is in no layer; add it to LAYERS"
+    return found
+
+
+def test_every_module_imports_only_its_own_layer_or_those_below() -> None:
     found = modules()
     known = set(found)
-    assert set(listed) <= known, "the README names a module that does not exist"
-    position = {name: i for i, name in enumerate(listed)}
     upward = []
-    for name in listed:
-        path, tree = found[name]
+    for name, (path, tree) in found.items():
         for target, _ in internal_imports(name, path, runtime_imports(tree), known):
-            if target in position and position[target] > position[name]:
-                upward.append(f"{name} imports {target}, listed below it")
+            if target == "kuralle_es" and name.startswith("kuralle_es."):
+                if layer_of(name) < layer_of("kuralle_es"):
+                    upward.append(f"{name} imports the package's public API from below it")
+                continue
+            if layer_of(target) > layer_of(name):
+                upward.append(f"{name} imports {target}, a layer above it")
     assert upward == []
+
+
+def test_the_readme_names_every_layer_and_package() -> None:
+    readme = (PACKAGE.parent / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Architecture", 1)[1].split("```", 2)[1]
+    for prefixes in LAYERS:
+        for prefix in prefixes:
+            short = prefix.removeprefix("kuralle_es").lstrip(".") or "__init__.py"
+            assert short in section, f"README.md's Architecture does not name {short}"
+
+
+#: The modules that may call the ``Run`` aggregate's commands: the aggregate
+#: itself, and the one writer (every other module hands the writer its changes).
+WRITERS = {"kuralle_es._journal.run", "kuralle_es._runtime.writer"}
+
+
+def run_commands() -> set[str]:
+    """The public methods of ``Run`` that trigger events (its commands)."""
+    _, tree = modules()["kuralle_es._journal.run"]
+    [run] = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Run"]
+    commands = set()
+    for node in run.body:
+        if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
+            triggers = any(
+                isinstance(n, ast.Attribute) and n.attr in ("trigger_event", "abort", "finish")
+                for n in ast.walk(node)
+            )
+            if triggers:
+                commands.add(node.name)
+    return commands
+
+
+def names_holding_runs(function: ast.AST) -> set[str]:
+    """Names a function binds to a ``Run``: annotated so, or conventionally named."""
+    held = {"run", "latest", "original", "existing", "fork", "made"}
+    for node in ast.walk(function):
+        if not isinstance(node, ast.arg) or node.annotation is None:
+            continue
+        if "Run" in {n.id for n in ast.walk(node.annotation) if isinstance(n, ast.Name)}:
+            held.add(node.arg)
+    return held
+
+
+def test_only_the_writer_changes_a_run() -> None:
+    commands = run_commands()
+    assert {"start_step", "pause", "accept_signal", "cancel"} <= commands
+    offences = []
+    for name, (_, tree) in modules().items():
+        if name in WRITERS:
+            continue
+        for function in ast.walk(tree):
+            if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            held = names_holding_runs(function)
+            for node in ast.walk(function):
+                if (
+                    isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in commands
+                    and isinstance(node.func.value, ast.Name)
+                    and node.func.value.id in held
+                ):
+                    offences.append(f"{name}.{function.name} calls {node.func.value.id}."
+                                    f"{node.func.attr}()")  # fmt: skip
+    assert offences == []

@@ -110,10 +110,11 @@ from kuralle_es import (
     idempotency_key,
     reply,
 )
-from kuralle_es.domain import Run, StepData
-from kuralle_es.store import postgres_env
+from kuralle_es._journal.leases import Lease
+from kuralle_es._journal.run import Run, StepData
+from kuralle_es._journal.store import postgres_env
+from kuralle_es._runtime.suspensions import approval_decision
 from kuralle_es.testing import BOUNDARIES, Crash, CrashingStore, CrashPlan, ScriptedModel
-from kuralle_es.waits import approval_decision
 
 HOLDER = "worker"
 FLOW = "program"
@@ -726,6 +727,7 @@ class CrashMachine(RuleBasedStateMachine):
         elif self.backend == "memory":
             self.memory = CrashingStore(env={"PERSISTENCE_MODULE": "eventsourcing.popo"})
         self._journals: dict[str, Run] | None = None
+        self._leases: dict[str, Lease | None] = {}
 
     # ----------------------------------------------------------------- stores
     def env(self) -> dict[str, str]:
@@ -761,14 +763,22 @@ class CrashMachine(RuleBasedStateMachine):
             store = self.open_store(None)
             try:
                 self._journals = {}
+                self._leases = {}
                 for slot in self.slots:
                     if slot.run_id is not None:
                         run = store.load_history(slot.run_id)  # every step, archived too
                         assert run is not None, f"{slot} was never durable"
                         self._journals[slot.session] = run
+                        self._leases[slot.session] = run.lease(store.lease(slot.run_id))
             finally:
                 self.release_store(store)
         return self._journals
+
+    def lease_holder(self, slot: Slot) -> str | None:
+        """Who holds the slot's run's lease record, as the store now holds it."""
+        self.journals()
+        lease = self._leases.get(slot.session)
+        return None if lease is None else lease.holder
 
     # ------------------------------------------------------------------ turns
     def turn(self, slot: Slot, plan: CrashPlan | None, *, answer: bool) -> Crash | None:
@@ -1065,9 +1075,9 @@ class CrashMachine(RuleBasedStateMachine):
             if run is None:
                 continue
             if slot.killed:
-                assert run.status == "running" and run.lease_holder == HOLDER, slot
+                assert run.status == "running" and self.lease_holder(slot) == HOLDER, slot
             elif slot.finished or slot.waiting is not None:
-                assert run.lease_holder is None, slot
+                assert self.lease_holder(slot) is None, slot
 
     @invariant()
     def the_event_loop_reported_no_lost_errors(self) -> None:

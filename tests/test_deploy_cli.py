@@ -25,8 +25,8 @@ from procs.deploy_app import FLOW
 from test_cli_operator import _ok, kuralle
 
 from kuralle_es import Runtime, ToolExecutionError, TurnResult
-from kuralle_es.migrate import migration_id
-from kuralle_es.store_url import open_store_url
+from kuralle_es._journal.store_url import open_store_url
+from kuralle_es._runtime.migrate import migration_id
 
 SESSION = "s-deploy-cli"
 TESTS = str(Path(__file__).resolve().parent)

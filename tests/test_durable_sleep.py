@@ -139,7 +139,7 @@ async def test_a_due_timer_is_fired_once_and_the_replayed_sleep_returns_at_once(
     assert (nap.before, nap.after) == (2, 1)
     steps = await first.get_steps(result.run_id, SESSION)
     assert [(s.kind, s.status, s.attempts) for s in steps] == [("timer", "finished", 1)]
-    names = [type(e).__name__ for e in store.events.get(UUID(result.run_id))]
+    names = [type(e).TOPIC.rsplit(".", 1)[-1] for e in store.events.get(UUID(result.run_id))]
     assert names.count("TimerFired") == 1
     resumed = [e for e in await everything(store) if isinstance(e, RunResumed)]
     assert [e.reason for e in resumed] == ["timer"]

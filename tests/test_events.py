@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 from uuid import uuid4
@@ -33,7 +32,7 @@ from kuralle_es import (
     define_tool,
     end,
 )
-from kuralle_es.domain import new_run
+from kuralle_es._journal.run import new_run
 from kuralle_es.events import (
     RunEvent,
     RunFinished,
@@ -270,10 +269,8 @@ async def test_follow_reads_across_the_gap_a_refused_write_leaves(
     run_id = await refund_run(runtime, "gap", approve=None)
     winner, loser = store.load(run_id), store.load(run_id)
     assert winner is not None and loser is not None
-    later = datetime.now(UTC) + timedelta(minutes=5)
-    winner.take_lease("winner", later)
+    winner.start_turn(5, None, None)
     store.save_run(winner)
-    loser.take_lease("loser", later)
     loser.start_turn(9, None, None)  # a public event that must never appear
     with pytest.raises(StaleWriteError):
         store.save_run(loser)

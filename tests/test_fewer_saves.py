@@ -30,8 +30,9 @@ from kuralle_es import (
     end,
     goto,
 )
-from kuralle_es.domain import Run
-from kuralle_es.store import postgres_env
+from kuralle_es._journal.leases import LeaseOp
+from kuralle_es._journal.run import Run
+from kuralle_es._journal.store import postgres_env
 
 STORES = ["memory", "sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
 BLOCKING_STORES = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
@@ -46,9 +47,9 @@ class CountingStore(RunStore):
         super().__init__(env=env)
         self.saves: list[list[str]] = []
 
-    async def save_run_async(self, run: Run) -> None:
-        kinds = [type(event).__name__ for event in run.pending_events]
-        await super().save_run_async(run)
+    async def save_run_async(self, run: Run, lease: LeaseOp | None = None) -> None:
+        kinds = [type(event).TOPIC.rsplit(".", 1)[-1] for event in run.pending_events]
+        await super().save_run_async(run, lease)
         self.saves.append(kinds)
 
 

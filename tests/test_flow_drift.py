@@ -104,7 +104,8 @@ def resolving_delivery(wait: str, signal_id: str) -> SignalDelivery:
 
 
 def stored_events(store: RunStore, run_id: str) -> list[tuple[int, str]]:
-    return [(e.originator_version, type(e).__name__) for e in store.events.get(UUID(run_id))]
+    events = store.events.get(UUID(run_id))
+    return [(e.originator_version, type(e).TOPIC.rsplit(".", 1)[-1]) for e in events]
 
 
 async def paused_under_v1(wait: str, store: RunStore, ledger: list[int]) -> str:

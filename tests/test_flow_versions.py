@@ -35,8 +35,8 @@ from kuralle_es import (
     define_flow,
     end,
 )
-from kuralle_es import migrate as migrate_module
-from kuralle_es.migrate import migration_id
+from kuralle_es._runtime import migrate as migrate_module
+from kuralle_es._runtime.migrate import migration_id
 from kuralle_es.testing import Crash, CrashingStore, CrashPlan, ScriptedModel
 
 SESSION = "s-deploy"

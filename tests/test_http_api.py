@@ -26,7 +26,8 @@ from procs.http_app import ledger_lines
 from psycopg import sql
 
 from kuralle_es import RunState, RunSummary, StepRecord, TurnResult
-from kuralle_es.store_url import open_store_url
+from kuralle_es._journal.leases import LeaseOp
+from kuralle_es._journal.store_url import open_store_url
 
 BACKENDS = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
 #: The servers' payload bound (``KURALLE_MAX_PAYLOAD_BYTES``): small, so 413 is cheap to reach.
@@ -411,8 +412,9 @@ def test_a_lease_held_by_another_worker_is_409_and_writes_nothing(served: Served
     try:  # another worker takes the run's lease, as a worker mid-turn holds it
         run = store.load(run_id)
         assert run is not None
-        run.take_lease("other-worker:1", datetime.now(UTC) + timedelta(minutes=10))
-        store.save_run(run)
+        now = datetime.now(UTC)
+        lease = LeaseOp.take(run.id, "other-worker:1", "t", now + timedelta(minutes=10), now)
+        store.save_run(run, lease)
     finally:
         store.close()
     reply = served.refused(

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from kuralle_es import RunStore, Runtime
-from kuralle_es.store_url import open_store_url
+from kuralle_es._journal.store_url import open_store_url
 
 PROCS = Path(__file__).resolve().parent / "procs"
 sys.path.insert(0, str(PROCS))
@@ -114,8 +114,8 @@ def check_recovered_once(url: str, ledger: str, run_ids: list[str], point: str) 
         for run_id in run_ids:
             run = store.load(run_id)
             assert run is not None
-            assert (run.status, run.outcome, run.lease_holder) == ("finished", "charged", None)
-            names = [type(e).__name__ for e in store.events.get(run.id)]
+            assert (run.status, run.outcome, store.lease(run_id)) == ("finished", "charged", None)
+            names = [type(e).TOPIC.rsplit(".", 1)[-1] for e in store.events.get(run.id)]
             assert names.count("Recovered") == 1
             (step,) = run.step_records()
             # Inside the tool: executed again with its key; else executed once.
@@ -148,7 +148,8 @@ def test_a_worker_killed_mid_run_is_recovered_by_another_and_charges_once(
     with open_store_url(url) as store:
         left = store.load(run_id)
         assert left is not None and left.status == "running"
-        assert left.lease_holder is not None and left.lease_holder.startswith("doomed-")
+        lease = store.lease(run_id)
+        assert lease is not None and lease.holder.startswith("doomed-")
 
         worker = start_worker(url, ledger, "rescuer")
         try:

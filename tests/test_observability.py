@@ -31,7 +31,7 @@ from kuralle_es import (
     define_tool,
     end,
 )
-from kuralle_es.observability import log_event
+from kuralle_es._runtime.observability import log_event
 
 SECRET = "card-4242-4242"
 

@@ -15,15 +15,14 @@ import asyncio
 import threading
 import time
 from collections.abc import Iterator
-from datetime import UTC, datetime, timedelta
 from uuid import uuid4
 
 import psycopg
 import pytest
 from log_tail import tail_while
 
-from kuralle_es import RunStore, StaleWriteError
-from kuralle_es.domain import Run, new_run
+from kuralle_es import Message, RunStore, StaleWriteError
+from kuralle_es._journal.run import Run, new_run
 
 pytestmark = pytest.mark.postgres
 
@@ -41,12 +40,9 @@ def fresh_run(store: RunStore, session: str) -> Run:
 
 
 def grow(run: Run, n: int) -> None:
-    """``n`` more events on the run (a lease taken and released, in turn)."""
+    """``n`` more events on the run (messages appended)."""
     for i in range(n):
-        if i % 2 == 0:
-            run.take_lease("w", datetime.now(UTC) + timedelta(seconds=30))
-        else:
-            run.release_lease()
+        run.append_message(Message(role="user", content=f"m{i}"))
 
 
 def backends(dsn: str) -> list[int]:

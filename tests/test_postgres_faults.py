@@ -30,7 +30,8 @@ from kuralle_es import (
     define_tool,
     end,
 )
-from kuralle_es.domain import Run
+from kuralle_es._journal.leases import LeaseOp
+from kuralle_es._journal.run import Run
 from kuralle_es.testing import ExactlyOnceLedger
 
 pytestmark = pytest.mark.postgres
@@ -76,9 +77,9 @@ class KillingStore(RunStore):
     dbname = ""
     kills = 0
 
-    async def save_run_async(self, run: Run) -> None:
+    async def save_run_async(self, run: Run, lease: LeaseOp | None = None) -> None:
         type(self).kills += terminate_backends(self.admin_dsn, self.dbname) > 0
-        await super().save_run_async(run)
+        await super().save_run_async(run, lease)
 
 
 async def finish(agent: Any, dsn: str, run_id: str) -> Any:

@@ -24,7 +24,7 @@ from log_tail import tail_while
 from psycopg.conninfo import conninfo_to_dict
 
 from kuralle_es import RunStore
-from kuralle_es.postgres_recorder import OneTripPostgresRecorder
+from kuralle_es._journal.recorders import OneTripPostgresRecorder
 
 pytestmark = pytest.mark.postgres
 

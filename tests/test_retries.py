@@ -44,7 +44,7 @@ from kuralle_es import (
 from kuralle_es.dashboard.timeline import timeline_rows
 from kuralle_es.events import StepFailed, StepStarted, follow
 from kuralle_es.testing import Crash, CrashingStore, CrashPlan, ScriptedModel
-from kuralle_es.timeline import format_timeline
+from kuralle_es.views.timeline import format_timeline
 
 SESSION = "retries"
 FAST = RetryPolicy(max_attempts=3, initial_interval=0.01, backoff=1.0)

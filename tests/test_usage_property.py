@@ -39,8 +39,9 @@ from kuralle_es import (
     define_agent,
     define_tool,
 )
+from kuralle_es._journal.spending import ModelUsage, normalise_usage, total
+from kuralle_es.shapes import Usage
 from kuralle_es.testing import Crash, CrashingStore, CrashPlan, ScriptedModel, crash_plans
-from kuralle_es.usage import ModelUsage, Usage, normalise_usage, total
 
 HOLDER = "usage-property-worker"
 SESSIONS = itertools.count()

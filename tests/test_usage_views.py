@@ -37,9 +37,9 @@ from kuralle_es import (
     define_agent,
     define_tool,
 )
-from kuralle_es.domain import new_run
-from kuralle_es.models import StepRecord
-from kuralle_es.usage import ModelUsage, Usage, normalise_usage, total
+from kuralle_es._journal.run import new_run
+from kuralle_es._journal.spending import ModelUsage, normalise_usage, total
+from kuralle_es.shapes import StepRecord, Usage
 from kuralle_es.views.query import ADDED_COLUMNS, VIEWS_GENERATION
 
 PRICES = {"m-a": (0.5, 1.5), "m-b": (0.25, 0.75), "m-old": (2.0, 4.0)}

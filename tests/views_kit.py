@@ -32,8 +32,10 @@ from kuralle_es import (
     define_tool,
     end,
 )
-from kuralle_es.agents import Agent
-from kuralle_es.domain import Run, new_run
+from kuralle_es._definitions.agents import Agent
+from kuralle_es._journal import catalogue as stored
+from kuralle_es._journal.leases import LeaseOp
+from kuralle_es._journal.run import new_run
 from kuralle_es.examples.refund import refund_flow
 from kuralle_es.testing import ScriptedModel
 
@@ -194,16 +196,18 @@ def leave_run(
 ) -> str:
     """A flow run left by a worker: holding a lease, or asleep on a durable timer."""
     run = new_run(uuid4(), session, "flow", "views", "quick", "digest")
+    lease = None
     if lease_until is not None:
-        run.take_lease("a-worker-that-died", lease_until)
+        # The lease record a worker took before it died.
+        lease = LeaseOp.take(run.id, "a-worker-that-died", "its-token", lease_until, lease_until)
     if timer_due is not None:
         wait = WaitingFor(
             name="__timer", callsite=0, request_id=uuid4().hex, kind="timer", deadline=timer_due
         )
         # The stored shape of a pause: the public wait plus what the runtime reads back.
-        stored = {**wait.model_dump(mode="json"), "logical_run": f"{run.run_id}#0"}
-        run.trigger_event(Run.Paused, waiting_for=stored)
-    store.create_run(run)
+        shape = {**wait.model_dump(mode="json"), "logical_run": f"{run.run_id}#0"}
+        run.trigger_event(stored.Paused, waiting_for=shape)
+    store.create_run(run, lease)
     return run.run_id
 
 

@@ -31,14 +31,14 @@ from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .._journal.spending import PRICES_ENV, Prices, prices_from_json, validate_prices
+from .._journal.store import RunStore
+from .._runtime.runtime import Runtime
+from .._serving import Server, is_loopback
 from ..errors import InvalidArgumentError, KuralleError
-from ..models import RunState
-from ..runtime import Runtime
-from ..serving import Server, is_loopback
-from ..store import RunStore
-from ..timeline import read_deliveries
-from ..usage import PRICES_ENV, Prices, prices_from_json, validate_prices
+from ..shapes import RunState
 from ..views import RunViews
+from ..views.timeline import read_deliveries
 from .decisions import Decision, deliver, new_signal_id, refusal_status, valid_signal_id
 from .overview import overview, tool_overview, usage_overview
 from .security import CSRF_COOKIE, SESSION_COOKIE, TOKEN_ENV, Gate, Operator
@@ -223,7 +223,9 @@ class _Dashboard:
 
     async def load(self, run_id: str) -> RunState | None:
         run = await self.store.load_async(run_id)
-        return run.to_state() if run is not None else None
+        if run is None:
+            return None
+        return run.to_state(await self.store.lease_async(run_id))
 
     # ---------------------------------------------------------------- pages
     async def index(self, request: Request) -> Response:
@@ -248,7 +250,7 @@ class _Dashboard:
         deliveries = await asyncio.to_thread(read_deliveries, self.store, run_id)
         delivered = request.query_params.get("delivered", "")
         context = {
-            "run": run.to_state(),
+            "run": run.to_state(await self.store.lease_async(run_id)),
             "rows": timeline_rows(run.step_records(), deliveries),
             "delivered": valid_signal_id(delivered) and delivered,
             "usage": await self.views().usage(run_id=run_id),

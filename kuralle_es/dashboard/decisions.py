@@ -14,14 +14,14 @@ import re
 from dataclasses import dataclass
 from uuid import uuid4
 
-from ..deliveries import approval_delivery
+from .._runtime.deliveries import approval_delivery
+from .._runtime.runtime import Runtime
 from ..errors import (
     InvalidSignalError,
     KuralleError,
     RunNotFoundError,
 )
-from ..models import SignalDelivery, TurnResult
-from ..runtime import Runtime
+from ..shapes import SignalDelivery, TurnResult
 
 __all__ = ["Decision", "deliver", "new_signal_id", "refusal_status", "valid_signal_id"]
 

@@ -13,8 +13,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import get_args
 
-from ..models import RunStatus
-from ..usage import Usage
+from ..shapes import RunStatus, Usage
 from ..views import RunSummary, RunViews, ToolStats
 
 __all__ = [

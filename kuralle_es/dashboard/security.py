@@ -27,7 +27,7 @@ import secrets
 import time
 from dataclasses import dataclass
 
-from ..serving import is_loopback  # shared with the HTTP API; re-exported here
+from .._serving import is_loopback  # shared with the HTTP API; re-exported here
 
 __all__ = [
     "CSRF_COOKIE",

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from ..models import StepRecord
-from ..timeline import Delivery
+from ..shapes import StepRecord
+from ..views.timeline import Delivery
 
 __all__ = ["TimelineRow", "pretty_json", "timeline_rows"]
 

@@ -33,11 +33,11 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from ..errors import InvalidArgumentError
-from ..store import RunStore
-from ..tools import wants_call as _wants_tx
+from .._callables import wants_call as _wants_tx
+from .._journal.store import RunStore
+from ..errors import AlreadyApplied, InvalidArgumentError
 from .follow import POLL_INTERVAL, EventReader, Tail
-from .positions import AlreadyApplied, PositionBook
+from .positions import PositionBook
 from .types import RunEvent
 
 __all__ = ["BATCH_SIZE", "Consumer", "Handler"]

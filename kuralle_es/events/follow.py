@@ -21,8 +21,8 @@ import psycopg
 from eventsourcing.postgres import PostgresApplicationRecorder
 from psycopg import sql
 
+from .._journal.store import RunStore
 from ..errors import InvalidArgumentError
-from ..store import RunStore
 from .translate import PUBLIC_TOPICS, Translator
 from .types import RunEvent
 

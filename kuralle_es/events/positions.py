@@ -29,30 +29,13 @@ from eventsourcing.postgres import PostgresApplicationRecorder, PostgresTracking
 from eventsourcing.sqlite import SQLiteApplicationRecorder, SQLiteTrackingRecorder
 from psycopg import sql
 
-from ..store import RunStore, retry_schema_setup
+from .._journal.eventsourcing_hooks import insert_tracking, use_tracking_table
+from .._journal.store import RunStore, retry_schema_setup
+from ..errors import AlreadyApplied
 
-__all__ = ["TABLE", "AlreadyApplied", "Batch", "PositionBook"]
+__all__ = ["TABLE", "Batch", "PositionBook"]
 
 TABLE = "kuralle_consumer_positions"
-
-
-class AlreadyApplied(Exception):
-    """Another instance of this consumer recorded this position (or a later one) first."""
-
-
-class _SQLiteConsumerTracking(SQLiteTrackingRecorder):
-    """``SQLiteTrackingRecorder`` on its own table, apart from projections' ``tracking``."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.insert_tracking_statement = self.insert_tracking_statement.replace("tracking", TABLE)
-        self.select_max_tracking_id_statement = self.select_max_tracking_id_statement.replace(
-            "tracking", TABLE
-        )
-
-    def construct_create_table_statements(self) -> list[str]:
-        statements = super().construct_create_table_statements()
-        return [s.replace("EXISTS tracking", f"EXISTS {TABLE}") for s in statements]
 
 
 _memory_books: weakref.WeakKeyDictionary[RunStore, POPOTrackingRecorder] = (
@@ -72,8 +55,10 @@ class PositionBook:
                 lambda: _created(PostgresTrackingRecorder(datastore, tracking_table_name=TABLE))
             )
         elif isinstance(recorder, SQLiteApplicationRecorder):
-            sqlite_store = recorder.datastore
-            self.recorder = _created(_SQLiteConsumerTracking(sqlite_store))
+            # The SQLite tracking recorder on its own table, apart from projections'.
+            tracking = SQLiteTrackingRecorder(recorder.datastore)
+            use_tracking_table(tracking, TABLE)
+            self.recorder = _created(tracking)
         elif isinstance(recorder, POPOApplicationRecorder):
             self.recorder = _memory_books.setdefault(store, POPOTrackingRecorder())
         else:  # pragma: no cover - the three persistence modules are all there is
@@ -115,7 +100,7 @@ class PositionBook:
             yield Batch(
                 tx=curs.connection if postgres else curs.sqlite_cursor.connection,
                 position=stored or None,
-                advance=lambda position: recorder._insert_tracking(curs, Tracking(name, position)),
+                advance=lambda position: insert_tracking(recorder, curs, Tracking(name, position)),
             )
 
 

@@ -1,10 +1,11 @@
 """The one translation from the ``Run`` aggregate's stored events to public events (internal).
 
-``_RULES`` is the whole mapping: a stored event class, the public event it
-becomes (or none), and the run status it leaves behind. A stored event type
-absent from the table (leases, node entries, messages, turn records, session
-indexes, a fork's origin) has no public meaning and is skipped, so each stored
-event yields at most one public event and positions stay unique. A fork opens
+``_RULES`` is the whole mapping, an exhaustive dispatch over the catalogue of
+stored events: a stored event class, the public event it becomes, and the
+run status it leaves behind; or, skipped on purpose, no public meaning
+(leases of old releases, node entries, messages, turn records, a fork's
+origin). Each stored event yields at most one public event, so positions
+stay unique. A fork opens
 like any run (its ``Created`` is a ``RunOpened``), and the steps it copied from
 the original are its own ``StepStarted``/``StepFinished`` events.
 
@@ -27,8 +28,8 @@ from uuid import UUID
 
 from eventsourcing.persistence import Notification
 
-from ..domain import Run
-from ..store import RunStore
+from .._journal import catalogue as stored
+from .._journal.store import RunStore
 from .types import (
     EventError,
     EventWaitingFor,
@@ -77,15 +78,15 @@ class _Rule:
     status: str | None = None
 
 
-def _opened(e: Run.Created, ctx: _RunContext, base: _Base) -> RunEvent:
+def _opened(e: stored.RunCreated, ctx: _RunContext, base: _Base) -> RunEvent:
     return RunOpened(**base, kind=e.kind, flow=e.flow)
 
 
-def _step_started(e: Run.StepStarted, ctx: _RunContext, base: _Base) -> RunEvent:
+def _step_started(e: stored.StepIntended, ctx: _RunContext, base: _Base) -> RunEvent:
     return StepStarted(**base, index=e.index, key=e.key, kind=e.kind, name=e.name, attempt=1)
 
 
-def _step_retried(e: Run.StepRetried, ctx: _RunContext, base: _Base) -> RunEvent:
+def _step_retried(e: stored.AttemptStarted, ctx: _RunContext, base: _Base) -> RunEvent:
     step = ctx.steps[e.index]
     return StepStarted(
         **base,
@@ -97,31 +98,31 @@ def _step_retried(e: Run.StepRetried, ctx: _RunContext, base: _Base) -> RunEvent
     )
 
 
-def _step_finished(e: Run.StepFinished, ctx: _RunContext, base: _Base) -> RunEvent:
+def _step_finished(e: stored.StepSucceeded, ctx: _RunContext, base: _Base) -> RunEvent:
     name = ctx.steps[e.index].name
     return StepFinished(**base, index=e.index, name=name, result=json.loads(e.result_json))
 
 
-def _step_failed(e: Run.StepFailed, ctx: _RunContext, base: _Base) -> RunEvent:
+def _step_failed(e: stored.StepErrored, ctx: _RunContext, base: _Base) -> RunEvent:
     # A stored failure is frozen unless it says otherwise (retries record non-final ones).
     final = bool(getattr(e, "final", True))
     error = EventError.model_validate(e.error)
     return StepFailed(**base, index=e.index, name=ctx.steps[e.index].name, error=error, final=final)
 
 
-def _attempt_failed(e: Run.StepAttemptFailed, ctx: _RunContext, base: _Base) -> RunEvent:
+def _attempt_failed(e: stored.AttemptFailed, ctx: _RunContext, base: _Base) -> RunEvent:
     # An attempt the tool's retry policy tries again: not frozen.
     error = EventError.model_validate(e.error)
     return StepFailed(**base, index=e.index, name=ctx.steps[e.index].name, error=error, final=False)
 
 
-def _paused(e: Run.Paused, ctx: _RunContext, base: _Base) -> RunEvent:
+def _paused(e: stored.Paused, ctx: _RunContext, base: _Base) -> RunEvent:
     # The stored wait also holds what only the runtime reads back: keep public keys only.
     public = {k: v for k, v in e.waiting_for.items() if k in EventWaitingFor.model_fields}
     return RunPaused(**base, waiting_for=EventWaitingFor.model_validate(public))
 
 
-def _signal(e: Run.SignalAccepted, ctx: _RunContext, base: _Base) -> RunEvent:
+def _signal(e: stored.DeliveryAccepted, ctx: _RunContext, base: _Base) -> RunEvent:
     return SignalAccepted(**base, signal_id=e.signal_id, name=e.name, actor=e.actor)
 
 
@@ -132,60 +133,78 @@ def _resumed(reason: str) -> _Make:
     return make
 
 
-def _turn_started(e: Run.TurnStarted, ctx: _RunContext, base: _Base) -> RunEvent | None:
+def _turn_started(e: stored.TurnStarted, ctx: _RunContext, base: _Base) -> RunEvent | None:
     # A turn's first epoch opens the run (RunOpened says so); a later one is new user input.
     return RunResumed(**base, reason="input") if e.epoch > 0 else None
 
 
-def _flow_pinned(e: Run.FlowPinned, ctx: _RunContext, base: _Base) -> RunEvent | None:
+def _flow_pinned(e: stored.FlowPinned, ctx: _RunContext, base: _Base) -> RunEvent | None:
     # Pinning while running is part of entering a flow; on a stopped run it is a restart.
     return RunResumed(**base, reason="restart") if ctx.status != "running" else None
 
 
-def _finished(e: Run.Finished, ctx: _RunContext, base: _Base) -> RunEvent:
+def _finished(e: stored.Finished, ctx: _RunContext, base: _Base) -> RunEvent:
     return RunFinished(**base, outcome=e.outcome)
 
 
-def _errored(e: Run.Errored, ctx: _RunContext, base: _Base) -> RunEvent:
+def _errored(e: stored.Errored, ctx: _RunContext, base: _Base) -> RunEvent:
     return RunErrored(**base, error=EventError.model_validate(e.error))
 
 
-def _aborted(e: Run.Aborted, ctx: _RunContext, base: _Base) -> RunEvent:
+def _aborted(e: stored.Aborted, ctx: _RunContext, base: _Base) -> RunEvent:
     return RunAborted(**base, outcome=e.reason)
 
 
-#: The translation table: stored event class -> public event and resulting status.
-_RULES: Mapping[type[Any], _Rule] = {
-    Run.Created: _Rule(_opened, "running"),
-    Run.TurnStarted: _Rule(_turn_started, "running"),
-    Run.StepStarted: _Rule(_step_started),
-    Run.StepRetried: _Rule(_step_retried),
-    Run.StepFinished: _Rule(_step_finished),
-    Run.StepFailed: _Rule(_step_failed),
-    Run.StepAttemptFailed: _Rule(_attempt_failed),
-    Run.Paused: _Rule(_paused, "paused"),
-    Run.InputAccepted: _Rule(_resumed("input"), "running"),
-    Run.SignalAccepted: _Rule(_signal, "running"),
-    Run.FlowPinned: _Rule(_flow_pinned, "running"),
-    Run.Resumed: _Rule(_resumed("error"), "running"),
-    Run.TimerFired: _Rule(_resumed("timer"), "running"),
-    Run.Recovered: _Rule(_resumed("recovery"), "running"),
-    Run.Finished: _Rule(_finished, "finished"),
-    Run.Errored: _Rule(_errored, "error"),
-    Run.Aborted: _Rule(_aborted, "aborted"),
-}
+#: The translation table over the whole catalogue: a stored event's public event
+#: and the run status it leaves (None: no public meaning, skipped).
+_RULES: Mapping[type[stored.Event], _Rule | None] = stored.dispatch(
+    "public events",
+    {
+        stored.RunCreated: _Rule(_opened, "running"),
+        stored.TurnStarted: _Rule(_turn_started, "running"),
+        stored.StepIntended: _Rule(_step_started),
+        stored.AttemptStarted: _Rule(_step_retried),
+        stored.StepSucceeded: _Rule(_step_finished),
+        stored.StepErrored: _Rule(_step_failed),
+        stored.AttemptFailed: _Rule(_attempt_failed),
+        stored.Paused: _Rule(_paused, "paused"),
+        stored.InputAccepted: _Rule(_resumed("input"), "running"),
+        stored.DeliveryAccepted: _Rule(_signal, "running"),
+        stored.FlowPinned: _Rule(_flow_pinned, "running"),
+        stored.Resumed: _Rule(_resumed("error"), "running"),
+        stored.TimerFired: _Rule(_resumed("timer"), "running"),
+        stored.Recovered: _Rule(_resumed("recovery"), "running"),
+        stored.Finished: _Rule(_finished, "finished"),
+        stored.Errored: _Rule(_errored, "error"),
+        stored.Aborted: _Rule(_aborted, "aborted"),
+    },
+    skipped=(
+        stored.Forked,  # the fork's RunOpened and its copied steps say it
+        stored.NodeEntered,
+        stored.MessageAppended,
+        stored.RetryAllowed,  # the attempt it allows is a StepStarted
+        stored.Migrated,  # saved with the Aborted that is its RunAborted
+        stored.TurnRecorded,
+        stored.BudgetSet,
+        stored.BudgetRaised,
+        stored.LeaseTaken,
+        stored.LeaseReleased,
+    ),
+)
 
 #: Stored topics worth reading: every other notification is skipped in the query.
-PUBLIC_TOPICS: tuple[str, ...] = tuple(sorted(cls.TOPIC for cls in _RULES))
+PUBLIC_TOPICS: tuple[str, ...] = tuple(
+    sorted(cls.TOPIC for cls, rule in _RULES.items() if rule is not None)
+)
 
 
 def _fold(ctx: _RunContext, event: Any, rule: _Rule) -> None:
     """Remember what later events of the run will need."""
-    if isinstance(event, Run.Created):
+    if isinstance(event, stored.RunCreated):
         ctx.session_id = event.session_id
-    elif isinstance(event, Run.StepStarted):
+    elif isinstance(event, stored.StepIntended):
         ctx.steps[event.index] = _Step(event.key, event.kind, event.name)
-    elif isinstance(event, Run.StepRetried):
+    elif isinstance(event, stored.AttemptStarted):
         ctx.steps[event.index].attempts += 1
     if rule.status is not None:
         ctx.status = rule.status
@@ -201,19 +220,20 @@ class Translator:
 
     def translate(self, notification: Notification) -> RunEvent | None:
         """The public event of one stored notification, or None if it has none."""
-        stored: Any = self._store.mapper.to_domain_event(notification)
-        rule = _RULES.get(type(stored))
+        event: Any = self._store.mapper.to_domain_event(notification)
+        rule = _RULES.get(type(event))
         if rule is None:
             return None
-        ctx = self._context(stored.originator_id, stored.originator_version)
+        ctx = self._context(event.originator_id, event.originator_version)
+        session = event.session_id if isinstance(event, stored.RunCreated) else ctx.session_id
         base: _Base = {
             "position": notification.id,
-            "run_id": str(stored.originator_id),
-            "session_id": stored.session_id if isinstance(stored, Run.Created) else ctx.session_id,
-            "occurred_at": stored.timestamp,
+            "run_id": str(event.originator_id),
+            "session_id": session,
+            "occurred_at": event.timestamp,
         }
-        public = rule.make(stored, ctx, base)
-        _fold(ctx, stored, rule)
+        public = rule.make(event, ctx, base)
+        _fold(ctx, event, rule)
         return public
 
     def _context(self, run_id: UUID, version: int) -> _RunContext:

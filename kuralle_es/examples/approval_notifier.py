@@ -29,9 +29,9 @@ from typing import Any
 
 from eventsourcing.sqlite import SQLiteApplicationRecorder
 
+from .._journal.store import RunStore
+from .._journal.store_url import StoreUnavailableError, open_store_from_env, open_store_url
 from ..events import Consumer, RunEvent, RunPaused
-from ..store import RunStore
-from ..store_url import StoreUnavailableError, open_store_from_env, open_store_url
 
 __all__ = [
     "CONSUMER_NAME",

@@ -16,13 +16,13 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from ..agents import Agent, define_agent
-from ..context import RunContext
-from ..flows import Flow, Goto, action, collect, define_flow, end, goto, reply
-from ..llm import Model, ModelRequest, ModelResponse, openai_model
-from ..models import ToolCall
+from .._definitions.agents import Agent, define_agent
+from .._definitions.flows import Flow, Goto, action, collect, define_flow, end, goto, reply
+from .._definitions.llm import Model, ModelRequest, ModelResponse, openai_model
+from .._definitions.tools import define_tool
+from .._runtime.context import RunContext
+from ..shapes import ToolCall
 from ..testing import ScriptedModel
-from ..tools import define_tool
 
 __all__ = ["LEDGER_ENV", "MODEL_ENV", "build_agent", "demo_model", "ledger_entries", "refund_flow"]
 

@@ -28,15 +28,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..deliveries import approval_delivery
-from ..doors import check_id
+from .._journal.json_data import encode_json
+from .._journal.wait import INPUT, TIMER
+from .._runtime.deliveries import approval_delivery
+from .._runtime.handle import TurnHandle
+from .._runtime.input_checks import check_id
+from .._runtime.runtime import Runtime
+from .._runtime.turn import result_of
 from ..errors import InvalidSignalError
-from ..handle import TurnHandle
-from ..models import SignalDelivery
-from ..runtime import Runtime
-from ..tools import encode_json
-from ..turn import result_of
-from ..waits import INPUT, TIMER
+from ..shapes import SignalDelivery
 from .auth import TOKEN_ENV, BearerGate
 from .errors import (
     InvalidRequestError,
@@ -137,7 +137,7 @@ class _Api:
         run = await self.store.load_async(run_id)
         if run is None:
             raise unknown_run(run_id)
-        return _json(run.to_state())
+        return _json(run.to_state(await self.store.lease_async(run_id)))
 
     async def get_steps(self, request: Request) -> Response:
         run_id = request.path_params["run_id"]

@@ -21,8 +21,8 @@ import hmac
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from .._serving import is_loopback
 from ..errors import InvalidArgumentError
-from ..serving import is_loopback
 from .errors import ReadOnlyServerError, UnauthorizedError, error_response
 
 __all__ = ["READ_METHODS", "TOKEN_ENV", "BearerGate", "check_bind"]

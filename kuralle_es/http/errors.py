@@ -30,6 +30,8 @@ from typing import Any
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
+from .._journal.json_data import plain_json_problem
+from .._runtime.observability import LOGGER_NAME
 from ..errors import (
     FlowDriftError,
     FlowNotFoundError,
@@ -43,8 +45,6 @@ from ..errors import (
     StaleWriteError,
     StoreUnavailableError,
 )
-from ..keys import plain_json_problem
-from ..observability import LOGGER_NAME
 
 __all__ = [
     "InvalidRequestError",

@@ -16,8 +16,8 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import JsonSchemaMode, models_json_schema
 
-from ..doors import MAX_ID_LENGTH
-from ..models import RunState, StepRecord, TurnResult
+from .._runtime.input_checks import MAX_ID_LENGTH
+from ..shapes import RunState, StepRecord, TurnResult
 from ..views import RunSummary
 from .reading import IDEMPOTENCY_HEADER
 from .shapes import (

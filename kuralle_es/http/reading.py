@@ -16,9 +16,8 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
+from .._journal.json_data import max_payload_bytes, plain_json_problem
 from ..errors import PayloadTooLargeError
-from ..keys import plain_json_problem
-from ..tools import max_payload_bytes
 from .errors import InvalidRequestError, invalid_request
 
 __all__ = ["BODY_SLACK_BYTES", "IDEMPOTENCY_HEADER", "max_body_bytes", "read_body"]

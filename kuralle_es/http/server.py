@@ -14,8 +14,8 @@ import sys
 
 import uvicorn
 
-from ..runtime import Runtime
-from ..serving import Server
+from .._runtime.runtime import Runtime
+from .._serving import Server
 from .app import create_app
 from .auth import TOKEN_ENV, check_bind
 

@@ -15,8 +15,8 @@ from typing import Annotated, Any, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..doors import MAX_ID_LENGTH
-from ..models import RunStatus
+from .._runtime.input_checks import MAX_ID_LENGTH
+from ..shapes import RunStatus
 
 __all__ = [
     "ID_PATTERN",

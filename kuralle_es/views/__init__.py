@@ -8,8 +8,8 @@ rows, in one place), one backend module per persistence module, and the
 
 from __future__ import annotations
 
+from ..errors import ProjectionIntegrityError
 from .api import RunViews
-from .fold import ProjectionIntegrityError
-from .models import RunSummary, ToolStats
+from .summaries import RunSummary, ToolStats
 
 __all__ = ["ProjectionIntegrityError", "RunSummary", "RunViews", "ToolStats"]

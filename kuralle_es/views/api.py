@@ -15,21 +15,23 @@ from dataclasses import replace
 from datetime import datetime
 from typing import Any, TypeVar
 
-from eventsourcing.popo import POPOApplicationRecorder
-from eventsourcing.postgres import PostgresApplicationRecorder
-from eventsourcing.sqlite import SQLiteApplicationRecorder
-
+from .._journal.recorders import (
+    LeasingPOPORecorder,
+    LeasingSQLiteRecorder,
+    OneTripPostgresRecorder,
+)
+from .._journal.spending import Prices, total, validate_prices
+from .._journal.store import RunStore, retry_schema_setup
 from ..errors import InvalidArgumentError
-from ..store import RunStore, retry_schema_setup
-from ..usage import Prices, Usage, total, validate_prices
+from ..shapes import Usage
 from .backend import ViewBackend
 from .fold import RunRow, StepRow, as_utc
 from .memory import MemoryViews
-from .models import RunSummary, ToolStats, summary
 from .postgres import PostgresViews
 from .projector import DEFAULT_BATCH, catch_up
 from .query import RunQuery, UsageGroup, UsageQuery, usage_by_group
 from .sqlite import SQLiteViews
+from .summaries import RunSummary, ToolStats, summary
 
 __all__ = ["RunViews", "open_backend"]
 
@@ -43,14 +45,17 @@ def open_backend(store: RunStore, name: str = "RunViews") -> ViewBackend:
     """The view tables of ``store`` named ``name`` (created if missing)."""
     prefix = name.lower()
     recorder = store.recorder
-    if isinstance(recorder, PostgresApplicationRecorder):
+    if isinstance(recorder, OneTripPostgresRecorder):
+        leases = recorder.leases_table
         return retry_schema_setup(lambda: _created(PostgresViews(
-            recorder.datastore, tracking_table_name=f"{prefix}_tracking"
+            recorder.datastore, tracking_table_name=f"{prefix}_tracking",
+            leases_table_name=leases,
         )))  # fmt: skip
-    if isinstance(recorder, SQLiteApplicationRecorder):
-        return _created(SQLiteViews(recorder.datastore, prefix))
-    if isinstance(recorder, POPOApplicationRecorder):
-        return _MEMORY.setdefault(store, {}).setdefault(prefix, MemoryViews())
+    if isinstance(recorder, LeasingSQLiteRecorder):
+        return _created(SQLiteViews(recorder.datastore, prefix, recorder.leases_table))
+    if isinstance(recorder, LeasingPOPORecorder):
+        views = _MEMORY.setdefault(store, {})
+        return views.setdefault(prefix, MemoryViews(recorder.leases))
     msg = f"no views for a store recorded by {type(recorder).__name__}"
     raise TypeError(msg)
 
@@ -88,8 +93,11 @@ class RunViews:
         self.name = name
         self.batch = batch
         self.prices = validate_prices(prices)
-        self.backend = open_backend(store, name)
-        self._blocking = not isinstance(self.backend, MemoryViews)
+        #: The view tables, opened (created or upgraded if need be) on first use,
+        #: on a worker thread when they live in a database: never on the event loop.
+        self._backend: ViewBackend | None = None
+        self._opening = asyncio.Lock()
+        self._blocking = store.saves_block
 
     # ---------------------------------------------------------- queries
     async def list_runs(
@@ -139,7 +147,7 @@ class RunViews:
     async def step_stats(self) -> list[ToolStats]:
         """Per tool (by name): calls, failed calls, p50/p95 latency in ms."""
         await self.catch_up()
-        return await self._call(self.backend.select_tool_stats)
+        return await self._call(lambda b: b.select_tool_stats())
 
     async def usage(
         self,
@@ -188,7 +196,7 @@ class RunViews:
     # --------------------------------------------------------- upkeep
     async def catch_up(self) -> int:
         """Apply every event stored so far; returns how many this call applied."""
-        return await self._call(lambda: catch_up(self.store, self.backend, self.batch))
+        return await self._call(lambda b: catch_up(self.store, b, self.batch))
 
     async def wait_until_caught_up(self, timeout: float = 10.0) -> None:  # noqa: ASYNC109
         """Return once every event stored before the call is in the views.
@@ -200,33 +208,48 @@ class RunViews:
 
     async def rebuild(self) -> int:
         """Empty the views and apply the whole log again; returns the events applied."""
-        await self._call(self.backend.reset_views)
+        await self._call(lambda b: b.reset_views())
         return await self.catch_up()
 
     async def position(self) -> int | None:
         """The notification id of the last event in the views."""
-        return await self._call(self.backend.view_position)
+        return await self._call(lambda b: b.view_position())
 
     async def rows(self) -> tuple[list[RunRow], list[StepRow]]:
         """Every run and step row as stored, for checks (no catch-up, no index)."""
-        runs = await self._call(lambda: self.backend.select_runs(RunQuery(order="oldest")))
-        return sorted(runs, key=lambda r: r.run_id), await self._call(self.backend.select_steps)
+        runs = await self._call(lambda b: b.select_runs(RunQuery(order="oldest")))
+        return sorted(runs, key=lambda r: r.run_id), await self._call(lambda b: b.select_steps())
 
     # --------------------------------------------------------- helpers
     async def _runs(self, query: RunQuery) -> list[RunSummary]:
         await self.catch_up()
-        rows = await self._call(lambda: self.backend.select_runs(query))
+        rows = await self._call(lambda b: b.select_runs(query))
         return [summary(r) for r in rows]
 
     async def _usage(self, query: UsageQuery) -> list[tuple[str | None, Usage]]:
         await self.catch_up()
-        shares = await self._call(lambda: self.backend.select_usage(query))
+        shares = await self._call(lambda b: b.select_usage(query))
         return usage_by_group(shares, self.prices)
 
-    async def _call(self, fn: Callable[[], _T]) -> _T:
+    async def backend(self) -> ViewBackend:
+        """The view tables, opened on first use (off the event loop on SQLite and
+        PostgreSQL, where opening may create or upgrade them)."""
+        if self._backend is None:
+            async with self._opening:
+                if self._backend is None:
+                    if self._blocking:
+                        self._backend = await asyncio.to_thread(
+                            open_backend, self.store, self.name
+                        )
+                    else:
+                        self._backend = open_backend(self.store, self.name)
+        return self._backend
+
+    async def _call(self, fn: Callable[[ViewBackend], _T]) -> _T:
+        backend = await self.backend()
         if self._blocking:
-            return await asyncio.to_thread(fn)
-        return fn()
+            return await asyncio.to_thread(fn, backend)
+        return fn(backend)
 
 
 def _usage_query(run_id: Any, session_id: Any, agent_id: Any, since: Any) -> UsageQuery:

@@ -14,9 +14,11 @@ from collections.abc import Collection, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import Protocol
 
-from .fold import RunEvent, RunRow, StepRow, fold
-from .models import ToolStats
+from .._journal import catalogue as stored
+from .fold import RunRow, StepRow, fold
 from .query import RunQuery, UsageQuery, UsageShare
+from .source import Logged, UnknownEvent
+from .summaries import ToolStats
 
 __all__ = ["ViewBackend", "ViewTransaction"]
 
@@ -67,10 +69,10 @@ class ViewBackend(ABC):
     def reset_views(self) -> None:
         """Delete every row and the tracking position, in one transaction."""
 
-    def apply(self, events: Sequence[RunEvent], last_id: int) -> int:
-        """Apply the events of the log up to ``last_id``; returns how many were new.
+    def apply(self, entries: Sequence[Logged], last_id: int) -> int:
+        """Apply the entries of the log up to ``last_id``; returns how many were new.
 
-        ``events`` are every event of the log after some earlier position up
+        ``entries`` are every entry of the log after some earlier position up
         to ``last_id``, in order (non-run events included or not: only run
         events change rows, but the position moves to ``last_id`` either way).
         """
@@ -78,8 +80,8 @@ class ViewBackend(ABC):
             position = tx.position()
             if position is not None and last_id <= position:
                 return 0
-            todo = [e for e in events if position is None or e.notification_id > position]
-            run_events = [e for e in todo if e.is_run_event]
+            todo = [e for e in entries if position is None or e.position > position]
+            run_events = [event for e in todo if (event := e.run_event) is not None]
             runs = tx.load_runs({str(e.originator_id) for e in run_events})
             steps = tx.load_steps(set(_step_keys(run_events)))
             changed_runs: dict[str, RunRow] = {}
@@ -98,8 +100,7 @@ class ViewBackend(ABC):
             return len(todo)
 
 
-def _step_keys(events: Sequence[RunEvent]) -> Iterator[StepKey]:
+def _step_keys(events: Sequence[stored.Event | UnknownEvent]) -> Iterator[StepKey]:
     for event in events:
-        index = event.data.get("index")
-        if isinstance(index, int):
-            yield str(event.originator_id), index
+        if isinstance(event, stored.STEP_EVENTS):
+            yield str(event.originator_id), event.index

@@ -1,13 +1,13 @@
 """The one place where a run's stored events become view rows (internal).
 
-A projection reads the store's notification log and hands each stored event
-here as a ``RunEvent`` (its topic and decoded fields, never the domain class,
-so a renamed class or a topic this version does not know can never stop a
-projection). ``fold`` turns the current rows of a run plus one event into the
-next rows. Every backend (memory, SQLite, PostgreSQL) writes what this module
-computes, so the views agree with ``Run.to_state()`` on every backend.
-
-Adding a view of a new domain event is one entry in ``_HANDLERS``.
+A projection reads the store's notification log (``source``) and hands each
+stored event here, decoded and upcast. ``fold`` turns the current rows of a
+run plus one event into the next rows, with an exhaustive dispatch over the
+catalogue of stored events (``_HANDLERS``: every event is handled or skipped
+on purpose); an event whose topic this version does not know is counted and
+shown as nothing. Every backend (memory, SQLite, PostgreSQL) writes what this
+module computes, so the views agree with ``Run.to_state()`` on every backend
+(``tests/test_views_fold_property.py``).
 """
 
 from __future__ import annotations
@@ -17,16 +17,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
-from uuid import UUID
 
-from ..errors import KuralleError
-from ..models import WaitingFor
-from ..usage import normalise_usage
+from .._journal import catalogue as stored
+from .._journal.spending import normalise_usage
+from ..errors import ProjectionIntegrityError
+from ..shapes import WaitingFor
+from .source import UnknownEvent
 
 __all__ = [
-    "RUN_TOPIC_PREFIX",
     "ProjectionIntegrityError",
-    "RunEvent",
     "RunRow",
     "StepRow",
     "fold",
@@ -34,43 +33,7 @@ __all__ = [
     "reported_usage",
 ]
 
-#: Stored topics of the ``Run`` aggregate's events all start with this.
-RUN_TOPIC_PREFIX = "kuralle_es:Run."
-
 _WAIT_KEYS = frozenset(WaitingFor.model_fields)
-
-
-class ProjectionIntegrityError(KuralleError):
-    """A run's events reached a view out of order: one was skipped or applied twice.
-
-    The view stops rather than store a wrong row; rebuild it
-    (``RunViews.rebuild()`` or ``kuralle-es views rebuild``) and report the bug.
-    """
-
-    def __init__(self, run_id: str, expected: int, got: int) -> None:
-        self.run_id = run_id
-        self.expected = expected
-        self.got = got
-        super().__init__(
-            f"view of run {run_id} expected its event version {expected}, got {got}: "
-            "an event was skipped or applied twice; rebuild the views"
-        )
-
-
-@dataclass(frozen=True)
-class RunEvent:
-    """A stored event, decoded but not resolved to a domain class."""
-
-    notification_id: int
-    topic: str
-    originator_id: UUID
-    originator_version: int
-    timestamp: datetime
-    data: Mapping[str, Any]
-
-    @property
-    def is_run_event(self) -> bool:
-        return self.topic.startswith(RUN_TOPIC_PREFIX)
 
 
 @dataclass(frozen=True)
@@ -172,19 +135,22 @@ def _json_default(value: object) -> str:
 
 # ---------------------------------------------------------------- the fold
 StepLookup = Callable[[int], StepRow | None]
-_Handler = Callable[[RunRow, RunEvent, StepLookup], tuple[RunRow, StepRow | None]]
+_Handler = Callable[[RunRow, Any, StepLookup], tuple[RunRow, StepRow | None]]
 
 
-def fold(run: RunRow | None, event: RunEvent, step: StepLookup) -> tuple[RunRow, StepRow | None]:
+def fold(
+    run: RunRow | None, event: stored.Event | UnknownEvent, step: StepLookup
+) -> tuple[RunRow, StepRow | None]:
     """The run's next row after ``event``, and the step row it changed (if any).
 
     ``step(index)`` returns the current row of one of the run's steps.
     Raises ``ProjectionIntegrityError`` if the event does not follow the last
-    one applied to this run.
+    one applied to this run. An event this version does not know is counted
+    (the run's version moves on) but changes nothing shown.
     """
     run_id = str(event.originator_id)
     if run is None:
-        if event.originator_version != 1 or not event.topic.endswith(".Created"):
+        if event.originator_version != 1 or not isinstance(event, stored.RunCreated):
             raise ProjectionIntegrityError(run_id, 1, event.originator_version)
         return _created(event), None
     if event.originator_version != run.version + 1:
@@ -195,22 +161,21 @@ def fold(run: RunRow | None, event: RunEvent, step: StepLookup) -> tuple[RunRow,
         event_count=run.event_count + 1,
         updated_at=as_utc(event.timestamp),
     )
-    handler = _HANDLERS.get(event.topic[len(RUN_TOPIC_PREFIX) :])
-    if handler is None:  # an event this version does not show: counted, not shown
+    handler = _HANDLERS.get(type(event)) if isinstance(event, stored.Event) else None
+    if handler is None:
         return run, None
     return handler(run, event, step)
 
 
-def _created(event: RunEvent) -> RunRow:
-    data = event.data
+def _created(event: stored.RunCreated) -> RunRow:
     at = as_utc(event.timestamp)
     return RunRow(
         run_id=str(event.originator_id),
-        session_id=str(data.get("session_id")),
-        kind=str(data.get("kind")),
+        session_id=event.session_id,
+        kind=event.kind,
         status="running",
-        flow=data.get("flow"),
-        active_flow=data.get("flow"),
+        flow=event.flow,
+        active_flow=event.flow,
         active_node=None,
         waiting_for=None,
         lease_holder=None,
@@ -220,104 +185,86 @@ def _created(event: RunEvent) -> RunRow:
         updated_at=at,
         version=event.originator_version,
         event_count=1,
-        agent=_agent(data.get("agent")),
-        flow_version=data.get("flow_version"),
+        agent=event.agent,
+        flow_version=event.flow_version,
     )
-
-
-def _agent(value: Any) -> str | None:
-    return None if value is None else str(value)
 
 
 def _set(**changes: Any) -> _Handler:
     """A handler that only sets fields of the run's row."""
 
-    def handler(run: RunRow, event: RunEvent, step: StepLookup) -> tuple[RunRow, None]:
+    def handler(run: RunRow, event: Any, step: StepLookup) -> tuple[RunRow, None]:
         return replace(run, **changes), None
 
     return handler
 
 
-def _node_entered(run: RunRow, event: RunEvent, step: StepLookup) -> tuple[RunRow, None]:
-    flow = event.data.get("flow")
-    return replace(
-        run, active_flow=flow, active_node=event.data.get("node"), flow=flow or run.flow
-    ), None
+def _node_entered(run: RunRow, e: stored.NodeEntered, step: StepLookup) -> tuple[RunRow, None]:
+    return replace(run, active_flow=e.flow, active_node=e.node, flow=e.flow or run.flow), None
 
 
-def _flow_pinned(run: RunRow, event: RunEvent, step: StepLookup) -> tuple[RunRow, None]:
-    flow = event.data.get("flow")
+def _flow_pinned(run: RunRow, e: stored.FlowPinned, step: StepLookup) -> tuple[RunRow, None]:
     return replace(
         run,
         status="running",
-        active_flow=flow,
-        active_node=event.data.get("node"),
-        flow=flow or run.flow,
-        flow_version=event.data.get("flow_version"),
+        active_flow=e.flow,
+        active_node=e.node,
+        flow=e.flow or run.flow,
+        flow_version=e.flow_version,
         waiting_for=None,
     ), None
 
 
-def _paused(run: RunRow, event: RunEvent, step: StepLookup) -> tuple[RunRow, None]:
-    raw = event.data.get("waiting_for")
-    wait = public_wait(raw) if isinstance(raw, Mapping) else None
-    return replace(run, status="paused", waiting_for=wait), None
+def _paused(run: RunRow, e: stored.Paused, step: StepLookup) -> tuple[RunRow, None]:
+    return replace(run, status="paused", waiting_for=public_wait(e.waiting_for)), None
 
 
-def _finished(run: RunRow, event: RunEvent, step: StepLookup) -> tuple[RunRow, None]:
+def _finished(run: RunRow, e: stored.Finished, step: StepLookup) -> tuple[RunRow, None]:
     # The run's agent from now on (a handoff names another), as the aggregate folds it.
-    agent = _agent(event.data["agent"]) if "agent" in event.data else run.agent
     return replace(
-        run, status="finished", active_flow=None, active_node=None, waiting_for=None, agent=agent
+        run, status="finished", active_flow=None, active_node=None, waiting_for=None, agent=e.agent
     ), None
 
 
-def _lease_taken(run: RunRow, event: RunEvent, step: StepLookup) -> tuple[RunRow, None]:
-    expires = event.data.get("expires_at")
-    return replace(
-        run,
-        lease_holder=event.data.get("holder"),
-        lease_expires_at=as_utc(expires) if isinstance(expires, datetime) else None,
-    ), None
+def _lease_taken(run: RunRow, e: stored.LeaseTaken, step: StepLookup) -> tuple[RunRow, None]:
+    return replace(run, lease_holder=e.holder, lease_expires_at=as_utc(e.expires_at)), None
 
 
-def _step_started(run: RunRow, event: RunEvent, step: StepLookup) -> tuple[RunRow, StepRow]:
-    index = int(event.data["index"])
+def _step_intended(
+    run: RunRow, e: stored.StepIntended, step: StepLookup
+) -> tuple[RunRow, StepRow]:
     row = StepRow(
         run_id=run.run_id,
-        index=index,
-        kind=str(event.data.get("kind")),
-        name=str(event.data.get("name")),
+        index=e.index,
+        kind=e.kind,
+        name=e.name,
         status="running",
-        started_at=as_utc(event.timestamp),
+        started_at=as_utc(e.timestamp),
         agent=run.agent,
     )
     return replace(run, step_count=run.step_count + 1), row
 
 
-def _step_ended(status: str) -> _Handler:
-    def handler(run: RunRow, event: RunEvent, step: StepLookup) -> tuple[RunRow, StepRow | None]:
-        current = step(int(event.data["index"]))
-        if current is None:
-            return run, None
-        error = event.data.get("error")
-        error_type = str(error.get("type")) if isinstance(error, Mapping) else None
-        return run, replace(
-            current, status=status, finished_at=as_utc(event.timestamp), error_type=error_type
-        )
-
-    return handler
+def _step_errored(
+    run: RunRow, e: stored.StepErrored, step: StepLookup
+) -> tuple[RunRow, StepRow | None]:
+    current = step(e.index)
+    if current is None:
+        return run, None
+    return run, replace(
+        current, status="error", finished_at=as_utc(e.timestamp), error_type=_type_of(e.error)
+    )
 
 
-_step_ended_ok = _step_ended("finished")
-
-
-def _step_finished(run: RunRow, event: RunEvent, step: StepLookup) -> tuple[RunRow, StepRow | None]:
+def _step_succeeded(
+    run: RunRow, e: stored.StepSucceeded, step: StepLookup
+) -> tuple[RunRow, StepRow | None]:
     """A step's result; a model step's reported tokens add to what it spent."""
-    run, row = _step_ended_ok(run, event, step)
-    if row is None or row.kind != "model":
-        return run, row
-    reported = reported_usage(event.data.get("result_json"))
+    current = step(e.index)
+    if current is None:
+        return run, None
+    row = replace(current, status="finished", finished_at=as_utc(e.timestamp), error_type=None)
+    reported = reported_usage(e.result_json) if row.kind == "model" else None
     if reported is None:
         return run, row
     return run, replace(
@@ -326,6 +273,11 @@ def _step_finished(run: RunRow, event: RunEvent, step: StepLookup) -> tuple[RunR
         output_tokens=_plus(row.output_tokens, reported["output_tokens"]),
         total_tokens=_plus(row.total_tokens, reported["total_tokens"]),
     )
+
+
+def _type_of(error: Mapping[str, Any]) -> str | None:
+    kind = error.get("type")
+    return None if kind is None else str(kind)
 
 
 def reported_usage(result_json: Any) -> dict[str, int | None] | None:
@@ -345,44 +297,57 @@ def _plus(total: int | None, more: int | None) -> int | None:
     return more if total is None else total + more
 
 
-def _step_retried(run: RunRow, event: RunEvent, step: StepLookup) -> tuple[RunRow, StepRow | None]:
-    current = step(int(event.data["index"]))
+def _attempt_started(
+    run: RunRow, e: stored.AttemptStarted, step: StepLookup
+) -> tuple[RunRow, StepRow | None]:
+    """Another attempt of the step: running again (as the aggregate folds it)."""
+    current = step(e.index)
     if current is None:
         return run, None
-    return run, replace(current, attempts=current.attempts + 1)
+    return run, replace(current, attempts=current.attempts + 1, status="running", finished_at=None)
 
 
 def _attempt_failed(
-    run: RunRow, event: RunEvent, step: StepLookup
+    run: RunRow, e: stored.AttemptFailed, step: StepLookup
 ) -> tuple[RunRow, StepRow | None]:
     """A failed attempt that will be retried: the step runs on, with its last error."""
-    current = step(int(event.data["index"]))
-    error = event.data.get("error")
-    if current is None or not isinstance(error, Mapping):
+    current = step(e.index)
+    if current is None:
         return run, None
-    return run, replace(current, error_type=str(error.get("type")))
+    return run, replace(current, error_type=_type_of(e.error))
 
 
-_HANDLERS: dict[str, _Handler] = {
-    "TurnStarted": _set(status="running"),
-    "NodeEntered": _node_entered,
-    "StepStarted": _step_started,
-    "StepFinished": _step_finished,
-    "StepFailed": _step_ended("error"),
-    "StepRetried": _step_retried,
-    "StepAttemptFailed": _attempt_failed,
-    "Paused": _paused,
-    "InputAccepted": _set(status="running", waiting_for=None),
-    "SignalAccepted": _set(status="running", waiting_for=None),
-    "FlowPinned": _flow_pinned,
-    "Finished": _finished,
-    "Errored": _set(status="error"),
-    "Resumed": _set(status="running"),
-    "TimerFired": _set(status="running", waiting_for=None),
-    "Recovered": _set(status="running"),
-    "Aborted": _set(status="aborted", waiting_for=None),
-    # Where a fork came from is on RunState (runtime.get_run), not a column of the list.
-    "Forked": _set(),
-    "LeaseTaken": _lease_taken,
-    "LeaseReleased": _set(lease_holder=None, lease_expires_at=None),
-}
+_HANDLERS: Mapping[type[stored.Event], _Handler | None] = stored.dispatch(
+    "views",
+    {
+        stored.TurnStarted: _set(status="running"),
+        stored.NodeEntered: _node_entered,
+        stored.FlowPinned: _flow_pinned,
+        stored.StepIntended: _step_intended,
+        stored.StepSucceeded: _step_succeeded,
+        stored.StepErrored: _step_errored,
+        stored.AttemptStarted: _attempt_started,
+        stored.AttemptFailed: _attempt_failed,
+        stored.Paused: _paused,
+        stored.InputAccepted: _set(status="running", waiting_for=None),
+        stored.DeliveryAccepted: _set(status="running", waiting_for=None),
+        stored.TimerFired: _set(status="running", waiting_for=None),
+        stored.Resumed: _set(status="running"),
+        stored.Recovered: _set(status="running"),
+        stored.Finished: _finished,
+        stored.Errored: _set(status="error"),
+        stored.Aborted: _set(status="aborted", waiting_for=None),
+        stored.LeaseTaken: _lease_taken,
+        stored.LeaseReleased: _set(lease_holder=None, lease_expires_at=None),
+    },
+    skipped=(
+        stored.RunCreated,  # folded by ``_created``, the first event of every run
+        stored.Forked,  # where a fork came from is on RunState, not a column of the list
+        stored.MessageAppended,
+        stored.RetryAllowed,
+        stored.Migrated,  # on RunState (migrated_to); its Aborted is saved with it
+        stored.TurnRecorded,
+        stored.BudgetSet,
+        stored.BudgetRaised,
+    ),
+)

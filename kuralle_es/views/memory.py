@@ -8,19 +8,33 @@ the process.
 from __future__ import annotations
 
 import threading
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from uuid import UUID
 
+from .._journal.leases import Lease
 from .backend import StepKey, ViewBackend
 from .fold import RunRow, StepRow
-from .models import ToolStats
-from .query import RunQuery, UsageQuery, UsageShare, matches, sort_key, tool_stats, usage_shares
+from .query import (
+    RunQuery,
+    UsageQuery,
+    UsageShare,
+    matches,
+    sort_key,
+    tool_stats,
+    usage_shares,
+    with_lease,
+)
+from .summaries import ToolStats
 
 __all__ = ["MemoryViews"]
 
 
 class MemoryViews(ViewBackend):
-    def __init__(self) -> None:
+    """``leases`` gives the store's lease records, which the queries join."""
+
+    def __init__(self, leases: Callable[[], Mapping[UUID, Lease]] = dict) -> None:
+        self._leases = leases
         self._lock = threading.RLock()
         self._runs: dict[str, RunRow] = {}
         self._steps: dict[StepKey, StepRow] = {}
@@ -56,8 +70,10 @@ class MemoryViews(ViewBackend):
             return self._position
 
     def select_runs(self, query: RunQuery) -> list[RunRow]:
+        leases = self._leases()
         with self._lock:
-            rows = [r for r in self._runs.values() if matches(r, query)]
+            every = [with_lease(r, leases.get(UUID(r.run_id))) for r in self._runs.values()]
+        rows = [r for r in every if matches(r, query)]
         rows.sort(key=sort_key(query), reverse=query.order == "recent")
         return rows if query.limit is None else rows[: query.limit]
 

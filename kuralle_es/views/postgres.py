@@ -31,9 +31,9 @@ from psycopg import Cursor
 from psycopg.rows import DictRow
 from psycopg.sql import SQL, Composed, Identifier
 
+from .._journal.eventsourcing_hooks import insert_tracking
 from .backend import StepKey, ViewBackend
-from .fold import RunEvent, RunRow, StepRow, as_utc
-from .models import ToolStats
+from .fold import RunRow, StepRow, as_utc
 from .query import (
     ADDED_COLUMNS,
     RUN_COLUMNS,
@@ -46,11 +46,14 @@ from .query import (
     run_row,
     run_values,
     sql_order,
+    sql_runs,
     sql_usage,
     sql_where,
     step_row,
     step_values,
 )
+from .source import Logged
+from .summaries import ToolStats
 
 __all__ = ["PostgresViews", "RunViewsProjection"]
 
@@ -65,6 +68,7 @@ class PostgresViews(PostgresTrackingRecorder, ViewBackend):
         datastore: PostgresDatastore,
         *,
         tracking_table_name: str = "runviews_tracking",
+        leases_table_name: str = "runstore_leases",
         **kwargs: Any,
     ) -> None:
         super().__init__(datastore, tracking_table_name=tracking_table_name, **kwargs)
@@ -73,6 +77,9 @@ class PostgresViews(PostgresTrackingRecorder, ViewBackend):
         runs, steps = f"{prefix}_runs", f"{prefix}_steps"
         self.check_identifier_length(f"{runs}_deadline")
         self._runs = Composed([schema, SQL("."), Identifier(runs)])
+        # The store's lease records, which the queries join (``query.sql_runs``).
+        leases = Composed([schema, SQL("."), Identifier(leases_table_name)]).as_string()
+        self._runs_read = SQL(sql_runs(self._runs.as_string(), leases, "?::uuid"))
         self._steps = Composed([schema, SQL("."), Identifier(steps)])
         self._meta = Composed([schema, SQL("."), Identifier(f"{prefix}_meta")])
         # Indexes are made after the upgrade (``_create_table``): one may cover a
@@ -156,15 +163,17 @@ class PostgresViews(PostgresTrackingRecorder, ViewBackend):
         ]
         return statements
 
-    def _create_table(self, curs: Cursor[DictRow]) -> None:
-        # Index creation locks the tables it indexes; holding the projectors'
-        # lock first means a projector starting up never deadlocks with one
-        # that is writing rows.
-        curs.execute(self._lock)
-        super()._create_table(curs)
-        self._upgrade(curs)
-        for statement in self._index_statements:
-            curs.execute(statement, prepare=False)
+    def create_table(self) -> None:
+        """The tables, their upgrade and their indexes, in one transaction that holds
+        the projectors' lock first: index creation locks the tables it indexes, so
+        a projector starting up never deadlocks with one that is writing rows."""
+        with self.datastore.transaction(commit=True) as curs:
+            curs.execute(self._lock)
+            for statement in self.sql_create_statements:
+                curs.execute(statement, prepare=False)
+            self._upgrade(curs)
+            for statement in self._index_statements:
+                curs.execute(statement, prepare=False)
 
     def _upgrade(self, curs: Cursor[DictRow]) -> None:
         """Bring tables of an older generation to this one; their rows are rebuilt."""
@@ -209,7 +218,7 @@ class PostgresViews(PostgresTrackingRecorder, ViewBackend):
     def select_runs(self, query: RunQuery) -> list[RunRow]:
         where, params = sql_where(query, "%s", as_utc)
         order, more = sql_order(query, "%s")
-        statement = SQL("SELECT * FROM {0}").format(self._runs) + SQL(where + order)
+        statement = SQL("SELECT * FROM ") + self._runs_read + SQL(where + order)
         with self.datastore.get_connection() as conn, conn.cursor() as curs:
             curs.execute(statement, [*params, *more])
             return [run_row(r, _utc_or_none) for r in curs.fetchall()]
@@ -287,19 +296,19 @@ class _PostgresTransaction:
             elif values:
                 self.curs.executemany(statement, values)
         # eventsourcing's tracking upsert: an IntegrityError if it would go backwards.
-        self.views._insert_tracking(self.curs, Tracking(self.views.application_name, position))
+        insert_tracking(self.views, self.curs, Tracking(self.views.application_name, position))
 
 
 class RunViewsProjection(Projection[PostgresViews]):
     """``eventsourcing`` projection of the run store into ``PostgresViews``.
 
-    Its upstream is ``ViewSource``, whose events are ``RunEvent`` values.
+    Its upstream is ``ViewSource``, whose events are ``Logged`` entries.
     """
 
     name = "RunViews"
 
     def process_event(self, domain_event: Any, tracking: Tracking) -> None:
-        assert isinstance(domain_event, RunEvent)
+        assert isinstance(domain_event, Logged)
         self.view.apply([domain_event], tracking.notification_id)
 
 

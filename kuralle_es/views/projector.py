@@ -17,7 +17,7 @@ from eventsourcing.persistence import Tracking
 from eventsourcing.postgres import PostgresApplicationRecorder
 from eventsourcing.projection import ProjectionRunner
 
-from ..store import RunStore
+from .._journal.store import RunStore
 from .backend import ViewBackend
 from .postgres import PostgresViews, RunViewsProjection
 from .source import ViewSource, read_after
@@ -47,8 +47,8 @@ def _catch_up(store: RunStore, views: ViewBackend, batch: int) -> tuple[int, int
             break
         # What another projector applied meanwhile, apply() skips; either way
         # every event up to the batch's last is in the views afterwards.
-        applied += views.apply(events, events[-1].notification_id)
-        position = events[-1].notification_id
+        applied += views.apply(events, events[-1].position)
+        position = events[-1].position
     return applied, position or 0
 
 

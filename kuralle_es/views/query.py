@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any, Literal
 
-from ..usage import ModelUsage, Prices, Usage, total
+from .._journal.leases import Lease
+from .._journal.spending import ModelUsage, Prices, total
+from ..shapes import Usage
 from .fold import RunRow, StepRow
-from .models import ToolStats
+from .summaries import ToolStats
 
 __all__ = [
     "ADDED_COLUMNS",
@@ -39,6 +41,7 @@ __all__ = [
     "run_values",
     "sort_key",
     "sql_order",
+    "sql_runs",
     "sql_usage",
     "sql_where",
     "step_row",
@@ -46,6 +49,7 @@ __all__ = [
     "tool_stats",
     "usage_by_group",
     "usage_shares",
+    "with_lease",
 ]
 
 Order = Literal["recent", "oldest", "deadline", "lease"]
@@ -113,6 +117,36 @@ _ORDER_SQL: dict[str, str] = {
     "deadline": "wait_deadline, run_id",
     "lease": "lease_expires_at, run_id",
 }
+
+
+def sql_runs(runs: str, leases: str, run_id_of_lease: str) -> str:
+    """The runs table as the queries read it: each row with its lease, the run's
+    lease record where it has one, else the lease its journal recorded (0.1.0)
+    while it is running. ``run_id_of_lease`` is how a run row's id compares
+    with a lease record's (``?`` stands for the run row's id)."""
+    columns = ", ".join(
+        f"r.{c}" if c not in ("lease_holder", "lease_expires_at") else _lease_column(c)
+        for c in RUN_COLUMNS
+    )
+    join = run_id_of_lease.replace("?", "r.run_id")
+    return f"(SELECT {columns} FROM {runs} r LEFT JOIN {leases} l ON l.run_id = {join}) AS runs"
+
+
+def _lease_column(column: str) -> str:
+    record = "holder" if column == "lease_holder" else "expires_at"
+    return (
+        f"CASE WHEN l.run_id IS NOT NULL THEN l.{record} "
+        f"WHEN r.status = 'running' THEN r.{column} END AS {column}"
+    )
+
+
+def with_lease(row: RunRow, record: Lease | None) -> RunRow:
+    """The row as the queries read it (see ``sql_runs``), for the memory views."""
+    if record is not None:
+        return replace(row, lease_holder=record.holder, lease_expires_at=record.expires_at)
+    if row.status != "running":
+        return replace(row, lease_holder=None, lease_expires_at=None)
+    return row
 
 
 def sql_where(

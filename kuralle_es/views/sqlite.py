@@ -24,9 +24,9 @@ from datetime import UTC, datetime
 from eventsourcing.persistence import OperationalError, Tracking, TrackingRecorder
 from eventsourcing.sqlite import SQLiteCursor, SQLiteDatastore, SQLiteRecorder
 
+from .._journal.recorders import sqlite_time
 from .backend import StepKey, ViewBackend
-from .fold import RunRow, StepRow, as_utc
-from .models import ToolStats
+from .fold import RunRow, StepRow
 from .query import (
     ADDED_COLUMNS,
     RUN_COLUMNS,
@@ -39,21 +39,22 @@ from .query import (
     run_row,
     run_values,
     sql_order,
+    sql_runs,
     sql_usage,
     sql_where,
     step_row,
     step_values,
     tool_stats,
 )
+from .summaries import ToolStats
 
 __all__ = ["SQLiteViews"]
 
-_TIME_FORMAT = "%Y-%m-%d %H:%M:%S.%f"
 _CREATE_ATTEMPTS = 100
 
 
 def to_text(value: datetime) -> str:
-    return as_utc(value).strftime(_TIME_FORMAT)
+    return sqlite_time(value)
 
 
 def from_text(value: str | None) -> datetime | None:
@@ -65,8 +66,12 @@ def from_text(value: str | None) -> datetime | None:
 class SQLiteViews(SQLiteRecorder, TrackingRecorder, ViewBackend):
     """Run and step view tables plus their tracking row, in the store's database."""
 
-    def __init__(self, datastore: SQLiteDatastore, prefix: str = "runviews") -> None:
+    def __init__(
+        self, datastore: SQLiteDatastore, prefix: str = "runviews", leases_table: str = ""
+    ) -> None:
         self.runs_table = f"{prefix}_runs"
+        #: The store's lease records, which the queries join (``query.sql_runs``).
+        self.leases_table = leases_table
         self.steps_table = f"{prefix}_steps"
         self.tracking_table = f"{prefix}_tracking"
         self.meta_table = f"{prefix}_meta"
@@ -190,7 +195,8 @@ class SQLiteViews(SQLiteRecorder, TrackingRecorder, ViewBackend):
         where, params = sql_where(query, "?", to_text)
         order, more = sql_order(query, "?")
         with self.datastore.transaction(commit=False) as c:
-            c.execute(f"SELECT * FROM {self.runs_table}{where}{order}", [*params, *more])
+            runs = sql_runs(self.runs_table, self.leases_table, "?")
+            c.execute(f"SELECT * FROM {runs}{where}{order}", [*params, *more])
             return [run_row(r, from_text) for r in c.fetchall()]
 
     def select_tool_stats(self) -> list[ToolStats]:

@@ -36,7 +36,7 @@ import psycopg
 from pydantic import BaseModel
 
 from kuralle_es import Agent, Runtime, ToolCall, action, define_agent, define_flow, define_tool, end
-from kuralle_es.store_url import open_store_url
+from kuralle_es._journal.store_url import open_store_url
 
 FLOW = "charge"
 KILL_POINTS = ("before-intent", "in-tool", "after-result")

@@ -1,0 +1,1 @@
+"""Internal package (_definitions); see README.md, "Architecture"."""

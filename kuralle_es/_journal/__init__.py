@@ -1,0 +1,1 @@
+"""Internal package (_journal); see README.md, "Architecture"."""

@@ -1,0 +1,480 @@
+"""Every event a run store holds: the one catalogue of stored events (internal).
+
+Each class is declared once, here, with its stored ``TOPIC`` and its
+``class_version``. The topics are history: they are what every store
+written by an earlier release holds, so a class may be renamed or moved but
+its topic never changes, and a topic is never reused. A change to a stored
+shape raises ``class_version`` and adds an upcaster (``upcast_vN_vN+1``,
+a static method that rewrites the older stored state in place), so runs
+stored by earlier releases keep loading (docs/concepts.md, "Stored runs
+survive upgrades").
+
+The classes hold data only. Every reader of the journal is an exhaustive
+dispatch over ``RUN_EVENTS``: the aggregate's fold (``run``), the views
+(``views.fold``), the public events (``events.translate``), the timeline
+(``views.timeline``), fork (``_runtime.fork``) and the crash kit
+(``testing``) each handle or explicitly skip every class, and
+``tests/test_catalogue.py`` names any reader that forgot one.
+
+Class names differ from the public event types of ``kuralle_es.events``
+(``StepIntended`` is stored, ``events.StepStarted`` is what followers read).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from datetime import datetime
+from typing import Any, ClassVar, TypeVar
+
+from eventsourcing.domain import Aggregate
+from eventsourcing.utils import register_topic
+
+from .sites import split_lane
+
+__all__ = [
+    "RESULTS",
+    "RUN_EVENTS",
+    "SESSION_EVENTS",
+    "STARTS",
+    "STEP_EVENTS",
+    "Aborted",
+    "AttemptFailed",
+    "AttemptStarted",
+    "BudgetRaised",
+    "BudgetSet",
+    "DeliveryAccepted",
+    "Errored",
+    "Event",
+    "Finished",
+    "FlowPinned",
+    "Forked",
+    "InputAccepted",
+    "LeaseReleased",
+    "LeaseTaken",
+    "MessageAppended",
+    "Migrated",
+    "NodeEntered",
+    "Paused",
+    "Recovered",
+    "Resumed",
+    "RetryAllowed",
+    "RunCreated",
+    "RunIndexed",
+    "SessionEvent",
+    "SessionIndexCreated",
+    "StepErrored",
+    "StepIntended",
+    "StepSucceeded",
+    "TimerFired",
+    "TurnRecorded",
+    "TurnStarted",
+    "dispatch",
+]
+
+
+class Event(Aggregate.Event):
+    """A stored event of a run. Its fold is the aggregate's (``Run.fold``)."""
+
+    #: The stored topic: history, never changed (see the module's docstring).
+    TOPIC: ClassVar[str]
+
+    def apply(self, aggregate: Any) -> None:
+        aggregate.fold(self)
+
+
+class SessionEvent(Aggregate.Event):
+    """A stored event of a session's index of runs (``SessionRuns.fold``)."""
+
+    TOPIC: ClassVar[str]
+
+    def apply(self, aggregate: Any) -> None:
+        aggregate.fold(self)
+
+
+# ---------------------------------------------------------------- a run's life
+class RunCreated(Event, Aggregate.Created):
+    """A run began: its session, kind, agent, and the flow it is pinned to.
+
+    v2: ``flow_version``, the label of the pinned flow definition.
+    """
+
+    TOPIC = "kuralle_es:Run.Created"
+    class_version = 2
+    session_id: str
+    kind: str
+    agent: str | None
+    flow: str | None
+    flow_digest: str | None
+    flow_version: str | None
+
+    @staticmethod
+    def upcast_v1_v2(state: dict[str, Any]) -> None:
+        """Runs created before flows had versions: pinned to no version."""
+        state["flow_version"] = None
+
+
+class Forked(Event):
+    """This run is a fork of ``from_run_id`` at step ``at_step`` (docs/howto/fork.md)."""
+
+    TOPIC = "kuralle_es:Run.Forked"
+    class_version = 1
+    from_run_id: str
+    at_step: int
+
+
+class TurnStarted(Event):
+    """A turn began: a fresh epoch for a conversation's new user input."""
+
+    TOPIC = "kuralle_es:Run.TurnStarted"
+    class_version = 1
+    epoch: int
+    message: dict[str, Any] | None
+    idempotency_key: str | None
+
+
+class NodeEntered(Event):
+    """The flow moved to ``node`` with ``state``; its effects count from ``callsite_base``."""
+
+    TOPIC = "kuralle_es:Run.NodeEntered"
+    class_version = 1
+    flow: str | None
+    node: str | None
+    state: dict[str, Any]
+    callsite_base: int
+
+
+class FlowPinned(Event):
+    """The run's flow restarts from ``node`` under a new definition.
+
+    v2: ``flow_version``.
+    """
+
+    TOPIC = "kuralle_es:Run.FlowPinned"
+    class_version = 2
+    flow: str
+    flow_digest: str
+    node: str
+    flow_version: str | None
+
+    @staticmethod
+    def upcast_v1_v2(state: dict[str, Any]) -> None:
+        """Pins stored before flows had versions: no version."""
+        state["flow_version"] = None
+
+
+class MessageAppended(Event):
+    TOPIC = "kuralle_es:Run.MessageAppended"
+    class_version = 1
+    message: dict[str, Any]
+
+
+# ------------------------------------------------------------------- steps
+class StepIntended(Event):
+    """Intent: an effect is about to run at ``callsite`` of ``logical_run``, in
+    ``lane``, with ``key``.
+
+    ``batch`` is the callsite of the first effect of the parallel batch this
+    one belongs to (one ``gather`` of effects, or one model turn's
+    parallel-safe tool calls), or None for an effect requested alone; it is
+    recorded when requested, so every backend agrees on it.
+
+    v2: ``batch``, and ``lane`` apart from ``logical_run`` (it was appended to it).
+    """
+
+    TOPIC = "kuralle_es:Run.StepStarted"
+    class_version = 2
+    index: int
+    key: str
+    kind: str
+    name: str
+    callsite: int
+    logical_run: str
+    lane: str
+    args: Any
+    batch: int | None
+
+    @staticmethod
+    def upcast_v1_v2(state: dict[str, Any]) -> None:
+        """Intents stored before batches were recorded (not known to be in one),
+        with the lane appended to the logical run: split it off."""
+        state["batch"] = None
+        state["logical_run"], state["lane"] = split_lane(state["logical_run"])
+
+
+class StepSucceeded(Event):
+    """Result: the effect at step ``index`` returned ``result_json``."""
+
+    TOPIC = "kuralle_es:Run.StepFinished"
+    class_version = 1
+    index: int
+    result_json: str
+
+
+class StepErrored(Event):
+    """The effect at step ``index`` failed for good: its error is frozen."""
+
+    TOPIC = "kuralle_es:Run.StepFailed"
+    class_version = 1
+    index: int
+    error: dict[str, Any]
+
+
+class AttemptFailed(Event):
+    """An attempt failed and the tool's retry policy allows another (same key).
+
+    The step stays ``running`` with this error until the next attempt, due at
+    ``retry_at``; a resume then is not in doubt: it waits until ``retry_at``
+    and starts that attempt.
+    """
+
+    TOPIC = "kuralle_es:Run.StepAttemptFailed"
+    class_version = 1
+    index: int
+    error: dict[str, Any]
+    retry_at: datetime
+
+
+class RetryAllowed(Event):
+    """A human answered an in-doubt step with "retry": execute it again, same key."""
+
+    TOPIC = "kuralle_es:Run.StepRetryAllowed"
+    class_version = 1
+    index: int
+
+
+class AttemptStarted(Event):
+    """Step ``index`` is executed again (same key): after a crash left it running,
+    after a retried attempt's backoff, or a ``replay=False`` read's next pass.
+
+    Saved before the new attempt, it uses up a human's "retry" answer: if this
+    attempt dies too, the next resume asks again.
+    """
+
+    TOPIC = "kuralle_es:Run.StepRetried"
+    class_version = 1
+    index: int
+
+
+# ------------------------------------------------------------- waits, ends
+class Paused(Event):
+    """The run waits for ``waiting_for`` (a ``Wait``'s JSON)."""
+
+    TOPIC = "kuralle_es:Run.Paused"
+    class_version = 1
+    waiting_for: dict[str, Any]
+
+
+class InputAccepted(Event):
+    """New user input for a run that waited for it (a ``collect`` node)."""
+
+    TOPIC = "kuralle_es:Run.InputAccepted"
+    class_version = 1
+    message: dict[str, Any]
+
+
+class DeliveryAccepted(Event):
+    """A delivered signal (an approval too) passed every check; the run may re-execute."""
+
+    TOPIC = "kuralle_es:Run.SignalAccepted"
+    class_version = 1
+    signal_id: str
+    name: str
+    payload: Any
+    actor: str | None
+
+
+class TimerFired(Event):
+    """A durable sleep's wake time came: a sweeper wakes the run paused on it."""
+
+    TOPIC = "kuralle_es:Run.TimerFired"
+    class_version = 1
+    request_id: str
+
+
+class Resumed(Event):
+    """A run that had failed is driven again (after a fix or a transient fault)."""
+
+    TOPIC = "kuralle_es:Run.Resumed"
+    class_version = 1
+
+
+class Recovered(Event):
+    """A worker takes over a running run from ``previous_holder``, whose lease
+    expired mid-turn: saved in the compare-and-set opening of the new turn, so
+    a stale writer's next save fails."""
+
+    TOPIC = "kuralle_es:Run.Recovered"
+    class_version = 1
+    previous_holder: str | None
+
+
+class Finished(Event):
+    TOPIC = "kuralle_es:Run.Finished"
+    class_version = 1
+    outcome: str | None
+    output: Any
+    agent: str | None
+    state: dict[str, Any]
+
+
+class Errored(Event):
+    TOPIC = "kuralle_es:Run.Errored"
+    class_version = 1
+    error: dict[str, Any]
+
+
+class Aborted(Event):
+    TOPIC = "kuralle_es:Run.Aborted"
+    class_version = 1
+    reason: str
+
+
+class Migrated(Event):
+    """The run was forked at ``at_step`` onto the flow's newest definition as run
+    ``to_run_id`` (``runtime.migrate``); saved with its ``Aborted``."""
+
+    TOPIC = "kuralle_es:Run.Migrated"
+    class_version = 1
+    to_run_id: str
+    at_step: int
+
+
+class TurnRecorded(Event):
+    """The result of a turn started with an inbound idempotency key."""
+
+    TOPIC = "kuralle_es:Run.TurnRecorded"
+    class_version = 1
+    idempotency_key: str
+    result: dict[str, Any]
+
+
+class BudgetSet(Event):
+    """The budget a caller gave this run (``runtime.run(..., budget=)``)."""
+
+    TOPIC = "kuralle_es:Run.BudgetSet"
+    class_version = 1
+    budget: dict[str, Any] | None
+
+
+class BudgetRaised(Event):
+    """A human approved spending past the budget and raised these limits."""
+
+    TOPIC = "kuralle_es:Run.BudgetRaised"
+    class_version = 1
+    raise_to: dict[str, Any]
+
+
+class LeaseTaken(Event):
+    """Stored by releases before 0.2, when a lease was an event; no longer written.
+
+    A lease is now a record apart from the journal (``leases``). Runs stored
+    earlier still hold these, and the fold still reads them.
+    """
+
+    TOPIC = "kuralle_es:Run.LeaseTaken"
+    class_version = 1
+    holder: str
+    expires_at: datetime
+
+
+class LeaseReleased(Event):
+    """Stored by releases before 0.2 (see ``LeaseTaken``); no longer written."""
+
+    TOPIC = "kuralle_es:Run.LeaseReleased"
+    class_version = 1
+
+
+# ----------------------------------------------------------- session index
+class SessionIndexCreated(SessionEvent, Aggregate.Created):
+    TOPIC = "kuralle_es:SessionRuns.Created"
+    class_version = 1
+    session_id: str
+
+
+class RunIndexed(SessionEvent):
+    TOPIC = "kuralle_es:SessionRuns.RunAdded"
+    class_version = 1
+    run_id: str
+
+
+#: Every stored event class of a run, in the order a run first meets them.
+RUN_EVENTS: tuple[type[Event], ...] = (
+    RunCreated,
+    Forked,
+    TurnStarted,
+    NodeEntered,
+    FlowPinned,
+    MessageAppended,
+    StepIntended,
+    StepSucceeded,
+    StepErrored,
+    AttemptFailed,
+    RetryAllowed,
+    AttemptStarted,
+    Paused,
+    InputAccepted,
+    DeliveryAccepted,
+    TimerFired,
+    Resumed,
+    Recovered,
+    Finished,
+    Errored,
+    Aborted,
+    Migrated,
+    TurnRecorded,
+    BudgetSet,
+    BudgetRaised,
+    LeaseTaken,
+    LeaseReleased,
+)
+#: Every stored event class of a session's index.
+SESSION_EVENTS: tuple[type[SessionEvent], ...] = (SessionIndexCreated, RunIndexed)
+# Events declared outside an aggregate class are not registered by
+# ``eventsourcing``: their explicit topics are registered here, once.
+_ALL: tuple[type[Event] | type[SessionEvent], ...] = (*RUN_EVENTS, *SESSION_EVENTS)
+for _event_class in _ALL:
+    register_topic(_event_class.TOPIC, _event_class)
+
+#: The events of one step (each names it by ``index``).
+STEP_EVENTS = (
+    StepIntended,
+    StepSucceeded,
+    StepErrored,
+    AttemptFailed,
+    RetryAllowed,
+    AttemptStarted,
+)
+#: The events that start an execution of a step (an intent boundary).
+STARTS: tuple[type[Event], ...] = (StepIntended, AttemptStarted)
+#: The events that settle a step (a result or a frozen error).
+RESULTS: tuple[type[Event], ...] = (StepSucceeded, StepErrored)
+
+
+_H = TypeVar("_H")
+
+
+def dispatch(
+    reader: str,
+    handlers: Mapping[type[Event], _H],
+    skipped: Iterable[type[Event]] = (),
+) -> dict[type[Event], _H | None]:
+    """A reader's dispatch table over the whole catalogue: ``handlers`` for the
+    events it reads, None for the ones it ``skipped`` on purpose.
+
+    Raises ``TypeError`` when an event of ``RUN_EVENTS`` is neither handled nor
+    skipped, or both, so a reader that forgot a new event fails at import, and
+    the catalogue test names it.
+    """
+    skips = frozenset(skipped)
+    handled = frozenset(handlers)
+    missing = [c.__name__ for c in RUN_EVENTS if c not in handled | skips]
+    both = [c.__name__ for c in handled & skips]
+    unknown = [c.__name__ for c in (handled | skips) - frozenset(RUN_EVENTS)]
+    if missing or both or unknown:
+        msg = (
+            f"the {reader} reader must handle or skip every stored event once: "
+            f"missing {missing}, both {both}, not in the catalogue {unknown}"
+        )
+        raise TypeError(msg)
+    table: dict[type[Event], _H | None] = {c: handlers.get(c) for c in RUN_EVENTS}
+    return table

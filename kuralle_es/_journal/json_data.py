@@ -1,0 +1,123 @@
+"""What the journal holds: plain JSON data, within a size bound (internal).
+
+Every tool result, signal payload, state bag and model response is journaled
+as JSON text. ``plain_json_problem`` says why a value could not be stored and
+read back exactly; ``encode_json`` writes one, refusing what JSON cannot hold
+and what is over ``KURALLE_MAX_PAYLOAD_BYTES`` (docs/contract.md, "Bad input").
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+from pydantic import BaseModel
+
+from ..errors import InvalidArgumentError, PayloadTooLargeError
+
+__all__ = [
+    "MAX_JSON_DEPTH",
+    "encode_json",
+    "max_payload_bytes",
+    "plain_json_problem",
+    "unicode_problem",
+]
+
+#: The deepest nesting of JSON data the journal accepts.
+MAX_JSON_DEPTH = 64
+
+
+def unicode_problem(text: str) -> str | None:
+    """Why ``text`` is not valid Unicode (a lone surrogate), or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"holds a lone surrogate {text[e.start]!r} at position {e.start} (not valid Unicode)"
+    return None
+
+
+def plain_json_problem(value: Any, *, other_types_ok: bool = False) -> str | None:
+    """What keeps ``value`` from being plain JSON data, or None.
+
+    Plain means what the journal stores exactly and reads back equal: objects
+    with string keys, arrays, strings of valid Unicode, finite numbers,
+    booleans and null, nested at most ``MAX_JSON_DEPTH`` deep. (``json.dumps``
+    alone would turn a key ``1`` into ``"1"``, or fail later on a lone
+    surrogate.) With ``other_types_ok``, values of other types and non-string
+    keys are let through unexamined (a pydantic model's Python-mode dump, whose
+    JSON mode converts them), while NaN, Infinity and lone surrogates are not.
+    """
+    stack: list[tuple[Any, str, int]] = [(value, "$", 0)]
+    while stack:
+        item, path, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            return f"is nested deeper than {MAX_JSON_DEPTH} levels (at {path})"
+        if item is None or isinstance(item, bool | int):
+            continue
+        if isinstance(item, float):
+            if not math.isfinite(item):
+                return f"holds {item!r} at {path} (JSON has no NaN or Infinity)"
+        elif isinstance(item, str):
+            problem = unicode_problem(item)
+            if problem is not None:
+                return f"has a string at {path} that {problem}"
+        elif isinstance(item, dict):
+            for key, inner in item.items():
+                if isinstance(key, str):
+                    problem = unicode_problem(key)
+                    if problem is not None:
+                        return f"has a key at {path} that {problem}"
+                elif not other_types_ok:
+                    return f"has a key {key!r} at {path} that is not a string"
+                stack.append((inner, f"{path}.{key}", depth + 1))
+        elif isinstance(item, list | tuple):
+            stack.extend((inner, f"{path}[{i}]", depth + 1) for i, inner in enumerate(item))
+        elif not other_types_ok:
+            return f"holds a {type(item).__name__} at {path}, which is not JSON"
+    return None
+
+
+_DEFAULT_MAX_PAYLOAD_BYTES = 1_000_000
+
+
+def max_payload_bytes() -> int:
+    """The size bound of a journaled result or payload (``KURALLE_MAX_PAYLOAD_BYTES``)."""
+    raw = os.environ.get("KURALLE_MAX_PAYLOAD_BYTES")
+    if raw is None:
+        return _DEFAULT_MAX_PAYLOAD_BYTES
+    try:
+        value = int(raw)
+    except ValueError:
+        msg = f"KURALLE_MAX_PAYLOAD_BYTES must be a whole number of bytes, got {raw!r}"
+        raise InvalidArgumentError(msg) from None
+    if value <= 0:
+        msg = f"KURALLE_MAX_PAYLOAD_BYTES must be positive, got {value}"
+        raise InvalidArgumentError(msg)
+    return value
+
+
+def _dump_model(value: object) -> object:
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json")
+    msg = f"{type(value).__name__} is not JSON-serialisable"
+    raise TypeError(msg)
+
+
+def encode_json(value: Any, what: str) -> str:
+    """JSON text of ``value`` for the journal (pydantic models dumped), within the bound.
+
+    Raises ``TypeError`` for anything JSON cannot hold exactly (NaN included)
+    and ``PayloadTooLargeError`` over the bound; ``what`` names the culprit.
+    """
+    try:
+        text = json.dumps(value, default=_dump_model, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        msg = f"{what} is not JSON-serialisable: {e}"
+        raise TypeError(msg) from None
+    size = len(text.encode("utf-8"))
+    limit = max_payload_bytes()
+    if size > limit:
+        raise PayloadTooLargeError(what, size, limit)
+    return text

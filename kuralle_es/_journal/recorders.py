@@ -1,0 +1,345 @@
+"""The run store's recorders: events and lease records, saved together (internal).
+
+Each backend's ``eventsourcing`` application recorder, with one addition: a
+table of lease records (``leases``) beside the events table, and a
+``lease=`` argument to ``insert_events`` whose ``LeaseOp`` is applied in the
+same transaction as the events (or alone, with no events). A take that
+finds another holder's live lease raises ``LeaseRefused`` and writes
+nothing, events included.
+
+- memory: a dict under the recorder's own lock;
+- SQLite: a table in the same file, changed on the insert's own cursor;
+- PostgreSQL: one PL/pgSQL call per save (``OneTripPostgresRecorder``) that
+  applies the lease op, takes the events table's ``EXCLUSIVE`` lock (so
+  notification ids are issued in commit order and a follower never passes
+  a gap that fills in later), sends the ``NOTIFY`` and inserts the events, on
+  an autocommit connection: one round trip a save where the library's
+  default path takes two (benchmarks/RESULTS.md). A save that carries
+  tracking records takes the library's default path, so none is dropped.
+
+The SQLite one writes its lease op through ``eventsourcing_hooks``; the
+others extend their recorders at their public methods.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Any, Protocol
+from uuid import UUID
+
+import psycopg
+from eventsourcing.persistence import InterfaceError, OperationalError, StoredEvent
+from eventsourcing.popo import POPOApplicationRecorder
+from eventsourcing.postgres import PostgresApplicationRecorder, PostgresDatastore
+from eventsourcing.sqlite import SQLiteCursor, SQLiteDatastore
+from eventsourcing.utils import retry
+from psycopg.sql import SQL, Composed, Identifier
+
+from .eventsourcing_hooks import SQLiteInsertHook
+from .leases import Lease, LeaseOp, LeaseRefused
+
+__all__ = [
+    "LEASE_HELD",
+    "LEASE_LOST",
+    "SQLITE_TIME_FORMAT",
+    "LeasingPOPORecorder",
+    "LeasingRecorder",
+    "LeasingSQLiteRecorder",
+    "OneTripPostgresRecorder",
+    "lease_refusal",
+    "sqlite_time",
+]
+
+#: SQLSTATEs the PostgreSQL save raises for a refused lease op.
+LEASE_HELD = "KL001"
+LEASE_LOST = "KL002"
+
+
+class LeasingRecorder(Protocol):
+    """What the run store needs of its recorder besides ``eventsourcing``'s API."""
+
+    def insert_events(
+        self, stored_events: Sequence[StoredEvent], **kwargs: Any
+    ) -> Sequence[int] | None: ...
+
+    def select_lease(self, run_id: UUID) -> Lease | None: ...
+
+
+def _as_utc(at: datetime) -> datetime:
+    return at.replace(tzinfo=UTC) if at.tzinfo is None else at.astimezone(UTC)
+
+
+# ------------------------------------------------------------------ memory
+class LeasingPOPORecorder(POPOApplicationRecorder):
+    """The in-memory recorder, with lease records under its own lock."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._leases: dict[UUID, Lease] = {}
+        self._lease_guard = threading.RLock()
+
+    def insert_events(
+        self, stored_events: Sequence[StoredEvent], **kwargs: Any
+    ) -> Sequence[int] | None:
+        op: LeaseOp | None = kwargs.pop("lease", None)
+        with self._lease_guard:
+            if op is not None:
+                _check(op, self._leases.get(op.run_id))
+            ids = super().insert_events(stored_events, **kwargs) if stored_events else []
+            if op is not None:
+                _apply(op, self._leases)
+            return ids
+
+    def select_lease(self, run_id: UUID) -> Lease | None:
+        with self._lease_guard:
+            return self._leases.get(run_id)
+
+    def leases(self) -> dict[UUID, Lease]:
+        """Every lease record, as it is now (the memory views join these)."""
+        with self._lease_guard:
+            return dict(self._leases)
+
+
+def _check(op: LeaseOp, held: Lease | None) -> None:
+    """Refuse ``op`` on a record holding ``held`` (``LeaseRefused``), or let it be."""
+    if op.kind == "take":
+        assert op.now is not None
+        if held is not None and held.holder != op.holder and held.live(op.now):
+            raise LeaseRefused(op, held)
+    elif op.kind == "renew" and (held is None or held.token != op.token):
+        raise LeaseRefused(op, None)
+
+
+def _apply(op: LeaseOp, leases: dict[UUID, Lease]) -> None:
+    if op.kind in ("take", "renew"):
+        assert op.expires_at is not None
+        holder = op.holder if op.kind == "take" else leases[op.run_id].holder
+        leases[op.run_id] = Lease(holder, _as_utc(op.expires_at), op.token)
+    elif op.kind == "clear" or (
+        op.kind == "release" and op.run_id in leases and leases[op.run_id].token == op.token
+    ):
+        leases.pop(op.run_id, None)
+
+
+# ------------------------------------------------------------------ SQLite
+#: How SQLite tables of the store write a time: UTC, fixed width, so that text
+#: order is time order (the views' tables write theirs the same way).
+SQLITE_TIME_FORMAT = "%Y-%m-%d %H:%M:%S.%f"
+
+
+def sqlite_time(at: datetime) -> str:
+    return _as_utc(at).strftime(SQLITE_TIME_FORMAT)
+
+
+class LeasingSQLiteRecorder(SQLiteInsertHook):
+    """The SQLite recorder, with a lease table in the same file."""
+
+    def __init__(
+        self, datastore: SQLiteDatastore, *, events_table_name: str = "stored_events"
+    ) -> None:
+        self.leases_table = _leases_table(events_table_name)
+        super().__init__(datastore, events_table_name=events_table_name)
+
+    def construct_create_table_statements(self) -> list[str]:
+        return [
+            *super().construct_create_table_statements(),
+            f"CREATE TABLE IF NOT EXISTS {self.leases_table} (run_id TEXT PRIMARY KEY, "
+            "holder TEXT NOT NULL, token TEXT NOT NULL, expires_at TEXT NOT NULL)",
+        ]
+
+    def before_insert(self, c: SQLiteCursor, kwargs: dict[str, Any]) -> None:
+        op: LeaseOp | None = kwargs.pop("lease", None)
+        if op is not None:
+            self._lease_op(c, op)
+
+    def _lease_op(self, c: SQLiteCursor, op: LeaseOp) -> None:
+        run = str(op.run_id)
+        table = self.leases_table
+        if op.kind == "take":
+            assert op.expires_at is not None and op.now is not None
+            c.execute(
+                f"INSERT INTO {table} (run_id, holder, token, expires_at) VALUES (?, ?, ?, ?) "
+                "ON CONFLICT (run_id) DO UPDATE SET holder = excluded.holder, "
+                "token = excluded.token, expires_at = excluded.expires_at "
+                f"WHERE {table}.expires_at <= ? OR {table}.holder = ?",
+                (run, op.holder, op.token, sqlite_time(op.expires_at), sqlite_time(op.now),
+                 op.holder),
+            )  # fmt: skip
+            if c.sqlite_cursor.rowcount == 0:
+                raise LeaseRefused(op, self._held(c, op.run_id))
+        elif op.kind == "renew":
+            assert op.expires_at is not None
+            c.execute(
+                f"UPDATE {table} SET expires_at = ? WHERE run_id = ? AND token = ?",
+                (sqlite_time(op.expires_at), run, op.token),
+            )
+            if c.sqlite_cursor.rowcount == 0:
+                raise LeaseRefused(op, None)
+        elif op.kind == "release":
+            c.execute(f"DELETE FROM {table} WHERE run_id = ? AND token = ?", (run, op.token))
+        else:
+            c.execute(f"DELETE FROM {table} WHERE run_id = ?", (run,))
+
+    def _held(self, c: SQLiteCursor, run_id: UUID) -> Lease | None:
+        c.execute(
+            f"SELECT holder, token, expires_at FROM {self.leases_table} WHERE run_id = ?",
+            (str(run_id),),
+        )
+        row = c.fetchone()
+        if row is None:
+            return None
+        return Lease(row[0], datetime.fromisoformat(row[2]).replace(tzinfo=UTC), row[1])
+
+    def select_lease(self, run_id: UUID) -> Lease | None:
+        with self.datastore.transaction(commit=False) as c:
+            return self._held(c, run_id)
+
+
+# -------------------------------------------------------------- PostgreSQL
+class OneTripPostgresRecorder(PostgresApplicationRecorder):
+    """``PostgresApplicationRecorder`` with the lease op, the lock, the notify and
+    the insert in one call of a PL/pgSQL function."""
+
+    def __init__(
+        self, datastore: PostgresDatastore, *, events_table_name: str = "stored_events"
+    ) -> None:
+        super().__init__(datastore, events_table_name=events_table_name)
+        self.leases_table = _leases_table(self.events_table_name)
+        # One function per events table: it names the table, its leases and its channel.
+        self.one_trip_function = f"kuralle_write_{self.events_table_name}"[:63]
+        schema = Identifier(self.datastore.schema)
+        function = Identifier(self.one_trip_function)
+        self.leases = Composed([schema, SQL("."), Identifier(self.leases_table)])
+        self.sql_create_statements.append(
+            SQL(
+                "CREATE TABLE IF NOT EXISTS {leases} (run_id uuid PRIMARY KEY, "
+                "holder text NOT NULL, token text NOT NULL, expires_at timestamptz NOT NULL)"
+            ).format(leases=self.leases)
+        )
+        self.sql_create_statements.append(
+            SQL(
+                "CREATE OR REPLACE FUNCTION {schema}.{function}(events {schema}.{event}[], "
+                "op text, run uuid, holder_ text, token_ text, until timestamptz, "
+                "now_ timestamptz) RETURNS SETOF bigint LANGUAGE plpgsql AS $BODY$ "
+                "DECLARE held_holder text; held_until timestamptz; "
+                "BEGIN "
+                "IF op = 'take' THEN "
+                "INSERT INTO {leases} AS l (run_id, holder, token, expires_at) "
+                "VALUES (run, holder_, token_, until) ON CONFLICT (run_id) DO UPDATE SET "
+                "holder = EXCLUDED.holder, token = EXCLUDED.token, "
+                "expires_at = EXCLUDED.expires_at "
+                "WHERE l.expires_at <= now_ OR l.holder = holder_; "
+                "IF NOT FOUND THEN "
+                "SELECT l.holder, l.expires_at INTO held_holder, held_until FROM {leases} l "
+                "WHERE l.run_id = run; "
+                "RAISE EXCEPTION USING ERRCODE = '{held}', MESSAGE = held_holder, "
+                "DETAIL = extract(epoch FROM held_until)::text; "
+                "END IF; "
+                "ELSIF op = 'renew' THEN "
+                "UPDATE {leases} SET expires_at = until WHERE run_id = run AND token = token_; "
+                "IF NOT FOUND THEN "
+                "RAISE EXCEPTION USING ERRCODE = '{lost}', MESSAGE = 'lease taken over'; "
+                "END IF; "
+                "ELSIF op = 'release' THEN "
+                "DELETE FROM {leases} WHERE run_id = run AND token = token_; "
+                "ELSIF op = 'clear' THEN "
+                "DELETE FROM {leases} WHERE run_id = run; "
+                "END IF; "
+                "IF cardinality(events) > 0 THEN "
+                "SET LOCAL lock_timeout = '{lock_timeout}s'; "
+                "LOCK TABLE {schema}.{table} IN EXCLUSIVE MODE; "
+                "NOTIFY {channel}; "
+                "RETURN QUERY INSERT INTO {schema}.{table} AS t "
+                "(originator_id, originator_version, topic, state) "
+                "SELECT originator_id, originator_version, topic, state FROM unnest(events) "
+                "RETURNING notification_id; "
+                "END IF; "
+                "END; $BODY$"
+            ).format(
+                schema=schema,
+                function=function,
+                event=Identifier(self.stored_event_type_name),
+                leases=self.leases,
+                held=SQL(LEASE_HELD),
+                lost=SQL(LEASE_LOST),
+                lock_timeout=self.datastore.lock_timeout,
+                table=Identifier(self.events_table_name),
+                channel=Identifier(self.channel_name),
+            )
+        )
+        self.one_trip_statement = SQL(
+            "SELECT * FROM {schema}.{function}(%s, %s, %s, %s, %s, %s, %s)"
+        ).format(schema=schema, function=function)
+        self.select_lease_statement = SQL(
+            "SELECT holder, token, expires_at FROM {leases} WHERE run_id = %s"
+        ).format(leases=self.leases)
+
+    def rows(self, stored_events: Sequence[StoredEvent]) -> list[Any]:
+        """The events as the composite rows the one-trip function takes."""
+        return [
+            self.construct_pg_stored_event(e.originator_id, e.originator_version, e.topic, e.state)
+            for e in stored_events
+        ]
+
+    def parameters(
+        self, stored_events: Sequence[StoredEvent], op: LeaseOp | None
+    ) -> tuple[Any, ...]:
+        """The one-trip statement's parameters: the events and the lease op."""
+        if op is None:
+            return (self.rows(stored_events), "none", None, None, None, None, None)
+        return (
+            self.rows(stored_events), op.kind, op.run_id, op.holder, op.token, op.expires_at,
+            op.now,
+        )  # fmt: skip
+
+    @retry((InterfaceError, OperationalError), max_attempts=10, wait=0.2)
+    def insert_events(
+        self, stored_events: Sequence[StoredEvent], **kwargs: Any
+    ) -> Sequence[int] | None:
+        op: LeaseOp | None = kwargs.pop("lease", None)
+        if kwargs.get("tracking") is not None:
+            assert op is None, "a save with tracking records carries no lease op"
+            default_path: Sequence[int] | None = super().insert_events(stored_events, **kwargs)
+            return default_path
+        if not stored_events and op is None:
+            return []
+        with self.datastore.get_connection() as conn, conn.cursor() as curs:
+            assert conn.autocommit  # the statement's own transaction commits it
+            try:
+                curs.execute(
+                    self.one_trip_statement, self.parameters(stored_events, op), prepare=True
+                )
+            except psycopg.Error as e:
+                refusal = lease_refusal(e, op)
+                if refusal is not None:
+                    raise refusal from None
+                raise
+            return [int(row[self.one_trip_function]) for row in curs.fetchall()]
+
+    def select_lease(self, run_id: UUID) -> Lease | None:
+        with self.datastore.get_connection() as conn, conn.cursor() as curs:
+            curs.execute(self.select_lease_statement, (run_id,), prepare=True)
+            row = curs.fetchone()
+        if row is None:
+            return None
+        return Lease(row["holder"], _as_utc(row["expires_at"]), row["token"])
+
+
+def lease_refusal(error: psycopg.Error, op: LeaseOp | None) -> LeaseRefused | None:
+    """The ``LeaseRefused`` a failed one-trip statement stands for, if it is one."""
+    if op is None or error.sqlstate not in (LEASE_HELD, LEASE_LOST):
+        return None
+    if error.sqlstate == LEASE_LOST:
+        return LeaseRefused(op, None)
+    diag = error.diag
+    holder = diag.message_primary or ""
+    until = datetime.fromtimestamp(float(diag.message_detail or 0), UTC)
+    return LeaseRefused(op, Lease(holder, until))
+
+
+def _leases_table(events_table_name: str) -> str:
+    """The lease table beside an events table (``runstore_events`` -> ``runstore_leases``)."""
+    base = events_table_name.removesuffix("_events")
+    return f"{base}_leases"

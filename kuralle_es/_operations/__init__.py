@@ -1,0 +1,1 @@
+"""Internal package (_operations); see README.md, "Architecture"."""

@@ -1,0 +1,1 @@
+"""Internal package (_runtime); see README.md, "Architecture"."""

@@ -1,0 +1,275 @@
+"""``RunContext``: what an ``action`` node sees (API). Thin wrappers over the funnel.
+
+A context is bound to one node visit: once the node has returned (or
+raised), every effect asked of it raises ``TurnClosedError`` and executes
+nothing, so a task the node left running cannot act for the run. While the
+visit lasts, the journal admits each effect (it refuses every effect after
+the turn suspended), docs/node-code.md.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Coroutine, Mapping
+from datetime import datetime, timedelta
+from typing import Any, Literal
+from uuid import uuid4
+
+from pydantic import BaseModel, ValidationError
+
+from .._definitions.tools import Tool
+from .._journal.sites import Effect, Site
+from .._journal.wait import APPROVAL, TIMER
+from ..errors import InvalidArgumentError, InvalidSignalError, TurnClosedError, UnknownToolError
+from ..shapes import ApprovalDecision, StreamPart
+from .cursor import Cursor
+from .suspensions import Schemas, approval_decision, is_deadline_deny, suspend
+from .tool_calls import run_tool
+from .writer import RunWriter, decode, utcnow
+
+__all__ = ["RunContext"]
+
+
+class RunContext:
+    """Durable effects for one node execution of one run."""
+
+    def __init__(
+        self,
+        writer: RunWriter,
+        cursor: Cursor,
+        tools: Mapping[str, Tool[Any]],
+        emit: Callable[[StreamPart], None],
+        schemas: Schemas,
+    ) -> None:
+        self._writer = writer
+        self._cursor = cursor
+        self._tools = tools
+        self._emit = emit
+        self._schemas = schemas
+        self._closed = False
+
+    @property
+    def run_id(self) -> str:
+        return self._writer.run_id
+
+    @property
+    def session_id(self) -> str:
+        return self._writer.session_id
+
+    def close(self) -> None:
+        """End this context's node visit (the driver calls it when the node is done)."""
+        self._closed = True
+
+    def _require_open(self, what: str) -> None:
+        if self._closed:
+            raise TurnClosedError(self._writer.run_id, what)
+
+    def _admit(self, what: str) -> None:
+        """Refuse an effect once the visit ended (``TurnClosedError``) or the turn
+        suspended (``SuspendError``); nothing is reserved or executed then."""
+        self._require_open(what)
+        self._writer.admit(what)
+
+    # ----------------------------------------------------------------- tools
+    def tool(
+        self,
+        name: str,
+        args: Any = None,
+        *,
+        callsite: int | None = None,
+        index: int | None = None,
+    ) -> Coroutine[Any, Any, Any]:
+        """Run a tool durably. The callsite is reserved now, when called, not when awaited.
+
+        Unknown names and invalid args are refused here, before any callsite
+        is taken or anything is journaled, and so is a request made after the
+        turn suspended. Awaited after the node returned, it raises ``TurnClosedError``.
+        """
+        self._admit(f"tool {name!r}")
+        tool = self._tools.get(name)
+        if tool is None:
+            raise UnknownToolError(name, list(self._tools))
+        validated = tool.validate(args)
+        explicit = _explicit_site(callsite, index)
+        return self._run_tool(self._cursor.request(explicit), tool, validated)
+
+    async def _run_tool(self, site: Site, tool: Tool[Any], args: BaseModel) -> Any:
+        try:
+            self._require_open(f"tool {tool.name!r}")
+            return await run_tool(self._writer, site, tool, args, self._emit)
+        finally:
+            self._cursor.settled()
+
+    # ------------------------------------------------------------- waiting
+    def approve(
+        self,
+        title: str,
+        description: str | None = None,
+        deadline: datetime | timedelta | float | None = None,
+    ) -> Coroutine[Any, Any, ApprovalDecision]:
+        """Suspend until an ``__approval`` signal arrives; returns the decision."""
+        self._admit("approval")
+        return self._approve(title, description, deadline)
+
+    async def _approve(
+        self, title: str, description: str | None, deadline: datetime | timedelta | float | None
+    ) -> ApprovalDecision:
+        self._require_open("approval")
+        payload = await self._wait(
+            APPROVAL, "approval", title=title, description=description, deadline=deadline
+        )
+        return approval_decision(payload)
+
+    def signal(
+        self,
+        name: str,
+        deadline: datetime | timedelta | float | None = None,
+        schema: type[BaseModel] | None = None,
+    ) -> Coroutine[Any, Any, Any]:
+        """Suspend until signal ``name`` arrives; returns its payload (validated by
+        ``schema`` when given, except the deadline sweeper's deny, returned as is)."""
+        if not isinstance(name, str) or not name or name.startswith("__"):
+            msg = f"signal name must be a non-empty string not starting with '__', got {name!r}"
+            raise InvalidArgumentError(msg)
+        self._admit(f"signal {name!r}")
+        return self._signal(name, deadline, schema)
+
+    async def _signal(
+        self,
+        name: str,
+        deadline: datetime | timedelta | float | None,
+        schema: type[BaseModel] | None,
+    ) -> Any:
+        self._require_open(f"signal {name!r}")
+        payload = await self._wait(name, "signal", deadline=deadline, schema=schema)
+        if schema is None or is_deadline_deny(payload):
+            return payload
+        try:
+            return schema.model_validate(payload)
+        except ValidationError as e:
+            raise InvalidSignalError(name, f"payload of signal {name!r}: {e}") from None
+
+    async def _wait(
+        self,
+        name: str,
+        kind: Literal["approval", "signal"],
+        *,
+        title: str | None = None,
+        description: str | None = None,
+        deadline: datetime | timedelta | float | None = None,
+        schema: type[BaseModel] | None = None,
+    ) -> Any:
+        site = self._cursor.request()
+        try:
+            step = self._writer.recorded(Effect(site, kind, name))
+            if step is not None and step["status"] == "finished":
+                return decode(step)
+            suspend(
+                self._writer,
+                site,
+                name=name,
+                kind=kind,
+                title=title,
+                description=description,
+                deadline=deadline,
+                schema=schema,
+                schemas=self._schemas,
+            )
+        finally:
+            self._cursor.settled()
+
+    # ----------------------------------------------------------------- sleep
+    def sleep(self, duration: float | timedelta) -> Coroutine[Any, Any, None]:
+        """Sleep durably for ``duration`` (seconds, or a ``timedelta``).
+
+        Takes one callsite and journals one ``timer`` step whose result is the
+        wake time, so a replay waits only for what is left of it (nothing,
+        once past it). A wake time within the runtime's ``inline_sleep_limit``
+        is waited out in this turn (the heartbeat keeps the lease); a later one
+        pauses the run on a ``timer`` wait that takes no delivery, until a
+        sweeper's ``fire_timers`` wakes it once it is due (docs/howto/recovery.md).
+        ``InvalidArgumentError`` for a negative or non-finite duration.
+        """
+        seconds = _seconds(duration)
+        self._admit("sleep")
+        return self._sleep(seconds)
+
+    async def _sleep(self, seconds: float) -> None:
+        self._require_open("sleep")
+        site = self._cursor.request()
+        try:
+            await self._sleep_at(site, seconds)
+        finally:
+            self._cursor.settled()
+
+    async def _sleep_at(self, site: Site, seconds: float) -> None:
+        recorded = await self._writer.record_value(
+            Effect(site, "timer", "sleep", {"seconds": seconds}),
+            make=lambda: {"wake_at": (utcnow() + timedelta(seconds=seconds)).isoformat()},
+        )
+        wake_at = datetime.fromisoformat(recorded["wake_at"])
+        left = (wake_at - utcnow()).total_seconds()
+        if left <= 0:
+            return
+        if left <= self._writer.inline_sleep_limit:
+            await self._writer.hold(left)
+            return
+        suspend(self._writer, site, name=TIMER, kind="timer", deadline=wake_at)
+
+    # ---------------------------------------------------------- clock, uuid
+    def now(self) -> Coroutine[Any, Any, datetime]:
+        """The current UTC time, recorded once and replayed identically."""
+        self._admit("now")
+        return self._now()
+
+    async def _now(self) -> datetime:
+        value = await self._value("now", lambda: utcnow().isoformat())
+        return datetime.fromisoformat(value)
+
+    def uuid(self) -> Coroutine[Any, Any, str]:
+        """A uuid4 string, recorded once and replayed identically."""
+        self._admit("uuid")
+        return self._uuid()
+
+    async def _uuid(self) -> str:
+        return str(await self._value("uuid", lambda: str(uuid4())))
+
+    async def _value(self, kind: Literal["now", "uuid"], make: Callable[[], str]) -> Any:
+        self._require_open(kind)
+        site = self._cursor.request()
+        try:
+            return await self._writer.record_value(Effect(site, kind, kind), make=make)
+        finally:
+            self._cursor.settled()
+
+    # ---------------------------------------------------------------- misc
+    def emit(self, part: Any) -> None:
+        """Send a custom part to the turn's stream (not journaled)."""
+        self._require_open("emit")
+        self._emit(StreamPart(type="custom", data=part))
+
+    def reserve_callsites(self, n: int) -> list[int]:
+        """Reserve ``n`` ordinals now; pass them as ``callsite=`` to later calls."""
+        self._require_open("reserve_callsites")
+        return self._cursor.reserve(n)
+
+
+def _seconds(duration: float | timedelta) -> float:
+    """A sleep's length in seconds, or ``InvalidArgumentError``."""
+    if isinstance(duration, timedelta):
+        seconds = duration.total_seconds()
+    elif isinstance(duration, int | float) and not isinstance(duration, bool):
+        seconds = float(duration)
+    else:
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds < 0:
+        msg = f"sleep takes a number of seconds or a timedelta, 0 or more; got {duration!r}"
+        raise InvalidArgumentError(msg)
+    return seconds
+
+
+def _explicit_site(callsite: int | None, index: int | None) -> int | None:
+    if callsite is not None and index is not None and callsite != index:
+        msg = f"callsite={callsite} and index={index} disagree; pass one of them"
+        raise InvalidArgumentError(msg)
+    return callsite if callsite is not None else index

@@ -1,0 +1,261 @@
+"""Deliveries to a paused run: checked, in order, then accepted (internal).
+
+A delivery is checked in the order docs/contract.md gives (duplicate, match,
+deadline, payload); every refusal raises before anything is written.
+Acceptance hands the run's writer the delivery and journals the wait's step
+through the funnel; the turn saves them with its lease in one
+compare-and-set, so of two racing identical deliveries exactly one is
+stored. ``approval_delivery`` is an approve or deny as the delivery it is,
+so the approval's shape is written once (``Runtime.approve``, the dashboard,
+the HTTP API).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any
+from uuid import uuid4
+
+from pydantic import BaseModel, ValidationError
+
+from .._definitions.budget import Budget
+from .._journal.json_data import encode_json, plain_json_problem
+from .._journal.run import CANCELLED, Run
+from .._journal.sites import Effect, Lane, Site
+from .._journal.wait import APPROVAL, BUDGET, IN_DOUBT, Wait
+from ..errors import InvalidSignalError, KuralleError, SignalMismatchError
+from ..shapes import SignalDelivery, StepKind
+from .suspensions import Schemas
+from .writer import RunWriter
+
+__all__ = [
+    "accept",
+    "approval_delivery",
+    "check",
+    "is_duplicate",
+    "validate_payload",
+    "waits_for",
+]
+
+
+def validate_payload(wait: Wait, payload: Any, schemas: Schemas, *, from_sweeper: bool) -> Any:
+    """The payload as it will be journaled, or ``InvalidSignalError`` naming the problem."""
+    name = wait.name
+    if isinstance(payload, BaseModel):
+        payload = payload.model_dump(mode="json")
+    problem = plain_json_problem(payload)
+    if problem is not None:
+        msg = (
+            f"the payload of signal {name!r} {problem}; send plain JSON data "
+            "(string keys, finite numbers, valid Unicode)"
+        )
+        raise InvalidSignalError(name, msg)
+    try:
+        encode_json(payload, f"the payload of signal {name!r}")
+    except (TypeError, KuralleError) as e:
+        raise InvalidSignalError(name, f"{e}; send a JSON payload within the size bound") from None
+    if from_sweeper:
+        return payload
+    if name == APPROVAL:
+        _check_approval(payload)
+    elif name == BUDGET:
+        _check_approval(payload, BUDGET)
+        _check_raise_to(payload.get("raise_to"))
+    elif name == IN_DOUBT:
+        _check_in_doubt(payload)
+    else:
+        schema = schemas.find(wait.schema_topic)
+        if schema is not None:
+            try:
+                schema.model_validate(payload)
+            except ValidationError as e:
+                msg = (
+                    f"payload of signal {name!r} fails {schema.__name__}: "
+                    f"{e.errors(include_url=False)}; send a payload matching the schema"
+                )
+                raise InvalidSignalError(name, msg) from None
+    return payload
+
+
+def _check_approval(payload: Any, name: str = APPROVAL) -> None:
+    if not isinstance(payload, Mapping) or not isinstance(payload.get("approved"), bool):
+        msg = (
+            f"an approval payload must be a mapping with a boolean 'approved' "
+            f"(optional 'by', 'reason'), got {payload!r}"
+        )
+        raise InvalidSignalError(name, msg)
+    for field in ("by", "reason"):
+        value = payload.get(field)
+        if value is not None and not isinstance(value, str):
+            msg = f"approval field {field!r} must be a string or absent, got {value!r}"
+            raise InvalidSignalError(name, msg)
+
+
+def _check_raise_to(raise_to: Any) -> None:
+    """A budget approval's ``raise_to``: absent, or new values of ``Budget`` limits."""
+    if raise_to is None:
+        return
+    limits = set(Budget.model_fields) - {"on_exceed"}
+    problem = None
+    if not isinstance(raise_to, Mapping) or not raise_to:
+        problem = f"must be a non-empty mapping of {sorted(limits)}"
+    elif not set(raise_to) <= limits:
+        problem = f"may only raise {sorted(limits)}, got {sorted(raise_to)}"
+    else:
+        try:
+            Budget.model_validate(dict(raise_to))
+        except ValidationError as e:
+            problem = f"is not valid: {e.errors(include_url=False)}"
+    if problem is not None:
+        msg = f"the approval's 'raise_to' {problem}; e.g. {{'max_total_tokens': 20000}}"
+        raise InvalidSignalError(BUDGET, msg)
+
+
+def _check_in_doubt(payload: Any) -> None:
+    action = payload.get("action") if isinstance(payload, Mapping) else None
+    if action not in ("retry", "resolve", "fail"):
+        msg = (
+            "an in-doubt answer must be {'action': 'retry'}, "
+            "{'action': 'resolve', 'result': ...} or {'action': 'fail', 'message': ...}; "
+            f"got {payload!r}"
+        )
+        raise InvalidSignalError(IN_DOUBT, msg)
+    if action == "resolve" and "result" not in payload:
+        msg = "an in-doubt 'resolve' answer needs the 'result' to record"
+        raise InvalidSignalError(IN_DOUBT, msg)
+
+
+def is_duplicate(run: Run, delivery: SignalDelivery) -> bool:
+    """Whether the run already has this delivery (its ``signal_id``): a no-op."""
+    if not isinstance(delivery.signal_id, str) or not delivery.signal_id.strip():
+        raise InvalidSignalError(
+            delivery.name, "signal_id must be a non-empty string; give each delivery a stable id"
+        )
+    return delivery.signal_id in run.signal_ids
+
+
+def _state_of(run: Run) -> str:
+    """The run's status, with why it was aborted (a refusal says so clearly)."""
+    if run.outcome and (run.status == "aborted" or run.outcome.startswith(CANCELLED)):
+        return f"{run.status} ({run.outcome})"
+    return run.status
+
+
+def check(
+    run: Run,
+    delivery: SignalDelivery,
+    now: datetime,
+    schemas: Schemas,
+    *,
+    from_sweeper: bool = False,
+) -> Any:
+    """The payload to journal, or a refusal. (A delivery the run already has is
+    a no-op the turn answers before it checks anything: ``is_duplicate``.)"""
+    wait = run.waiting
+    if run.status != "paused" or wait is None:
+        raise SignalMismatchError(
+            run.run_id,
+            f"run {run.run_id} is {_state_of(run)} and waits for no signal; "
+            f"signal {delivery.name!r} was not delivered",
+        )
+    if wait.kind == "timer":
+        until = wait.deadline.isoformat() if wait.deadline is not None else "its wake time"
+        raise SignalMismatchError(
+            run.run_id,
+            f"run {run.run_id} sleeps on a durable timer until {until} and takes no "
+            f"delivery; signal {delivery.name!r} was not delivered (fire_timers wakes it)",
+        )
+    if wait.kind == "input":
+        raise SignalMismatchError(
+            run.run_id,
+            f"run {run.run_id} waits for input at a collect node, which is sent as text "
+            f"(runtime.run(..., input=...)), not as a signal; signal {delivery.name!r} "
+            "was not delivered",
+        )
+    if not _names_match(delivery.name, wait):
+        raise SignalMismatchError(
+            run.run_id,
+            f"run {run.run_id} waits for {wait.name!r}, not {delivery.name!r}; "
+            "deliver the signal it waits for",
+        )
+    if delivery.request_id is not None and delivery.request_id != wait.request_id:
+        raise SignalMismatchError(
+            run.run_id,
+            f"request_id {delivery.request_id!r} does not match the pending request "
+            f"{wait.request_id!r} of run {run.run_id}; read waiting_for again",
+        )
+    if wait.deadline is not None and not from_sweeper and now > wait.deadline:
+        raise SignalMismatchError(
+            run.run_id,
+            f"signal {delivery.name!r} to run {run.run_id} expired before delivery "
+            f"(deadline {wait.deadline.isoformat()}); the deadline sweeper will deny it",
+        )
+    return validate_payload(wait, delivery.payload, schemas, from_sweeper=from_sweeper)
+
+
+def _names_match(name: str, wait: Wait) -> bool:
+    """Whether a delivery named ``name`` is for ``wait``: its own name, or
+    ``__approval`` for any approval (a budget's ``__budget`` too), so every way
+    of approving (Python, CLI, dashboard, HTTP) answers every approval."""
+    return name == wait.name or (name == APPROVAL and wait.kind == "approval")
+
+
+def waits_for(run: Run, delivery: SignalDelivery) -> bool:
+    """Whether a paused run's wait matches this delivery's name and request id."""
+    wait = run.waiting
+    return (
+        run.status == "paused"
+        and wait is not None
+        and _names_match(delivery.name, wait)
+        and delivery.request_id in (None, wait.request_id)
+    )
+
+
+async def accept(writer: RunWriter, delivery: SignalDelivery, payload: Any) -> None:
+    """Journal an accepted delivery: the payload and actor, and the wait's step.
+
+    The wait's step is journaled through the funnel at the site that
+    suspended, so re-executing the node finds the payload there.
+    """
+    wait = writer.waiting
+    assert wait is not None, "check() accepts deliveries to paused runs only"
+    writer.accept_signal(delivery, payload)
+    if wait.name == IN_DOUBT and wait.step_index is not None:
+        answer = dict(payload)
+        if "action" not in answer:  # the deadline sweeper's deny
+            answer = {"action": "fail", "message": str(answer.get("reason", "denied"))}
+        writer.answer_in_doubt(wait.step_index, answer)
+        await writer.persist()
+        return
+    if wait.name == BUDGET and payload.get("approved") and payload.get("raise_to"):
+        writer.raise_budget(dict(payload["raise_to"]))
+    site = Site(wait.logical_run, wait.callsite, wait.lane)
+    operation = wait.operation.model_dump(mode="json") if wait.operation else None
+    kind: StepKind = "approval" if wait.kind == "approval" else "signal"
+    args = {"operation": operation} if wait.lane is Lane.APPROVAL else None
+    await writer.record_value(Effect(site, kind, wait.name, args), make=lambda: payload)
+def approval_delivery(
+    *,
+    approved: bool,
+    by: str,
+    reason: str | None = None,
+    signal_id: str | None = None,
+    request_id: str | None = None,
+    raise_to: dict[str, Any] | None = None,
+) -> SignalDelivery:
+    """The ``__approval`` delivery of a decision by ``by`` (the journaled actor); a fresh
+    ``signal_id`` unless one is given (give one to make a retry a no-op). It answers
+    any approval, a budget's too; ``raise_to`` raises a budget's limits."""
+    payload: dict[str, Any] = {"approved": approved, "by": by}
+    if reason is not None:
+        payload["reason"] = reason
+    if raise_to is not None:
+        payload["raise_to"] = raise_to
+    return SignalDelivery(
+        signal_id=signal_id or uuid4().hex,
+        name=APPROVAL,
+        payload=payload,
+        request_id=request_id,
+        actor=by,
+    )

@@ -1,0 +1,151 @@
+"""Model turns as journaled ``model`` steps, and the chat messages they make.
+
+A model call is an effect like a tool call: its intent is journaled before
+the call, so a call cut off by a crash is in doubt and its re-run is the
+step's next attempt (every attempt is counted in the run's usage). Before a
+fresh call the run's budget is checked (docs/usage.md): a call that would
+start past it fails the run, or waits for a human's yes on ``__budget``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from .._definitions.budget import Budget
+from .._definitions.llm import Model, ModelRequest, ModelResponse, ModelResponseError, as_response
+from .._journal.json_data import plain_json_problem
+from .._journal.sites import Effect, Lane, Site
+from .._journal.wait import BUDGET
+from ..errors import BudgetExceededError, InvalidArgumentError
+from ..shapes import Message
+from .cursor import Cursor
+from .suspensions import approval_decision, frozen_operation, suspend
+from .writer import RunWriter, decode
+
+__all__ = ["assistant_message", "model_call", "model_turn", "tool_message"]
+
+
+def model_call(site: Site, model_id: str, purpose: str) -> Effect:
+    """A model turn at ``site``, as the journal files it."""
+    return Effect(site, "model", model_id, {"purpose": purpose})
+
+
+async def model_turn(
+    writer: RunWriter,
+    cursor: Cursor,
+    model: Model | None,
+    request: ModelRequest,
+    on_new: Callable[[ModelResponse], None] | None = None,
+    budget: Budget | None = None,
+) -> ModelResponse:
+    """Ask ``model`` once, journaled: a replay returns the recorded response.
+
+    The intent is saved before the call and the response (content, tool
+    calls, usage) after it; ``on_new`` runs only for a fresh answer, and the
+    events it triggers (the assistant message) are saved with the response.
+    A call that fails journals nothing more: the next pass asks again.
+    ``budget`` is the agent's (the run's own replaces it).
+    """
+    if model is None:
+        msg = (
+            f"run {writer.run_id} needs a model for a {request.purpose!r} turn, but its "
+            "agent has none; pass model= to define_agent: openai_model(...), any object with "
+            "an id and async respond(request), or kuralle_es.testing.ScriptedModel offline "
+            "(docs/agents.md)"
+        )
+        raise InvalidArgumentError(msg)
+    site = cursor.take()
+    model_id = model.id
+    call = model_call(site, model_id, request.purpose)
+    if writer.recorded(call) is None:
+        await _within_budget(writer, site, budget)
+
+    async def ask() -> dict[str, Any]:
+        answer = as_response(model_id, await model.respond(request))
+        # Nothing of a refused response is journaled: the next pass asks again.
+        # JSON mode would replace a lone surrogate in a key, so look at both dumps.
+        problem = plain_json_problem(answer.model_dump(), other_types_ok=True)
+        if problem is None:
+            try:
+                dumped = answer.model_dump(mode="json")
+            except (ValueError, UnicodeError) as e:
+                raise ModelResponseError(model_id, f"the response is not JSON: {e}") from None
+            problem = plain_json_problem(dumped)
+        if problem is not None:
+            raise ModelResponseError(model_id, f"the response {problem}")
+        return dumped
+
+    def recorded(value: Any) -> None:
+        if on_new is not None:
+            on_new(ModelResponse.model_validate(value))
+
+    value = await writer.effect(
+        call,
+        execute=ask,
+        on_recorded=recorded,
+        journal_errors=False,
+    )
+    return ModelResponse.model_validate(value)
+
+
+async def _within_budget(writer: RunWriter, site: Site, agent_budget: Budget | None) -> None:
+    """Let a fresh model call start, or stop it: past the budget, ``"fail"`` raises
+    ``BudgetExceededError`` and ``"ask"`` waits for a human on ``__budget`` (in a
+    lane beside the call, so the run's callsites stay as they were). Approved,
+    the call goes on (under the raised limits, if the approval raised them);
+    denied, the run ends with outcome ``"budget exceeded"``."""
+    budget = writer.budget(agent_budget)
+    if budget is None:
+        return
+    usage = await writer.usage()
+    reached = budget.exceeded_by(usage)
+    if not reached:
+        return
+    spent = usage.model_dump(mode="json", exclude={"tool_calls"})
+    if budget.on_exceed == "fail":
+        raise BudgetExceededError(writer.run_id, reached, spent, budget.limits())
+    approval = site.in_lane(Lane.BUDGET)
+    step = writer.recorded(Effect(approval, "approval", BUDGET))
+    if step is not None and step["status"] == "finished":
+        if approval_decision(decode(step)).approved:
+            return
+        writer.stop("budget exceeded")
+    suspend(
+        writer,
+        approval,
+        name=BUDGET,
+        kind="approval",
+        title="Approve spending past the budget",
+        description=f"the run reached {', '.join(reached)}; approve (with raise_to) or deny",
+        operation=frozen_operation(BUDGET, {"usage": spent, "budget": budget.limits()}),
+    )
+
+
+def assistant_message(response: ModelResponse) -> Message:
+    """The OpenAI chat message of an assistant response (with its tool calls)."""
+    tool_calls = [
+        {
+            "id": call.id,
+            "type": "function",
+            "function": {"name": call.name, "arguments": _arguments_text(call.args)},
+        }
+        for call in response.tool_calls
+    ]
+    return Message(role="assistant", content=response.content, tool_calls=tool_calls or None)
+
+
+def _arguments_text(args: dict[str, Any]) -> str:
+    """The arguments as the model sent them (its own text when it was not JSON)."""
+    raw = args.get("__malformed_arguments__")
+    return str(raw) if raw is not None else json.dumps(args)
+
+
+def tool_message(tool_call_id: str, name: str, result: Any) -> Message:
+    return Message(
+        role="tool",
+        tool_call_id=tool_call_id,
+        name=name,
+        content=json.dumps(result, ensure_ascii=False),
+    )

@@ -1,0 +1,369 @@
+"""``Runtime`` (API): builds a turn command for each call and runs it through a handle.
+
+A turn is one call of ``Runtime.run``. The command addresses a run
+fail-closed, the turn takes the run's lease with a compare-and-set save,
+drives the run's flow (or agent loop) through the journal, and closes the
+run (finished, paused or errored) with the lease released, in one more save.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import socket
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+from uuid import uuid4
+
+from .._definitions.agents import Agent
+from .._definitions.budget import Budget
+from .._definitions.flows import Flow
+from .._journal.spending import validate_prices
+from .._journal.store import RunStore
+from ..errors import InvalidArgumentError, RunNotFoundError
+from ..shapes import RunState, SignalDelivery, StepRecord, TurnResult
+from .cancel import cancel_run
+from .deliveries import approval_delivery
+from .handle import TurnHandle, TurnSink
+from .input_checks import check_turn_args
+from .migrate import migrate_run
+from .registry import Registry
+from .turn import drive_turn
+from .turn_calls import (
+    Command,
+    Converse,
+    Deliver,
+    Fork,
+    Input,
+    RestartFlow,
+    Resume,
+    StartFlow,
+    TurnEnv,
+    drifted_run,
+    load_run,
+)
+from .writer import Abandon, change_run
+
+if TYPE_CHECKING:
+    from ..views import RunViews
+
+__all__ = ["Runtime"]
+
+#: What ``resolve_drift`` accepts.
+RECOVERIES = ("restart", "abandon")
+#: The outcome of a run abandoned after its flow changed.
+ABANDONED = "abandoned: flow drift"
+
+
+def _default_holder() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid4().hex[:8]}"
+
+
+class Runtime:
+    """Runs agents and flows durably over a ``RunStore``."""
+
+    def __init__(
+        self,
+        agents: Sequence[Agent] = (),
+        store: RunStore | None = None,
+        lease_ttl: float = 30.0,
+        holder: str | None = None,
+        max_tool_concurrency: int = 8,
+        inline_sleep_limit: float = 1.0,
+        prices: Mapping[str, tuple[float, float]] | None = None,
+    ) -> None:
+        if not isinstance(lease_ttl, int | float) or lease_ttl <= 0:
+            msg = f"lease_ttl must be a positive number of seconds, got {lease_ttl!r}"
+            raise InvalidArgumentError(msg)
+        if (
+            not isinstance(inline_sleep_limit, int | float)
+            or isinstance(inline_sleep_limit, bool)
+            or inline_sleep_limit < 0
+        ):
+            msg = (
+                "inline_sleep_limit must be a number of seconds, 0 or more, "
+                f"got {inline_sleep_limit!r}"
+            )
+            raise InvalidArgumentError(msg)
+        self._registry = Registry(agents)
+        self._owns_store = store is None
+        self.store = store if store is not None else RunStore()
+        self.lease_ttl = float(lease_ttl)
+        self.holder = holder or _default_holder()
+        self.max_tool_concurrency = max_tool_concurrency
+        #: A ``ctx.sleep`` that wakes within this many seconds sleeps inline; a
+        #: longer one pauses the run until a sweeper's ``fire_timers`` wakes it.
+        self.inline_sleep_limit = float(inline_sleep_limit)
+        #: What 1,000 input and output tokens of each model cost (docs/usage.md).
+        self.prices = validate_prices(prices)
+        self._env = TurnEnv(
+            registry=self._registry,
+            store=self.store,
+            holder=self.holder,
+            lease_ttl=self.lease_ttl,
+            max_tool_concurrency=max_tool_concurrency,
+            inline_sleep_limit=self.inline_sleep_limit,
+            prices=self.prices,
+        )
+
+    @property
+    def agents(self) -> dict[str, Agent]:
+        """The runtime's agents, by id."""
+        return self._registry.agents
+
+    @property
+    def env(self) -> TurnEnv:
+        """What this runtime's turns work with (internal: the sweeps drive turns with it)."""
+        return self._env
+
+    @functools.cached_property
+    def views(self) -> RunViews:
+        """Queries over the runs of this runtime's store (made on first use)."""
+        from ..views import RunViews
+
+        return RunViews(self.store, prices=self.prices)
+
+    # ------------------------------------------------------------- lifecycle
+    def close(self) -> None:
+        """Close the store if this runtime opened it from the environment."""
+        if self._owns_store:
+            self.store.close()
+
+    async def __aenter__(self) -> Runtime:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------- turns
+    def run(
+        self,
+        session_id: str,
+        input: str | None = None,
+        kind: str | None = None,
+        flow_name: str | None = None,
+        run_id: str | None = None,
+        signal_delivery: SignalDelivery | None = None,
+        idempotency_key: str | None = None,
+        budget: Budget | None = None,
+    ) -> TurnHandle:
+        """Start a turn; returns its handle at once (errors surface through it).
+
+        ``budget`` gives the run a budget of its own from this turn on, in place
+        of its agent's (docs/usage.md).
+        """
+
+        def command() -> Command:
+            check_turn_args(session_id, input, idempotency_key, signal_delivery)
+            if budget is not None and not isinstance(budget, Budget):
+                msg = f"budget must be a kuralle_es.Budget, got {budget!r}"
+                raise InvalidArgumentError(msg)
+            if signal_delivery is not None:
+                return Deliver(session_id, run_id, signal_delivery, idempotency_key)
+            if run_id is not None:
+                if input is not None:
+                    return Input(session_id, run_id, input, idempotency_key)
+                return Resume(session_id, run_id, idempotency_key)
+            if kind == "flow":
+                return StartFlow(session_id, flow_name, input, idempotency_key)
+            if kind not in (None, "conversation"):
+                msg = f"kind must be 'conversation' or 'flow', got {kind!r}"
+                raise InvalidArgumentError(msg)
+            return Converse(session_id, input, flow_name, idempotency_key)
+
+        async def turn(sink: TurnSink) -> TurnResult:
+            return await drive_turn(self._env, command(), sink, budget)
+
+        return TurnHandle(turn)
+
+    # ----------------------------------------------------------------- reads
+    async def get_run(self, run_id: str, session_id: str) -> RunState | None:
+        """The run's state, or None when it is unknown or of another session."""
+        run = await load_run(self.store, run_id, session_id)
+        if run is None:
+            return None
+        return run.to_state(await self.store.lease_async(run_id))
+
+    async def get_steps(self, run_id: str, session_id: str) -> list[StepRecord]:
+        """The run's journal; empty when the run is unknown or of another session
+        (like ``get_run``'s None: a read never says whether a foreign run exists)."""
+        run = await load_run(self.store, run_id, session_id, history=True)
+        return run.step_records() if run is not None else []
+
+    # ------------------------------------------------------------------ fork
+    async def fork(
+        self, run_id: str, session_id: str, at_step: int, *, into_session: str | None = None
+    ) -> TurnResult:
+        """Fork a flow run at step ``at_step``; the fork's turn result (its errors raised).
+
+        The fork is a new flow run (a fresh id, in ``into_session`` or the
+        original's session) standing where the original stood just before
+        step ``at_step`` started: the same node entries, messages and state
+        bag, and copies of steps ``0 .. at_step - 1`` with their recorded
+        results, re-keyed under the fork's own logical run (a tool's
+        ``idempotency_key=`` override keeps its key). It is pinned to the
+        flow's current digest and driven within this call, like a resumed
+        run, to its next pause or its end: the active node re-executes,
+        replaying the copies (``NonDeterminismError`` if the code no longer
+        matches them) and executing afresh from ``at_step``. The original is
+        only read. ``RunState.forked_from`` says where the fork came from.
+
+        ``at_step`` is ``0 .. len(steps)``: 0 re-executes everything from the
+        original's first message, ``len(steps)`` replays everything. Refused
+        with ``InvalidArgumentError``: a conversation run, ``at_step`` out of
+        range or inside a parallel batch; ``RunNotFoundError``: an unknown or
+        foreign run; ``FlowNotFoundError``: a flow this runtime does not have.
+        A refusal writes nothing.
+        """
+        if into_session is not None and (not isinstance(into_session, str) or not into_session):
+            msg = f"into_session must be a non-empty session id or None, got {into_session!r}"
+            raise InvalidArgumentError(msg)
+        command = Fork(session_id, run_id, at_step, into_session)
+        return await TurnHandle(lambda sink: drive_turn(self._env, command, sink)).result()
+
+    async def migrate(self, run_id: str, session_id: str, at_step: int) -> TurnResult:
+        """Move a live flow run onto its flow's newest definition; the fork's turn result.
+
+        Forks the run at step ``at_step`` (exactly ``fork``: steps before it
+        replay, the rest executes afresh under the newest definition, within
+        this call, to the fork's next pause or its end), then stops the
+        original for good: ``aborted`` with outcome ``"migrated: <fork id>"``
+        and ``RunState.migrated_to`` set to the fork's id, whoever holds its
+        lease. The fork's id is derived from the run's id and ``at_step``, so
+        a migration retried after a crash between the fork and the stop (or
+        racing another) finds the one fork, drives it on if it was cut off,
+        and stops the original: it converges. A fork whose turn raises (its
+        replay no longer matches the code: ``NonDeterminismError``) leaves
+        the original as it was.
+
+        Refused, writing nothing, where ``fork`` refuses (``InvalidArgumentError``,
+        ``RunNotFoundError``), and for a finished or aborted run or one already
+        migrated at another step (``InvalidArgumentError``).
+        """
+        return await migrate_run(self._env, run_id, session_id, at_step)
+
+    # ----------------------------------------------------------------- drift
+    async def resolve_drift(self, run_id: str, session_id: str, recovery: str) -> RunState:
+        """Settle a run whose flow changed since it started; returns its state after.
+
+        ``"restart"`` re-pins the flow's current definition and drives it from
+        its start node, within this call, to its next pause or its end (a turn:
+        its errors are raised as from ``handle.result()``). ``"abandon"`` marks
+        the run ``aborted`` with outcome ``"abandoned: flow drift"``. A bad
+        ``recovery`` or a run without drift is ``InvalidArgumentError``; an
+        unknown or foreign run ``RunNotFoundError``; nothing is written then.
+        """
+        if recovery not in RECOVERIES:
+            msg = f"recovery must be 'restart' or 'abandon', got {recovery!r}"
+            raise InvalidArgumentError(msg)
+        if recovery == "restart":
+            await TurnHandle(
+                lambda sink: drive_turn(self._env, RestartFlow(session_id, run_id), sink)
+            ).result()
+            state = await self.get_run(run_id, session_id)
+            if state is None:  # pragma: no cover - the turn just saved it
+                raise RunNotFoundError(run_id, session_id)
+            return state
+        await drifted_run(self._env, run_id, session_id)
+        run = await change_run(self.store, run_id, session_id, Abandon(self.holder, ABANDONED))
+        return run.to_state(await self.store.lease_async(run_id))
+
+    # ------------------------------------------------------ execution control
+    async def cancel(self, run_id: str, session_id: str, reason: str) -> RunState:
+        """Stop a run, whoever holds its lease; returns its state after.
+
+        A flow run becomes ``aborted`` with outcome ``"cancelled: <reason>"``
+        and its wait cleared; a conversation run's current turn ends the same
+        way but the run stays usable (``finished``; the next user message opens
+        a new epoch). A turn driving the run elsewhere loses its next save and
+        stops without executing anything further. Cancelling an aborted (or
+        already cancelled) run is a no-op; a finished run is refused with
+        ``InvalidArgumentError``; an unknown or foreign run is
+        ``RunNotFoundError``.
+        """
+        return await cancel_run(self.store, run_id, session_id, reason)
+
+    async def approve(
+        self,
+        run_id: str,
+        session_id: str,
+        *,
+        by: str,
+        reason: str | None = None,
+        signal_id: str | None = None,
+        raise_to: dict[str, Any] | None = None,
+    ) -> TurnResult:
+        """Approve what the run waits for, as ``by``; the turn's result (its errors raised).
+
+        Exactly ``run(..., signal_delivery=...)`` of an ``__approval`` with
+        ``actor=by`` and a fresh ``signal_id`` unless one is given (give one to
+        make a retry a no-op). It answers any approval, a budget's too, whose
+        limits ``raise_to`` raises (``{"max_total_tokens": 20000}``, docs/usage.md).
+        """
+        return await self._decide(run_id, session_id, True, by, reason, signal_id, raise_to)
+
+    async def deny(
+        self,
+        run_id: str,
+        session_id: str,
+        *,
+        by: str,
+        reason: str | None = None,
+        signal_id: str | None = None,
+    ) -> TurnResult:
+        """Deny what the run waits for, as ``by``; like ``approve`` with ``approved`` false."""
+        return await self._decide(run_id, session_id, False, by, reason, signal_id)
+
+    async def signal(
+        self,
+        run_id: str,
+        session_id: str,
+        name: str,
+        payload: Any,
+        *,
+        signal_id: str | None = None,
+        actor: str | None = None,
+    ) -> TurnResult:
+        """Deliver signal ``name`` with ``payload``; the turn's result (its errors raised).
+
+        Exactly ``run(..., signal_delivery=SignalDelivery(...))`` with a fresh
+        ``signal_id`` unless one is given.
+        """
+        delivery = SignalDelivery(
+            signal_id=signal_id or uuid4().hex, name=name, payload=payload, actor=actor
+        )
+        return await self.run(session_id, run_id=run_id, signal_delivery=delivery).result()
+
+    async def _decide(
+        self,
+        run_id: str,
+        session_id: str,
+        approved: bool,
+        by: str,
+        reason: str | None,
+        signal_id: str | None,
+        raise_to: dict[str, Any] | None = None,
+    ) -> TurnResult:
+        delivery = approval_delivery(
+            approved=approved, by=by, reason=reason, signal_id=signal_id, raise_to=raise_to
+        )
+        return await self.run(session_id, run_id=run_id, signal_delivery=delivery).result()
+
+    # ----------------------------------------------------------- definitions
+    def default_agent(self) -> Agent:
+        """The agent a new conversation starts with: the first one given."""
+        return self._registry.default_agent()
+
+    def agent(self, agent_id: str | None) -> Agent:
+        """The agent with this id, or ``InvalidArgumentError``."""
+        return self._registry.agent(agent_id)
+
+    def flow(self, name: str) -> tuple[Agent, Flow]:
+        """The flow called ``name`` with its agent, or ``FlowNotFoundError``."""
+        return self._registry.flow(name)

@@ -1,0 +1,156 @@
+"""Suspending a turn on a wait (internal).
+
+Suspending raises ``SuspendError`` carrying a typed ``Wait``; the turn
+catches it, pauses the run and ends cleanly. The writer keeps the turn's
+first suspension: node code that catches it and goes on gets it again at its
+next effect (docs/node-code.md). Re-suspending on the same wait keeps its
+``request_id`` and deadline, so a supervisor's pending link stays valid.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import UTC, datetime, timedelta
+from typing import Any, NoReturn
+from uuid import uuid4
+
+from eventsourcing.utils import get_topic, resolve_topic
+from pydantic import BaseModel
+
+from .._journal.keys import canonical_json, sha256_hex
+from .._journal.sites import Site
+from .._journal.wait import Wait
+from ..errors import InvalidArgumentError
+from ..shapes import ApprovalDecision, FrozenOperation, WaitKind
+from .writer import RunWriter, utcnow
+
+__all__ = [
+    "DEADLINE_DENY",
+    "Schemas",
+    "approval_decision",
+    "frozen_operation",
+    "is_deadline_deny",
+    "suspend",
+]
+
+#: What the deadline sweeper delivers to a wait whose deadline passed.
+DEADLINE_DENY: dict[str, Any] = {
+    "approved": False,
+    "denied": True,
+    "by": "deadline",
+    "reason": "deadline-expired",
+}
+
+
+class Schemas:
+    """Payload schemas of ``ctx.signal`` seen by one runtime, by topic.
+
+    A delivery validates against the class the run suspended with, even one
+    defined where ``resolve_topic`` can't reach (inside a function).
+    """
+
+    def __init__(self) -> None:
+        self._by_topic: dict[str, type[BaseModel]] = {}
+
+    def remember(self, schema: type[BaseModel]) -> str:
+        topic = get_topic(schema)
+        self._by_topic[topic] = schema
+        return topic
+
+    def find(self, topic: str | None) -> type[BaseModel] | None:
+        """The schema of ``topic``, or None when it can be found neither here nor by import."""
+        if not topic:
+            return None
+        schema = self._by_topic.get(topic)
+        if schema is not None:
+            return schema
+        try:
+            resolved = resolve_topic(topic)
+        except Exception:
+            # Not importable here: ctx.signal validates on re-execution instead.
+            return None
+        if isinstance(resolved, type) and issubclass(resolved, BaseModel):
+            return resolved
+        return None
+
+
+def frozen_operation(tool_name: str, args: Any) -> FrozenOperation:
+    return FrozenOperation(
+        tool_name=tool_name, args=args, args_hash=sha256_hex(canonical_json(args))
+    )
+
+
+def _absolute(deadline: datetime | timedelta | float | None) -> datetime | None:
+    if deadline is None:
+        return None
+    if isinstance(deadline, datetime):
+        if deadline.tzinfo is None:
+            msg = "deadline must be timezone-aware (e.g. datetime.now(UTC) + timedelta(...))"
+            raise InvalidArgumentError(msg)
+        return deadline.astimezone(UTC)
+    if isinstance(deadline, timedelta):
+        return utcnow() + deadline
+    return utcnow() + timedelta(seconds=float(deadline))
+
+
+def suspend(
+    writer: RunWriter,
+    site: Site,
+    *,
+    name: str,
+    kind: WaitKind,
+    title: str | None = None,
+    description: str | None = None,
+    deadline: datetime | timedelta | float | None = None,
+    operation: FrozenOperation | None = None,
+    step_index: int | None = None,
+    schema: type[BaseModel] | None = None,
+    schemas: Schemas | None = None,
+) -> NoReturn:
+    """Stop the turn until ``name`` is delivered for this site.
+
+    The journal keeps the turn's first suspension: node code that catches
+    this ``SuspendError`` and goes on gets it again at its next effect.
+    """
+    current = writer.waiting
+    if current is not None and current.is_at(site.logical_run, site.callsite, name, site.lane):
+        request_id = current.request_id
+        absolute = current.deadline or _absolute(deadline)
+    else:
+        request_id = uuid4().hex
+        absolute = _absolute(deadline)
+    topic = None
+    if schema is not None:
+        topic = (schemas or Schemas()).remember(schema)
+    wait = Wait(
+        name=name,
+        callsite=site.callsite,
+        kind=kind,
+        request_id=request_id,
+        logical_run=site.logical_run,
+        title=title,
+        description=description,
+        deadline=absolute,
+        operation=operation,
+        lane=site.lane,
+        step_index=step_index,
+        schema_topic=topic,
+    )
+    writer.suspend(wait)
+
+
+def is_deadline_deny(payload: Any) -> bool:
+    return isinstance(payload, Mapping) and dict(payload) == DEADLINE_DENY
+
+
+def approval_decision(payload: Any) -> ApprovalDecision:
+    """``ctx.approve()``'s answer, built from a validated approval payload."""
+    data = dict(payload)
+    return ApprovalDecision(
+        approved=bool(data.pop("approved")),
+        by=data.pop("by", None),
+        reason=data.pop("reason", None),
+        data=data,
+    )
+
+

@@ -1,0 +1,146 @@
+"""Running one tool call durably: policy, approval, in-doubt, then the funnel.
+
+Both ``ctx.tool`` (action nodes) and the agent loop (model-requested calls)
+run tools through ``run_tool``, so a tool behaves the same whoever calls it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from pydantic import BaseModel
+
+from .._definitions.tools import Tool
+from .._journal.run import StepData
+from .._journal.sites import Effect, Lane, Site
+from .._journal.wait import APPROVAL, IN_DOUBT
+from ..errors import ToolApprovalDeniedError
+from ..shapes import StreamPart, ToolCall
+from .suspensions import approval_decision, frozen_operation, suspend
+from .writer import RunWriter, decode
+
+__all__ = ["run_tool", "tool_call", "tool_effect"]
+
+
+def tool_effect(site: Site, tool: Tool[Any], args: BaseModel) -> Effect:
+    """A call of ``tool`` with ``args`` at ``site``, as the journal files it (keyed
+    by the tool's own ``idempotency_key`` when its definition has one)."""
+    override = tool.idempotency_key(args) if tool.idempotency_key else None
+    return Effect(site, "tool", tool.name, args.model_dump(mode="json"), override)
+
+
+def tool_call(writer: RunWriter, site: Site, tool: Tool[Any], args: BaseModel) -> ToolCall:
+    """What the tool (and its policy) learn about this call, its key included."""
+    return ToolCall(
+        idempotency_key=tool_effect(site, tool, args).key,
+        run_id=writer.run_id,
+        session_id=writer.session_id,
+        tool_name=tool.name,
+        callsite=site.callsite,
+    )
+
+
+async def _approved_args(
+    writer: RunWriter, site: Site, tool: Tool[Any], args: BaseModel
+) -> BaseModel:
+    """The args to execute with, after the tool's policy and any approval.
+
+    Once an approval is journaled, its frozen operation wins over whatever the
+    caller computes now: the approver saw those args.
+    """
+    approval_site = site.in_lane(Lane.APPROVAL)
+    step = writer.recorded(Effect(approval_site, "approval", APPROVAL))
+    if step is not None and step["status"] == "finished":
+        decision = approval_decision(decode(step))
+        if not decision.approved:
+            raise ToolApprovalDeniedError(tool.name, decision.by, decision.reason)
+        frozen: BaseModel = tool.validate(step["args"]["operation"]["args"])
+        return frozen
+    call = tool_call(writer, site, tool, args)
+    if writer.recorded(tool_effect(site, tool, args)) is not None:
+        return args  # decided on an earlier pass: replay, never ask the policy again
+    answer = tool.decide(args, call)
+    if answer == "allow":
+        return args
+    if answer == "deny":
+        raise ToolApprovalDeniedError(tool.name, "policy", "denied by the tool's policy")
+    suspend(
+        writer,
+        approval_site,
+        name=APPROVAL,
+        kind="approval",
+        title=f"Approve {tool.name}",
+        description=tool.description,
+        operation=frozen_operation(tool.name, args.model_dump(mode="json")),
+    )
+
+
+async def run_tool(
+    writer: RunWriter,
+    site: Site,
+    tool: Tool[Any],
+    args: BaseModel,
+    emit: Callable[[StreamPart], None] | None = None,
+    tool_call_id: str | None = None,
+) -> Any:
+    """Run ``tool`` at ``site``; returns its (recorded) result.
+
+    Failed attempts are retried as ``tool.retry`` allows, each with the same key.
+    Raises ``ToolExecutionError`` (frozen failure), ``ToolApprovalDeniedError``
+    or ``SuspendError`` (approval or in-doubt pending). ``emit`` receives the
+    tool-call and tool-result parts of a call that really executes.
+    """
+    if tool.policy is not None or tool.needs_approval:
+        args = await _approved_args(writer, site, tool, args)
+    args_json = args.model_dump(mode="json")
+    call = tool_call(writer, site, tool, args)
+
+    async def ask_in_doubt(step: StepData) -> None:
+        if tool.on_in_doubt == "ask":
+            suspend(
+                writer,
+                site,
+                name=IN_DOUBT,
+                kind="signal",
+                title=f"Did {tool.name} run before the crash?",
+                description=(
+                    "The process stopped between this call's intent and its result. "
+                    "Answer retry, resolve (with the result) or fail."
+                ),
+                operation=frozen_operation(tool.name, step["args"]),
+                step_index=step["index"],
+            )
+
+    announced = False
+
+    async def execute() -> Any:
+        nonlocal announced
+        if emit is not None and not announced:  # one tool-call part, whatever the attempts
+            announced = True
+            emit(
+                StreamPart(
+                    type="tool-call", tool_name=tool.name, tool_call_id=tool_call_id, args=args_json
+                )
+            )
+        return await tool.invoke(args, call)
+
+    def executed(result: Any) -> None:
+        if emit is not None:
+            emit(
+                StreamPart(
+                    type="tool-result",
+                    tool_name=tool.name,
+                    tool_call_id=tool_call_id,
+                    result=result,
+                )
+            )
+
+    return await writer.effect(
+        tool_effect(site, tool, args),
+        execute=execute,
+        replay=tool.replay,
+        on_running=ask_in_doubt,
+        on_executed=executed,
+        retry=tool.retry,
+    )

@@ -1,0 +1,243 @@
+"""One turn of a run: address -> prepare -> lease -> open -> drive -> close (internal).
+
+The command addresses the run and decides the opening; refusals (unknown
+run, drift, signal mismatch, held lease, ...) are raised before the first
+save, so a refused turn writes nothing. The first save is compare-and-set
+and carries the lease together with whatever opened the turn (a new run, a
+new user message, an accepted delivery, a re-pinned flow).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from .._definitions.agents import Agent
+from .._definitions.budget import Budget
+from .._definitions.flows import End, Flow, Handoff
+from .._journal.leases import Lease
+from .._journal.run import Run
+from ..errors import LeaseHeldError, StaleWriteError, SuspendError, error_fields
+from ..shapes import StepError, StreamPart, TurnResult
+from .flow_driver import Driven, drive
+from .handle import TurnSink
+from .observability import log_event, set_status, span
+from .turn_calls import Command, Opening, TurnEnv
+from .writer import RunStopped, RunWriter, result_of, utcnow
+
+__all__ = ["drive_turn", "result_of"]
+
+
+async def drive_turn(
+    env: TurnEnv, command: Command, sink: TurnSink, budget: Budget | None = None
+) -> TurnResult:
+    """Run one turn of ``command`` to its end; its refusals and errors are raised.
+
+    ``budget`` (the caller's, for the run) is saved with the turn's opening."""
+    return await _Turn(env, command, sink, budget).drive()
+
+
+class _Turn:
+    def __init__(
+        self, env: TurnEnv, command: Command, sink: TurnSink, budget: Budget | None
+    ) -> None:
+        self.env = env
+        self.command = command
+        self.sink = sink
+        self.budget = budget
+        self.last_text: str | None = None
+        self.span: Any = None
+
+    def emit(self, part: StreamPart) -> None:
+        if part.type == "text" and part.text:
+            self.last_text = part.text
+        self.sink.emit(part)
+
+    # ------------------------------------------------------------------ turn
+    async def drive(self) -> TurnResult:
+        attributes = {
+            "kuralle.session_id": self.command.session_id,
+            "kuralle.command": type(self.command).__name__,
+        }
+        try:
+            run, fresh = await self.command.address(self.env)
+        except Exception:
+            with span("kuralle.turn", attributes):  # refused before a run was found
+                raise
+        # Every turn of the run joins the run's trace (observability.span).
+        attributes["kuralle.run_id"] = run.run_id
+        with span("kuralle.turn", attributes, run_id=run.run_id) as current:
+            self.span = current
+            result = await self._drive(run, fresh)
+            set_status(current, result.status)
+            return result
+
+    def _done_already(self, run: Run, fresh: bool) -> TurnResult | None:
+        """The result of a call the run already answered (a retried turn key or
+        delivery), which is a no-op whoever holds the run."""
+        command = self.command
+        key = command.idempotency_key
+        if key and key in run.turn_keys:
+            return TurnResult.model_validate(run.turn_keys[key])
+        if key and key == run.turn_key and run.status == "running" and not fresh:
+            # The turn this key started is still in flight (or was cut off, for
+            # recovery to finish): a retry must not start it a second time.
+            return result_of(run)
+        if command.already_done(run):
+            return result_of(run)
+        return None
+
+    async def _drive(self, run: Run, fresh: bool) -> TurnResult:
+        command, env = self.command, self.env
+        done = self._done_already(run, fresh)
+        if done is not None:
+            return self._noop(run, done)
+        held = None if fresh else run.lease(await env.store.lease_async(run.run_id))
+        # A run another holder is driving is not this caller's to address yet:
+        # refused before anything the call delivers is checked. (The lease is read
+        # after the run: a holder that opened its turn in between may have
+        # answered this very call, so read the run again before refusing.)
+        if held is not None and held.holder != env.holder and held.live(utcnow()):
+            latest = await env.store.load_async(run.run_id)
+            done = self._done_already(latest, fresh) if latest is not None else None
+            if latest is not None and done is not None:
+                return self._noop(latest, done)
+            raise LeaseHeldError(run.run_id, held.holder, held.expires_at)
+        opening = command.prepare(run, fresh, env, held)
+        if opening is None:
+            return self._noop(run, result_of(run))
+        agent, flow = opening.enters or self._definitions(run)
+        writer = RunWriter(
+            env.store,
+            run,
+            holder=env.holder,
+            lease_ttl=env.lease_ttl,
+            inline_sleep_limit=env.inline_sleep_limit,
+            prices=env.prices,
+        )
+        try:
+            return await self._open_and_drive(run, fresh, held, writer, opening, agent, flow)
+        finally:
+            await writer.close()
+
+    async def _open_and_drive(
+        self,
+        run: Run,
+        fresh: bool,
+        held: Lease | None,
+        writer: RunWriter,
+        opening: Opening,
+        agent: Agent,
+        flow: Flow | None,
+    ) -> TurnResult:
+        env = self.env
+        try:
+            await self._open(run, fresh, held, writer, opening)
+        except (StaleWriteError, LeaseHeldError):
+            latest = await env.store.load_async(run.run_id)
+            if latest is not None:
+                lease = latest.lease(await env.store.lease_async(run.run_id))
+                if self.command.won_elsewhere(latest, fresh, lease):
+                    return self._noop(latest, result_of(latest))
+            raise
+        self.sink.opened(run.run_id)
+        self._log_opened(run)
+        if writer.status == "paused":
+            # An opening that stands the run on a wait (a fork at a pending input)
+            # ends the turn there: driving would re-enter a node that already asked.
+            waiting = StreamPart(type="paused", waiting_for=run.public_wait())
+            return await self._close(writer, waiting)
+        try:
+            driven = await drive(
+                writer,
+                agent,
+                flow,
+                self.emit,
+                schemas=env.registry.schemas,
+                max_tool_concurrency=env.max_tool_concurrency,
+            )
+        except SuspendError as suspended:
+            writer.pause(suspended.wait)
+            part = StreamPart(type="paused", waiting_for=suspended.waiting_for)
+            return await self._close(writer, part)
+        except RunStopped as stopped:
+            driven = Driven(End(stopped.outcome), writer.state())
+            return await self._close_finished(run, writer, driven)
+        except StaleWriteError:
+            raise
+        except Exception as exc:
+            await self._close_errored(writer, exc)
+            raise
+        return await self._close_finished(run, writer, driven)
+
+    def _log_opened(self, run: Run) -> None:
+        if self.span is not None:
+            self.span.set_attribute("kuralle.run_id", run.run_id)
+        log_event(
+            "turn opened",
+            run.run_id,
+            session=run.session_id,
+            command=type(self.command).__name__,
+            flow=run.active_flow,
+            node=run.active_node,
+            holder=self.env.holder,
+            **self.command.log_fields(),
+        )
+
+    def _noop(self, run: Run, result: TurnResult) -> TurnResult:
+        self.sink.opened(run.run_id)
+        return result
+
+    def _definitions(self, run: Run) -> tuple[Agent, Flow | None]:
+        """The agent (and flow, for a run in a flow) that drive this run."""
+        registry = self.env.registry
+        if run.active_flow is None:
+            return registry.agent(run.active_agent), None
+        return registry.run_flow(run.active_flow, run.flow_digest, run.flow_version)
+
+    async def _open(
+        self, run: Run, fresh: bool, held: Lease | None, writer: RunWriter, opening: Opening
+    ) -> None:
+        """The turn's first save: the lease taken, with what opens the turn. A turn
+        that takes over a running run from another holder (or from none) records
+        the takeover, so whoever drove it before loses its next save."""
+        writer.take_lease()
+        takeover = held is None or held.holder != self.env.holder
+        if not fresh and run.status == "running" and takeover and not opening.takes_over:
+            writer.take_over(held.holder if held is not None else None)
+        if self.budget is not None:
+            writer.set_budget(self.budget)
+        await opening.open(writer, self.env)
+
+    # --------------------------------------------------------------- closing
+    async def _close_finished(self, run: Run, writer: RunWriter, driven: Driven) -> TurnResult:
+        if driven.conversation:
+            self.last_text = driven.reply
+        transition = driven.transition
+        agent = transition.to if isinstance(transition, Handoff) else run.active_agent
+        outcome = transition.reason
+        output = self.last_text if self.last_text is not None else outcome
+        writer.finish(outcome, output, agent, driven.state)
+        return await self._close(writer, StreamPart(type="finished"))
+
+    async def _close_errored(self, writer: RunWriter, exc: Exception) -> None:
+        error = StepError(type=type(exc).__name__, message=str(exc), data=error_fields(exc))
+        writer.fail(error)
+        # The node's error is what the caller needs to see, even if this close loses a race.
+        with contextlib.suppress(StaleWriteError):
+            await self._close(writer, StreamPart(type="error", error=error))
+
+    async def _close(self, writer: RunWriter, part: StreamPart) -> TurnResult:
+        result = await writer.close_turn(self.command.idempotency_key, self.last_text)
+        wait = result.waiting_for
+        log_event(
+            "turn closed",
+            result.run_id,
+            status=result.status,
+            waiting_for=wait.name if wait is not None else None,
+            wait_kind=wait.kind if wait is not None else None,
+            outcome=writer.outcome if result.status != "paused" else None,
+            error=writer.error_type,
+        )
+        self.sink.emit(part.model_copy(update={"data": result.model_dump(mode="json")}))
+        return result

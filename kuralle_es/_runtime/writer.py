@@ -1,0 +1,840 @@
+"""The funnel: the one place where steps are written (internal).
+
+Every durable effect (``ctx.tool``, ``ctx.now``, ``ctx.uuid``, approvals,
+signals, model turns) goes through ``Journal.effect`` or
+``Journal.record_value``, which make one decision per site:
+
+    recorded, but another kind/name  -> NonDeterminismError, execute nothing
+    recorded finished                -> return the recorded result
+    recorded error                   -> raise the recorded error (frozen)
+    recorded running (crash window)  -> execute again with the same key
+    absent                           -> persist intent, execute, persist result or error
+
+Once an effect has suspended the turn, the journal refuses every effect
+node code requests afterwards (``SuspendError`` again, on the first wait),
+and once the turn has ended it refuses every effect (``TurnClosedError``):
+node code that catches a suspension, or a task it left running, cannot
+execute anything the journal did not admit (docs/node-code.md).
+
+The journal also owns the run's single writer: one ``asyncio.Lock`` orders
+the appends of a ``gather`` batch, every save is compare-and-set on the
+aggregate version (``StaleWriteError`` for a loser) and renews the lease, and
+a heartbeat renews it while an effect executes. Everything else a turn does
+to the run goes through a few verbs (``append_message``, ``enter_node``,
+``pause``); nobody outside reaches the aggregate through the journal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import inspect
+import json
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, Any, NoReturn
+from uuid import uuid4
+
+from .._definitions.budget import Budget
+from .._definitions.retry import NO_RETRY, RetryPolicy
+from .._journal.json_data import encode_json
+from .._journal.leases import Lease, LeaseOp
+from .._journal.run import Run, StepData
+from .._journal.sites import Effect
+from .._journal.spending import ModelUsage, Prices, total
+from .._journal.store import RunStore
+from .._journal.wait import Wait
+from ..errors import (
+    KuralleError,
+    LeaseHeldError,
+    NonDeterminismError,
+    RunNotFoundError,
+    StaleWriteError,
+    SuspendError,
+    ToolExecutionError,
+    ToolResultTypeError,
+    ToolTimeoutError,
+    TurnClosedError,
+    error_fields,
+)
+from ..shapes import (
+    Message,
+    RunStatus,
+    SignalDelivery,
+    StepError,
+    TurnResult,
+    Usage,
+    messages_from_json,
+)
+from .heartbeat import Heartbeat
+from .observability import traced_step
+
+if TYPE_CHECKING:
+    from .fork import ForkPlan
+
+__all__ = [
+    "Abandon",
+    "Cancel",
+    "MigrateTo",
+    "RunChange",
+    "RunStopped",
+    "RunWriter",
+    "change_run",
+    "decode",
+    "frozen_error",
+    "result_of",
+    "utcnow",
+]
+
+
+class RunStopped(Exception):
+    """The turn ends the run here with ``outcome`` (internal: a budget a human
+    refused to raise). Like a suspension, it cannot be swallowed: the journal
+    refuses every later effect of the turn and the turn finishes the run."""
+
+    def __init__(self, outcome: str) -> None:
+        self.outcome = outcome
+        super().__init__(f"the run ends here: {outcome}")
+
+#: ``StepError.data`` marker of a result the journal could not hold.
+_UNRECORDABLE = "unrecordable_result"
+#: ``StepError.data`` marker of an attempt cancelled by the tool's timeout.
+_TIMEOUT = "timeout"
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def result_of(run: Run, output: Any = None) -> TurnResult:
+    """A turn's result, read off the run (not its whole state: a long
+    conversation's messages would be validated at every turn for nothing)."""
+    return TurnResult(
+        run_id=run.run_id,
+        status=run.status,
+        output=output if output is not None else run.output,
+        waiting_for=run.public_wait(),
+    )
+
+
+def frozen_error(step: StepData) -> ToolExecutionError:
+    """The exception a failed step raises, identical on the first pass and on replay."""
+    error = step["error"] or {}
+    error_type = str(error.get("type", "Exception"))
+    message = str(error.get("message", ""))
+    data = error.get("data") or {}
+    if data.get("reason") == _UNRECORDABLE:
+        return ToolResultTypeError(step["name"], error_type, message, data)
+    if data.get("reason") == _TIMEOUT:
+        return ToolTimeoutError(step["name"], error_type, message, data)
+    return ToolExecutionError(step["name"], error_type, message, data)
+
+
+def _step_error(exc: Exception) -> StepError:
+    """What the journal keeps of an attempt's error."""
+    if isinstance(exc, ToolTimeoutError):
+        return StepError(
+            type=exc.error_type, message=exc.message, data={**exc.data, "reason": _TIMEOUT}
+        )
+    return StepError(type=type(exc).__name__, message=str(exc), data=error_fields(exc))
+
+
+def _as_utc(at: datetime) -> datetime:
+    return at.replace(tzinfo=UTC) if at.tzinfo is None else at
+
+
+def decode(step: StepData) -> Any:
+    """A finished step's recorded result."""
+    text = step["result_json"]
+    return None if text is None else json.loads(text)
+
+
+def _settled(step: StepData) -> tuple[bool, Any]:
+    """The replay of a recorded step: (True, its result), its frozen error raised,
+    or (False, None) for a step still running."""
+    if step["status"] == "finished":
+        return True, decode(step)
+    if step["status"] == "error":
+        raise frozen_error(step)
+    return False, None
+
+
+class RunWriter:
+    """A run's journal during one turn: lookups, appends, saves, the lease."""
+
+    def __init__(
+        self,
+        store: RunStore,
+        run: Run,
+        *,
+        holder: str,
+        lease_ttl: float,
+        inline_sleep_limit: float = 1.0,
+        prices: Prices | None = None,
+    ) -> None:
+        self._store = store
+        self._prices = prices
+        self._run = run
+        self._holder = holder
+        self.lease_ttl = timedelta(seconds=lease_ttl)
+        #: This turn's token on the run's lease record, and the lease once taken.
+        self._token = uuid4().hex
+        self._lease: Lease | None = None
+        #: The lease op the next save carries (a take, or a release), if any.
+        self._lease_op: LeaseOp | None = None
+        #: A durable sleep that wakes within this many seconds waits inline.
+        self.inline_sleep_limit = inline_sleep_limit
+        self._lock = asyncio.Lock()
+        self._inflight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._broken: StaleWriteError | None = None
+        #: What stopped the turn first: the wait it suspended on, the outcome it
+        #: ended the run with, or the replay mismatch that refused an effect.
+        self._stopped: Wait | str | NonDeterminismError | None = None
+        self._closed = False
+        self._beat_every = timedelta(seconds=lease_ttl / 3)
+        self._heartbeat = Heartbeat(self._beat, lease_ttl / 3)
+
+    # ---------------------------------------------------------------- reads
+    @property
+    def run_id(self) -> str:
+        return self._run.run_id
+
+    @property
+    def session_id(self) -> str:
+        return self._run.session_id
+
+    @property
+    def epoch(self) -> int:
+        return self._run.epoch
+
+    @property
+    def flow_digest(self) -> str | None:
+        return self._run.flow_digest
+
+    @property
+    def active_node(self) -> str | None:
+        return self._run.active_node
+
+    @property
+    def callsite_base(self) -> int:
+        """Where the active node's (or epoch's) callsites start."""
+        return self._run.callsite_base
+
+    def state(self) -> dict[str, Any]:
+        """A copy of the flow state bag, for a node to change."""
+        return copy.deepcopy(self._run.state)
+
+    def messages(self) -> list[Message]:
+        return messages_from_json(self._run.messages)
+
+    @property
+    def waiting(self) -> Wait | None:
+        return self._run.waiting
+
+    @property
+    def active_flow(self) -> str | None:
+        return self._run.active_flow
+
+    @property
+    def flow_version(self) -> str | None:
+        return self._run.flow_version
+
+    @property
+    def status(self) -> RunStatus:
+        return self._run.status
+
+    @property
+    def outcome(self) -> str | None:
+        return self._run.outcome
+
+    @property
+    def error_type(self) -> str | None:
+        """The type of the error the run ended in, if it did."""
+        error = self._run.error
+        return None if error is None else str(error.get("type"))
+
+    def result(self, output: Any = None) -> TurnResult:
+        """The turn's result as the run stands (``output`` unless the run has its own)."""
+        return result_of(self._run, output)
+
+    # ---------------------------------------------------------------- verbs
+    # Every change a turn makes to its run is one of these: each triggers the
+    # run's events, saved with the next save (``persist``, or the save of the
+    # next effect's intent). Nobody else calls the run's commands.
+    def append_message(self, message: Message) -> None:
+        """Append a chat message; it is saved with the next save."""
+        self._run.append_message(message)
+
+    def enter_node(
+        self, flow: str | None, node: str | None, state: dict[str, Any], callsite_base: int
+    ) -> None:
+        """Move to ``node``; its effects count from ``callsite_base`` (saved with the next save)."""
+        self._run.enter_node(flow, node, state, callsite_base)
+
+    def take_lease(self) -> None:
+        """Take the run's lease with the next save (refused: ``LeaseHeldError``)."""
+        now = utcnow()
+        self._lease_op = LeaseOp.take(
+            self._run.id, self._holder, self._token, now + self.lease_ttl, now
+        )
+
+    def take_over(self, previous_holder: str | None) -> None:
+        """Record that this turn takes the running run over from ``previous_holder``:
+        a stale writer's next save then loses on the run's version."""
+        self._run.recover(previous_holder)
+
+    def start_turn(self, epoch: int, message: Message | None, idempotency_key: str | None) -> None:
+        self._run.start_turn(epoch, message, idempotency_key)
+
+    def repin(self, flow: str, digest: str, start: str, version: str | None) -> None:
+        """Restart the run's ``flow`` from its ``start`` node under the definition
+        whose digest is ``digest`` (labelled ``version``)."""
+        self._run.repin_flow(flow, digest, start, version)
+
+    def resume(self) -> None:
+        """Drive an errored run again (nothing to record for a running one)."""
+        self._run.resume()
+
+    def accept_input(self, message: Message) -> None:
+        self._run.accept_input(message)
+
+    def accept_signal(self, delivery: SignalDelivery, payload: Any) -> None:
+        self._run.accept_signal(delivery.signal_id, delivery.name, payload, delivery.actor)
+
+    def raise_budget(self, raise_to: dict[str, Any]) -> None:
+        self._run.raise_budget(raise_to)
+
+    def set_budget(self, budget: Budget) -> None:
+        self._run.set_budget(budget.model_dump(mode="json"))
+
+    def fire_timer(self, request_id: str) -> None:
+        self._run.fire_timer(request_id)
+
+    def fork_from(self, plan: ForkPlan) -> None:
+        """The fork's opening: where it came from, and its copies of the history."""
+        run = self._run
+        run.mark_forked(plan.from_run_id, plan.at_step)
+        for copy_ in plan.copies:
+            run.copy_event(copy_.event_class, copy_.fields)
+        if plan.wait is not None:
+            run.pause(plan.wait)
+
+    def pause(self, wait: Wait) -> None:
+        self._run.pause(wait)
+
+    def finish(
+        self, outcome: str | None, output: Any, agent: str | None, state: dict[str, Any]
+    ) -> None:
+        self._run.finish(outcome, output, agent, state)
+
+    def fail(self, error: StepError) -> None:
+        self._run.fail(error)
+
+    async def create(self) -> None:
+        """Save a new run (with its session's index, and the lease taken)."""
+        op, self._lease_op = self._lease_op, None
+        await asyncio.to_thread(self._store.create_run, self._run, op)
+        self._hold(op)
+
+    async def close_turn(self, idempotency_key: str | None, paused_output: Any) -> TurnResult:
+        """Save the turn's end (the run's closing events) with the lease released;
+        the turn's result, recorded under ``idempotency_key`` when there is one."""
+        run = self._run
+        self._lease_op = LeaseOp.release(run.id, self._token)
+        result = result_of(run, paused_output if run.status == "paused" else None)
+        if idempotency_key:
+            run.record_turn(idempotency_key, result.model_dump(mode="json"))
+        await self.persist()
+        return result
+
+    # ---------------------------------------------------------------- saves
+    async def persist(self) -> None:
+        """Save every pending event of the run (renewing the lease on the way)."""
+        async with self._lock:
+            await self._persist_locked()
+
+    async def _persist_locked(self, *, renew: bool = False) -> None:
+        run = self._run
+        if self._broken is not None:
+            raise self._broken
+        op, self._lease_op = self._lease_op, None
+        lease = self._lease
+        if op is None and lease is not None:
+            now = utcnow()
+            if renew or lease.expires_at - now < self.lease_ttl / 2:
+                op = LeaseOp.renew(run.id, self._token, now + self.lease_ttl)
+        if not run.pending_events and op is None:
+            return
+        try:
+            await self._store.save_run_async(run, op)
+        except StaleWriteError as clash:
+            # The unsaved events are gone from the aggregate, which is now
+            # ahead of the store: no later save of this turn may follow.
+            self._broken = clash
+            raise
+        except BaseException as exc:
+            self._broken = StaleWriteError(
+                run.run_id, f"a save of this turn failed with {exc!r}", clash=False
+            )
+            raise
+        self._hold(op)
+
+    def _hold(self, op: LeaseOp | None) -> None:
+        """What this turn holds after a save that carried ``op``."""
+        if op is None:
+            return
+        if op.kind in ("take", "renew"):
+            assert op.expires_at is not None
+            self._lease = Lease(self._holder, op.expires_at, self._token)
+        else:
+            self._lease = None
+
+    async def _save_intent(self) -> None:
+        """Save an effect's intent (with whatever else is pending) before it executes.
+
+        On a store whose saves block, the effects of a parallel batch first
+        get one turn of the event loop to journal their own intents, so the
+        batch's intents share one save; each effect still waits for the save
+        that carries its intent (README.md, "Architecture").
+        """
+        if self._store.saves_block:
+            await asyncio.sleep(0)
+        async with self._lock:
+            await self._persist_locked()
+
+    async def _beat(self) -> None:
+        """The heartbeat: renew the lease record (nothing is appended to the journal),
+        unless a save renewed it within the last beat interval."""
+        async with self._lock:
+            lease = self._lease
+            if lease is None:
+                return
+            if lease.expires_at - utcnow() > self.lease_ttl - self._beat_every:
+                return
+            await self._persist_locked(renew=True)
+
+    async def hold(self, seconds: float) -> None:
+        """Wait inline (a short durable sleep) with the lease kept by the heartbeat."""
+        self._heartbeat.enter()
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            self._heartbeat.leave()
+
+    async def close(self) -> None:
+        """End the turn: no effect is admitted any more, and the heartbeat stops."""
+        self._closed = True
+        await self._heartbeat.stop()
+
+    # ------------------------------------------------------------ admission
+    def suspend(self, wait: Wait) -> NoReturn:
+        """Suspend the turn on ``wait``, or on its first wait if it already suspended.
+
+        The first suspension is the one the run pauses on, whatever the node
+        does with the exception afterwards.
+        """
+        if self._stopped is None:
+            self._stopped = wait
+        raise self._stop_error()
+
+    def stop(self, outcome: str) -> NoReturn:
+        """End the run with ``outcome`` at the end of this turn (``RunStopped``)."""
+        if self._stopped is None:
+            self._stopped = outcome
+        raise self._stop_error()
+
+    def refuse_replay(self, mismatch: NonDeterminismError) -> NoReturn:
+        """Refuse an effect that does not match the journal, and every effect of
+        the turn after it: node code that catches the ``NonDeterminismError`` and
+        goes on would otherwise take the next recorded callsite for another effect
+        (an approval given for one question read as the answer to another)."""
+        if self._stopped is None:
+            self._stopped = mismatch
+        raise self._stop_error()
+
+    def _stop_error(self) -> Exception:
+        stopped = self._stopped
+        assert stopped is not None
+        if isinstance(stopped, Wait):
+            return SuspendError(stopped)
+        if isinstance(stopped, NonDeterminismError):
+            return stopped
+        return RunStopped(stopped)
+
+    def require_open(self, what: str) -> None:
+        """Refuse every effect once the turn ended (``TurnClosedError``)."""
+        if self._closed:
+            raise TurnClosedError(self._run.run_id, what)
+
+    def admit(self, what: str) -> None:
+        """Let node code request an effect, or refuse it: ``TurnClosedError``
+        once the turn ended, ``SuspendError`` (its first wait) once it
+        suspended, ``RunStopped`` once it ended the run, the
+        ``NonDeterminismError`` once a replay did not match.
+
+        Checked when the effect is requested: the rest of a ``gather`` batch,
+        requested before one of its effects suspended, still runs and settles.
+        """
+        self.require_open(what)
+        if self._stopped is not None:
+            raise self._stop_error()
+
+    def raise_if_stopped(self) -> None:
+        """After node code returned or raised: a turn that suspended (or ended
+        the run) stops there, and what the node returned or raised is discarded."""
+        if self._stopped is not None:
+            raise self._stop_error()
+
+    # ---------------------------------------------------------------- spending
+    def budget(self, agent_budget: Budget | None) -> Budget | None:
+        """The budget the run's next model call is checked against: the run's own
+        (``runtime.run(..., budget=)``) or its agent's, with what a human raised."""
+        run = self._run
+        base = Budget.model_validate(run.budget) if run.budget is not None else agent_budget
+        if base is None or not run.budget_raises:
+            return base
+        return base.raised(run.budget_raises)
+
+    async def usage(self) -> Usage:
+        """What the run's model calls spent so far, over its whole journal."""
+        run = self._run
+        if run.usage is None:
+            # Folded from a snapshot older than the count: count the whole journal
+            # once; the run's next snapshot carries the count.
+            history = await self._store.load_async(run.run_id, history=True)
+            run.usage = {} if history is None or history.usage is None else history.usage
+        by_model = [ModelUsage(model=model, **tally) for model, tally in run.usage.items()]
+        return total(by_model, 0, self._prices)
+
+    # ------------------------------------------------------------ in flight
+    async def settle(self) -> None:
+        """Wait until no effect of this turn is still executing or journaling."""
+        await self._idle.wait()
+
+    def _enter(self) -> None:
+        self._inflight += 1
+        self._idle.clear()
+
+    def _leave(self) -> None:
+        self._inflight -= 1
+        if self._inflight == 0:
+            self._idle.set()
+
+    # ---------------------------------------------------------------- lookup
+    def peek(self, effect: Effect) -> StepData | None:
+        """The step recorded for this effect if it matches, else None; refuses nothing."""
+        step, mismatch = self._find(effect)
+        return None if mismatch is not None else step
+
+    def recorded(self, effect: Effect) -> StepData | None:
+        """The step recorded for this effect, or None.
+
+        Raises ``NonDeterminismError`` when the callsite holds another kind or
+        name, or the same one under another key (args computed from a value
+        the journal did not record): re-keying would execute it again. The
+        mismatch stops the turn (``refuse_replay``): it ends in that error
+        whatever the node does with it.
+        """
+        step, mismatch = self._find(effect)
+        if mismatch is not None:
+            self.refuse_replay(mismatch)
+        return step
+
+    def _find(self, effect: Effect) -> tuple[StepData | None, NonDeterminismError | None]:
+        steps = self._run.steps_at(effect.site)
+        if not steps:
+            return None, None
+        latest = steps[-1]
+        callsite = effect.site.callsite
+        recorded = f"{latest['kind']} {latest['name']!r}"
+        requested = f"{effect.kind} {effect.name!r}"
+        if (latest["kind"], latest["name"]) != (effect.kind, effect.name):
+            return latest, NonDeterminismError(callsite, recorded, requested)
+        key = effect.key
+        if latest["key"] != key:
+            mismatch = NonDeterminismError(
+                callsite, recorded, requested, recorded_key=latest["key"], requested_key=key
+            )
+            return latest, mismatch
+        return latest, None
+
+    def _start(self, effect: Effect) -> int:
+        site = effect.site
+        return self._run.start_step(
+            key=effect.key,
+            kind=effect.kind,
+            name=effect.name,
+            callsite=site.callsite,
+            logical_run=site.logical_run,
+            lane=site.lane.value,
+            args=effect.args,
+            batch=site.batch,
+        )
+
+    # ---------------------------------------------------------------- funnel
+    @traced_step
+    async def effect(
+        self,
+        effect: Effect,
+        *,
+        execute: Callable[[], Awaitable[Any]],
+        replay: bool = True,
+        on_running: Callable[[StepData], Awaitable[None]] | None = None,
+        on_recorded: Callable[[Any], None] | None = None,
+        on_executed: Callable[[Any], None] | None = None,
+        retry: RetryPolicy = NO_RETRY,
+        journal_errors: bool = True,
+    ) -> Any:
+        """Run one effect through the journal; returns its (recorded) JSON result.
+
+        ``on_running`` is consulted when a step was left ``running`` by a crash
+        (it may suspend to ask a human instead of re-executing). With
+        ``replay=False`` (a read re-run on every pass) a recorded step is run
+        again on the same record: one step per key, its ``attempts`` counting
+        the passes. ``retry`` says which failed attempts are journaled and
+        tried again (same key) instead of being frozen. ``on_recorded`` runs
+        with a fresh result before the save that carries it (the events it
+        triggers ride on that save); ``on_executed`` runs after. With
+        ``journal_errors=False`` a failed attempt is not journaled: its error
+        propagates and the step stays ``running``, so the next pass runs it
+        again as its next attempt (a model call: nothing is frozen).
+        """
+        self.require_open(f"{effect.kind} {effect.name!r}")
+        self._enter()
+        try:
+            retry_at: datetime | None = None
+            counted_from = 0
+            async with self._lock:
+                step = self.recorded(effect)
+                if step is None:
+                    index = self._start(effect)
+                elif not replay:
+                    index = step["index"]
+                    if step["status"] != "running":  # a new pass: its attempts count anew
+                        counted_from = step.get("failures", 0)
+                    self._run.rerun_step(index)
+                else:
+                    done, result = _settled(step)
+                    if done:
+                        return result
+                    index = step["index"]
+                    retry_at = step.get("retry_at")
+                    if retry_at is None:
+                        # Running: the process died between intent and result.
+                        if on_running is not None and not step["retry_allowed"]:
+                            await on_running(step)
+                        self._run.retry_step(index)
+                    # else between attempts of a retried tool: not in doubt.
+            await self._save_intent()
+            if retry_at is not None:
+                await self._next_attempt(index, retry_at)
+            value = await self._attempts(index, execute, retry, counted_from, journal_errors)
+            try:
+                result_json = encode_json(value, f"the result of {effect.kind} {effect.name!r}")
+            except (TypeError, KuralleError) as exc:
+                if not journal_errors:
+                    raise
+                error = StepError(
+                    type=type(exc).__name__, message=str(exc), data={"reason": _UNRECORDABLE}
+                )
+                raise await self._record_failure(index, error) from None
+            result = json.loads(result_json)
+            async with self._lock:
+                self._run.finish_step(index, result_json)
+                if on_recorded is not None:
+                    on_recorded(result)
+                await self._persist_locked()
+            if on_executed is not None:
+                on_executed(result)
+            return result
+        finally:
+            self._leave()
+
+    @traced_step
+    async def record_value(
+        self,
+        effect: Effect,
+        *,
+        make: Callable[[], Any],
+        on_recorded: Callable[[Any], None] | None = None,
+    ) -> Any:
+        """Journal an effect with no outside side effect (a clock read, a uuid, a
+        delivered payload, a model turn) as intent and result in one save.
+
+        Nobody outside can have seen a value that was never saved, so the
+        intent-before-execute window buys nothing here and costs a save. If
+        ``make`` fails, nothing is journaled and the error propagates: the next
+        pass asks again. ``on_recorded`` runs only when the value is new, and
+        whatever events it triggers are saved in the same transaction.
+        """
+        self.require_open(f"{effect.kind} {effect.name!r}")
+        self._enter()
+        try:
+            async with self._lock:
+                step = self.recorded(effect)
+                if step is not None:
+                    done, result = _settled(step)
+                    if done:
+                        return result
+            value = make()
+            if inspect.isawaitable(value):
+                self._heartbeat.enter()
+                try:
+                    value = await value
+                finally:
+                    self._heartbeat.leave()
+            result_json = encode_json(value, f"the result of {effect.kind} {effect.name!r}")
+            result = json.loads(result_json)
+            async with self._lock:
+                index = self._start(effect) if step is None else step["index"]
+                self._run.finish_step(index, result_json)
+                if on_recorded is not None:
+                    on_recorded(result)
+                await self._persist_locked()
+            return result
+        finally:
+            self._leave()
+
+    def answer_in_doubt(self, index: int, answer: dict[str, Any]) -> None:
+        """Apply a human's answer to a step left running: retry, resolve or fail.
+
+        Only triggers events; they are saved with the delivery that carried them.
+        """
+        action = answer["action"]
+        step = self._run.step(index)
+        if action == "retry":
+            self._run.allow_retry(index)
+        elif action == "resolve":
+            what = f"the resolved result of {step['kind']} {step['name']!r}"
+            self._run.finish_step(index, encode_json(answer.get("result"), what))
+        else:
+            message = str(answer.get("message") or "failed by a human after a crash")
+            self._run.fail_step(index, StepError(type="InDoubtFailed", message=message, data={}))
+
+    async def _attempts(
+        self,
+        index: int,
+        execute: Callable[[], Awaitable[Any]],
+        retry: RetryPolicy,
+        counted_from: int,
+        journal_errors: bool = True,
+    ) -> Any:
+        """Execute until an attempt succeeds; a failure the policy retries is
+        journaled (the step stays running) and waited out, the last one frozen.
+
+        Failures count from ``counted_from`` (earlier passes of a ``replay=False``
+        read do not use up this pass's attempts)."""
+        while True:
+            self._heartbeat.enter()
+            try:
+                return await execute()
+            except (SuspendError, asyncio.CancelledError):
+                raise
+            except Exception as exc:
+                if not journal_errors:
+                    raise
+                error = _step_error(exc)
+                failures = self._run.step(index).get("failures", 0) + 1 - counted_from
+                if not retry.retries(exc, failures):
+                    raise await self._record_failure(index, error) from exc
+                retry_at = utcnow() + timedelta(seconds=retry.delay(failures))
+                async with self._lock:
+                    self._run.fail_attempt(index, error, retry_at)
+                    await self._persist_locked()
+            finally:
+                self._heartbeat.leave()
+            await self._next_attempt(index, retry_at)
+
+    async def _next_attempt(self, index: int, retry_at: datetime) -> None:
+        """Wait until the next attempt is due (the lease kept by the heartbeat
+        meanwhile), then journal its start; a crash before that save resumes
+        the wait, never the count."""
+        delay = (_as_utc(retry_at) - utcnow()).total_seconds()
+        if delay > 0:
+            await self.hold(delay)
+        async with self._lock:
+            self._run.retry_step(index)
+            await self._persist_locked()
+
+    async def _record_failure(self, index: int, error: StepError) -> ToolExecutionError:
+        async with self._lock:
+            self._run.fail_step(index, error)
+            await self._persist_locked()
+            return frozen_error(self._run.step(index))
+
+
+# ------------------------------------------------------- outside a turn
+class RunChange(ABC):
+    """A change made to a run from outside its turns (cancel, migrate, abandon)."""
+
+    @abstractmethod
+    def apply(self, run: Run, lease: Lease | None) -> bool:
+        """Trigger the change on ``run`` (whose lease is ``lease``); False when it
+        already holds it (nothing to save), or a refusal."""
+
+
+@dataclass(frozen=True)
+class Cancel(RunChange):
+    """Stop the run for good (a conversation: end its turn), whoever holds the lease."""
+
+    reason: str
+
+    def apply(self, run: Run, lease: Lease | None) -> bool:
+        return run.cancel(self.reason)
+
+
+@dataclass(frozen=True)
+class MigrateTo(RunChange):
+    """Stop the run for good: it moved to its fork ``fork_id`` (``runtime.migrate``)."""
+
+    fork_id: str
+    at_step: int
+
+    def apply(self, run: Run, lease: Lease | None) -> bool:
+        return run.migrate(self.fork_id, self.at_step)
+
+
+@dataclass(frozen=True)
+class Abandon(RunChange):
+    """End a live run with ``outcome``, unless another holder's live lease has it."""
+
+    holder: str
+    outcome: str
+
+    def apply(self, run: Run, lease: Lease | None) -> bool:
+        if run.status in ("finished", "aborted"):
+            return False
+        if lease is not None and lease.holder != self.holder and lease.live(utcnow()):
+            raise LeaseHeldError(run.run_id, lease.holder, lease.expires_at)
+        run.abort(self.outcome)
+        return True
+
+
+async def change_run(store: RunStore, run_id: str, session_id: str, change: RunChange) -> Run:
+    """Apply ``change`` to the run as stored and save it with the run's lease record
+    cleared: one compare-and-set that wins over whoever holds the lease (a turn
+    driving the run elsewhere loses its next save, and its heartbeat finds the
+    record gone). A save that loses to a turn's reloads what the turn wrote and
+    tries again, until it lands, so a busy turn cannot starve it. Returns the run
+    as it stands after; ``RunNotFoundError`` for an unknown or foreign run.
+    """
+    attempt = 0
+    while True:
+        run = await store.load_async(run_id)
+        if run is None or run.session_id != session_id:
+            raise RunNotFoundError(run_id, session_id)
+        lease = run.lease(await store.lease_async(run_id))
+        if not change.apply(run, lease):
+            return run
+        try:
+            await store.save_run_async(run, LeaseOp.clear(run.id))
+        except StaleWriteError:
+            attempt += 1
+            await asyncio.sleep(random.uniform(0, min(0.05, 0.002 * attempt)))
+            continue
+        return run

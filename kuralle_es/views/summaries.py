@@ -1,0 +1,77 @@
+"""The public shapes the views answer with: ``RunSummary`` and ``ToolStats``."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel, ValidationError
+
+from ..shapes import RunKind, RunStatus, WaitingFor
+
+if TYPE_CHECKING:
+    from .fold import RunRow
+
+__all__ = ["RunSummary", "ToolStats", "summary"]
+
+
+class RunSummary(BaseModel):
+    """One run as the views show it: a ``RunState`` without its journal and messages."""
+
+    run_id: str
+    session_id: str
+    kind: RunKind
+    status: RunStatus
+    active_flow: str | None = None
+    active_node: str | None = None
+    waiting_for: WaitingFor | None = None
+    lease_holder: str | None = None
+    lease_expires_at: datetime | None = None
+    step_count: int
+    updated_at: datetime
+    #: The version label of the flow definition the run is pinned to, if any.
+    flow_version: str | None = None
+    #: The last flow the run was in: unlike ``active_flow`` it stays set when the
+    #: run ends (None for a conversation that never entered a flow).
+    flow: str | None = None
+
+
+class ToolStats(BaseModel):
+    """How one tool has behaved across every run: calls, failures, latency.
+
+    ``count`` counts journaled calls (steps), ``errors`` the ones whose final
+    outcome is an error; ``p50_ms``/``p95_ms`` are over the calls that ended
+    (None before any did), from intent to result as journaled.
+    """
+
+    name: str
+    count: int
+    errors: int
+    p50_ms: float | None = None
+    p95_ms: float | None = None
+
+
+def summary(row: RunRow) -> RunSummary:
+    """The ``RunSummary`` of a view row (one validation; a wait shape newer than
+    this version's ``WaitingFor`` is shown as none rather than failing the query)."""
+    fields = {
+        "run_id": row.run_id,
+        "session_id": row.session_id,
+        "kind": row.kind,
+        "status": row.status,
+        "active_flow": row.active_flow,
+        "active_node": row.active_node,
+        "waiting_for": row.waiting_for,
+        "lease_holder": row.lease_holder,
+        "lease_expires_at": row.lease_expires_at,
+        "step_count": row.step_count,
+        "updated_at": row.updated_at,
+        "flow_version": row.flow_version,
+        "flow": row.flow,
+    }
+    try:
+        return RunSummary.model_validate(fields)
+    except ValidationError:
+        if row.waiting_for is None:
+            raise
+        return RunSummary.model_validate({**fields, "waiting_for": None})
