@@ -11,11 +11,17 @@ on the socket, no thread is involved, and the other turns on the loop run
 meanwhile. A turn reads its run's lease record over the same connection.
 
 Each event loop that saves gets its own connection (an asynchronous
-connection belongs to one loop); the saves of the turns on one loop take
-turns on it, as they would on the events table's lock anyway. Errors map to
-``eventsourcing``'s, and a lost connection is replaced and the save retried,
-as the recorder's own retry does: a version clash is ``IntegrityError``;
-``OperationalError`` or ``InterfaceError`` after the last attempt.
+connection belongs to one loop). A save made while no other is in flight on
+the loop is sent at once, alone, so one run's latency is one round trip.
+The saves that runs make while one is in flight queue up, and go together in
+the next statement (group commit): the batch function of the recorder writes
+them in one transaction, under one lock, with one flush, each in a
+subtransaction of its own, so one run's version clash or refused lease
+fails that save alone and writes none of its events. Errors map to
+``eventsourcing``'s, and a lost connection is replaced and the statement
+retried, as the recorder's own retry does: a version clash is
+``IntegrityError``; ``OperationalError`` or ``InterfaceError`` after the
+last attempt.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
@@ -34,7 +42,7 @@ from eventsourcing.persistence import (
 )
 from psycopg.types.composite import register_composite
 
-from .leases import Lease, LeaseOp
+from .leases import Lease, LeaseOp, LeaseRefused
 from .recorders import OneTripPostgresRecorder, lease_refusal
 
 __all__ = ["AsyncOneTripSaver"]
@@ -43,6 +51,26 @@ __all__ = ["AsyncOneTripSaver"]
 #: (the recorder's own ``@retry``: 10 attempts, 0.2 s).
 ATTEMPTS = 10
 RETRY_WAIT = 0.2
+#: The most saves one group commit carries.
+MAX_BATCH = 256
+
+
+@dataclass
+class _Queued:
+    """A save waiting for the next group commit of its loop."""
+
+    rows: list[Any]
+    lease: LeaseOp | None
+    done: asyncio.Future[list[int]]
+
+
+@dataclass
+class _Lane:
+    """One loop's saves: whether a statement is in flight, and the saves queued."""
+
+    busy: bool = False
+    queued: list[_Queued] = field(default_factory=list)
+    flusher: asyncio.Task[None] | None = None
 
 
 class AsyncOneTripSaver:
@@ -51,6 +79,10 @@ class AsyncOneTripSaver:
     def __init__(self, recorder: OneTripPostgresRecorder) -> None:
         self._recorder = recorder
         self._connections: dict[asyncio.AbstractEventLoop, psycopg.AsyncConnection[Any]] = {}
+        self._lanes: dict[asyncio.AbstractEventLoop, _Lane] = {}
+        #: Statements sent, and the saves they carried (a group commit carries several).
+        self.statements = 0
+        self.saves = 0
         self._guard = threading.Lock()  # loops of several threads may share one store
         self._closed = False
 
@@ -58,11 +90,79 @@ class AsyncOneTripSaver:
         self, stored_events: Sequence[StoredEvent], lease: LeaseOp | None = None
     ) -> list[int]:
         """The events' notification ids, once their transaction (with the lease op)
-        has committed; ``LeaseRefused`` if the lease op was refused."""
+        has committed; ``LeaseRefused`` if the lease op was refused,
+        ``IntegrityError`` on a version clash (nothing of the save written)."""
         recorder = self._recorder
-        parameters = recorder.parameters(stored_events, lease)
-        rows = await self._execute(recorder.one_trip_statement, parameters, lease)
-        return [int(row[0]) for row in rows]
+        rows = recorder.rows(stored_events)
+        loop = asyncio.get_running_loop()
+        lane = self._lanes.setdefault(loop, _Lane())
+        if not lane.busy:
+            lane.busy = True
+            self.statements += 1
+            self.saves += 1
+            try:
+                parameters = recorder.parameters_of(rows, lease)
+                found = await self._execute(recorder.one_trip_statement, parameters, lease)
+                return [int(row[0]) for row in found]
+            finally:
+                self._after_statement(lane)
+        queued = _Queued(rows, lease, loop.create_future())
+        lane.queued.append(queued)
+        try:
+            return await queued.done
+        except asyncio.CancelledError:
+            if queued in lane.queued:  # not sent yet: it never will be
+                lane.queued.remove(queued)
+            raise
+
+    def _after_statement(self, lane: _Lane) -> None:
+        """A statement returned: send what queued meanwhile, or let the lane idle."""
+        if lane.queued:
+            lane.flusher = asyncio.get_running_loop().create_task(self._flush(lane))
+        else:
+            lane.busy = False
+
+    async def _flush(self, lane: _Lane) -> None:
+        """Send the queued saves, a group commit at a time, until none is left."""
+        try:
+            while lane.queued:
+                batch, lane.queued = lane.queued[:MAX_BATCH], lane.queued[MAX_BATCH:]
+                await self._commit_group(batch)
+        finally:
+            lane.busy = False
+            lane.flusher = None
+
+    async def _commit_group(self, batch: list[_Queued]) -> None:
+        self.statements += 1
+        self.saves += len(batch)
+        if len(batch) == 1:
+            [one] = batch
+            statement = self._recorder.one_trip_statement
+            parameters = self._recorder.parameters_of(one.rows, one.lease)
+        else:
+            statement = self._recorder.batch_statement
+            parameters = self._recorder.batch_parameters([(q.rows, q.lease) for q in batch])
+        single = batch[0].lease if len(batch) == 1 else None
+        try:
+            found = await self._execute(statement, parameters, single)
+        except BaseException as error:
+            for queued in batch:
+                if not queued.done.done():
+                    queued.done.set_exception(error)
+            if not isinstance(error, Exception):
+                raise
+            return
+        if len(batch) == 1:
+            batch[0].done.set_result([int(row[0]) for row in found])
+            return
+        for save, outcome, ids, detail in found:
+            queued = batch[save - 1]
+            if outcome == "ok":
+                queued.done.set_result([int(i) for i in ids])
+            elif outcome == "clash":
+                queued.done.set_exception(IntegrityError("another writer appended first"))
+            else:
+                queued.done.set_exception(_refused(queued.lease, outcome, detail))
 
     async def select_lease(self, run_id: Any) -> Lease | None:
         """The run's lease record, read on this loop's connection."""
@@ -126,6 +226,8 @@ class AsyncOneTripSaver:
                 raise InterfaceError("the run store is closed")
             for gone in [held for held in self._connections if held.is_closed()]:
                 _finish(self._connections.pop(gone))
+            for gone in [held for held in self._lanes if held.is_closed()]:
+                del self._lanes[gone]
             connection = self._connections.get(loop)
         if connection is not None and not connection.closed:
             return connection
@@ -175,3 +277,12 @@ def _finish(connection: psycopg.AsyncConnection[Any]) -> None:
     """Close a connection without awaiting (its loop may be gone or another thread's)."""
     if not connection.closed:
         connection.pgconn.finish()
+
+
+def _refused(op: LeaseOp | None, outcome: str, detail: str | None) -> LeaseRefused:
+    """A save of a group commit whose lease op was refused."""
+    assert op is not None, "only a save with a lease op can have it refused"
+    if outcome == "lost" or not detail:
+        return LeaseRefused(op, None)
+    holder, _, epoch = detail.rpartition(" ")
+    return LeaseRefused(op, Lease(holder, datetime.fromtimestamp(float(epoch), UTC)))

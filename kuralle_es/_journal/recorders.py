@@ -218,6 +218,18 @@ class OneTripPostgresRecorder(PostgresApplicationRecorder):
                 "holder text NOT NULL, token text NOT NULL, expires_at timestamptz NOT NULL)"
             ).format(leases=self.leases)
         )
+        names = {
+            "schema": schema,
+            "event": Identifier(self.stored_event_type_name),
+            "leases": self.leases,
+            "held": SQL(LEASE_HELD),
+            "lost": SQL(LEASE_LOST),
+            "lock_timeout": self.datastore.lock_timeout,
+            "table": Identifier(self.events_table_name),
+            "channel": Identifier(self.channel_name),
+        }
+        # The events table's lock is always taken before a lease record's row lock
+        # (here and in the batch), so two saves never wait on each other in a cycle.
         self.sql_create_statements.append(
             SQL(
                 "CREATE OR REPLACE FUNCTION {schema}.{function}(events {schema}.{event}[], "
@@ -225,50 +237,70 @@ class OneTripPostgresRecorder(PostgresApplicationRecorder):
                 "now_ timestamptz) RETURNS SETOF bigint LANGUAGE plpgsql AS $BODY$ "
                 "DECLARE held_holder text; held_until timestamptz; "
                 "BEGIN "
-                "IF op = 'take' THEN "
-                "INSERT INTO {leases} AS l (run_id, holder, token, expires_at) "
-                "VALUES (run, holder_, token_, until) ON CONFLICT (run_id) DO UPDATE SET "
-                "holder = EXCLUDED.holder, token = EXCLUDED.token, "
-                "expires_at = EXCLUDED.expires_at "
-                "WHERE l.expires_at <= now_ OR l.holder = holder_; "
-                "IF NOT FOUND THEN "
-                "SELECT l.holder, l.expires_at INTO held_holder, held_until FROM {leases} l "
-                "WHERE l.run_id = run; "
-                "RAISE EXCEPTION USING ERRCODE = '{held}', MESSAGE = held_holder, "
-                "DETAIL = extract(epoch FROM held_until)::text; "
-                "END IF; "
-                "ELSIF op = 'renew' THEN "
-                "UPDATE {leases} SET expires_at = until WHERE run_id = run AND token = token_; "
-                "IF NOT FOUND THEN "
-                "RAISE EXCEPTION USING ERRCODE = '{lost}', MESSAGE = 'lease taken over'; "
-                "END IF; "
-                "ELSIF op = 'release' THEN "
-                "DELETE FROM {leases} WHERE run_id = run AND token = token_; "
-                "ELSIF op = 'clear' THEN "
-                "DELETE FROM {leases} WHERE run_id = run; "
-                "END IF; "
                 "IF cardinality(events) > 0 THEN "
                 "SET LOCAL lock_timeout = '{lock_timeout}s'; "
                 "LOCK TABLE {schema}.{table} IN EXCLUSIVE MODE; "
                 "NOTIFY {channel}; "
+                "END IF; "
+                + _LEASE_OP
+                + "IF cardinality(events) > 0 THEN "
                 "RETURN QUERY INSERT INTO {schema}.{table} AS t "
                 "(originator_id, originator_version, topic, state) "
                 "SELECT originator_id, originator_version, topic, state FROM unnest(events) "
                 "RETURNING notification_id; "
                 "END IF; "
                 "END; $BODY$"
-            ).format(
-                schema=schema,
-                function=function,
-                event=Identifier(self.stored_event_type_name),
-                leases=self.leases,
-                held=SQL(LEASE_HELD),
-                lost=SQL(LEASE_LOST),
-                lock_timeout=self.datastore.lock_timeout,
-                table=Identifier(self.events_table_name),
-                channel=Identifier(self.channel_name),
-            )
+            ).format(function=function, **names)
         )
+        # Group commit: the saves of several runs in one transaction (one lock,
+        # one flush), each in a subtransaction of its own, so that one run's
+        # version clash or refused lease writes none of its events and never
+        # touches another's. ``starts``/``ends`` cut ``events`` into the saves.
+        self.batch_function = f"kuralle_write_batch_{self.events_table_name}"[:63]
+        batch = Identifier(self.batch_function)
+        self.sql_create_statements.append(
+            SQL(
+                "CREATE OR REPLACE FUNCTION {schema}.{batch}(events {schema}.{event}[], "
+                "starts int[], ends int[], ops text[], runs uuid[], holders text[], "
+                "tokens text[], untils timestamptz[], nows timestamptz[]) "
+                "RETURNS TABLE (save int, outcome text, ids bigint[], detail text) "
+                "LANGUAGE plpgsql AS $BODY$ "
+                "DECLARE held_holder text; held_until timestamptz; op text; run uuid; "
+                "holder_ text; token_ text; until timestamptz; now_ timestamptz; "
+                "BEGIN "
+                "SET LOCAL lock_timeout = '{lock_timeout}s'; "
+                "LOCK TABLE {schema}.{table} IN EXCLUSIVE MODE; "
+                "NOTIFY {channel}; "
+                "FOR i IN 1 .. cardinality(starts) LOOP "
+                "op := ops[i]; run := runs[i]; holder_ := holders[i]; token_ := tokens[i]; "
+                "until := untils[i]; now_ := nows[i]; "
+                "BEGIN "
+                + _LEASE_OP
+                + "save := i; outcome := 'ok'; detail := NULL; "
+                "WITH inserted AS (INSERT INTO {schema}.{table} AS t "
+                "(originator_id, originator_version, topic, state) "
+                "SELECT originator_id, originator_version, topic, state "
+                "FROM unnest(events[starts[i]:ends[i]]) RETURNING notification_id) "
+                "SELECT array_agg(notification_id ORDER BY notification_id) INTO ids "
+                "FROM inserted; "
+                "RETURN NEXT; "
+                "EXCEPTION "
+                "WHEN unique_violation THEN "
+                "save := i; outcome := 'clash'; ids := NULL; detail := NULL; RETURN NEXT; "
+                "WHEN SQLSTATE '{held}' THEN "
+                "save := i; outcome := 'held'; ids := NULL; "
+                "detail := held_holder || ' ' || extract(epoch FROM held_until)::text; "
+                "RETURN NEXT; "
+                "WHEN SQLSTATE '{lost}' THEN "
+                "save := i; outcome := 'lost'; ids := NULL; detail := NULL; RETURN NEXT; "
+                "END; "
+                "END LOOP; "
+                "END; $BODY$"
+            ).format(batch=batch, **names)
+        )
+        self.batch_statement = SQL(
+            "SELECT * FROM {schema}.{batch}(%s, %s, %s, %s, %s, %s, %s, %s, %s)"
+        ).format(schema=schema, batch=batch)
         self.one_trip_statement = SQL(
             "SELECT * FROM {schema}.{function}(%s, %s, %s, %s, %s, %s, %s)"
         ).format(schema=schema, function=function)
@@ -287,12 +319,32 @@ class OneTripPostgresRecorder(PostgresApplicationRecorder):
         self, stored_events: Sequence[StoredEvent], op: LeaseOp | None
     ) -> tuple[Any, ...]:
         """The one-trip statement's parameters: the events and the lease op."""
+        return self.parameters_of(self.rows(stored_events), op)
+
+    @staticmethod
+    def parameters_of(rows: list[Any], op: LeaseOp | None) -> tuple[Any, ...]:
+        """The one-trip statement's parameters, the events already made rows."""
         if op is None:
-            return (self.rows(stored_events), "none", None, None, None, None, None)
-        return (
-            self.rows(stored_events), op.kind, op.run_id, op.holder, op.token, op.expires_at,
-            op.now,
-        )  # fmt: skip
+            return (rows, "none", None, None, None, None, None)
+        return (rows, op.kind, op.run_id, op.holder, op.token, op.expires_at, op.now)
+
+    @staticmethod
+    def batch_parameters(saves: Sequence[tuple[list[Any], LeaseOp | None]]) -> tuple[Any, ...]:
+        """The group commit's parameters: every save's rows, where each save's rows
+        start and end in them (1-based, inclusive), and each save's lease op."""
+        rows: list[Any] = []
+        starts, ends, ops, runs, holders, tokens, untils, nows = ([] for _ in range(8))
+        for save_rows, op in saves:
+            starts.append(len(rows) + 1)
+            rows.extend(save_rows)
+            ends.append(len(rows))
+            ops.append(op.kind if op is not None else "none")
+            runs.append(op.run_id if op is not None else None)
+            holders.append(op.holder if op is not None else None)
+            tokens.append(op.token if op is not None else None)
+            untils.append(op.expires_at if op is not None else None)
+            nows.append(op.now if op is not None else None)
+        return (rows, starts, ends, ops, runs, holders, tokens, untils, nows)
 
     @retry((InterfaceError, OperationalError), max_attempts=10, wait=0.2)
     def insert_events(
@@ -337,6 +389,34 @@ def lease_refusal(error: psycopg.Error, op: LeaseOp | None) -> LeaseRefused | No
     holder = diag.message_primary or ""
     until = datetime.fromtimestamp(float(diag.message_detail or 0), UTC)
     return LeaseRefused(op, Lease(holder, until))
+
+
+#: The PL/pgSQL that applies one lease op (``op``, ``run``, ``holder_``, ``token_``,
+#: ``until``, ``now_``): a refused one raises ``LEASE_HELD`` (the holder as the
+#: message, the expiry's epoch as the detail) or ``LEASE_LOST``.
+_LEASE_OP = (
+    "IF op = 'take' THEN "
+    "INSERT INTO {leases} AS l (run_id, holder, token, expires_at) "
+    "VALUES (run, holder_, token_, until) ON CONFLICT (run_id) DO UPDATE SET "
+    "holder = EXCLUDED.holder, token = EXCLUDED.token, expires_at = EXCLUDED.expires_at "
+    "WHERE l.expires_at <= now_ OR l.holder = holder_; "
+    "IF NOT FOUND THEN "
+    "SELECT l.holder, l.expires_at INTO held_holder, held_until FROM {leases} l "
+    "WHERE l.run_id = run; "
+    "RAISE EXCEPTION USING ERRCODE = '{held}', MESSAGE = held_holder, "
+    "DETAIL = extract(epoch FROM held_until)::text; "
+    "END IF; "
+    "ELSIF op = 'renew' THEN "
+    "UPDATE {leases} SET expires_at = until WHERE run_id = run AND token = token_; "
+    "IF NOT FOUND THEN "
+    "RAISE EXCEPTION USING ERRCODE = '{lost}', MESSAGE = 'lease taken over'; "
+    "END IF; "
+    "ELSIF op = 'release' THEN "
+    "DELETE FROM {leases} WHERE run_id = run AND token = token_; "
+    "ELSIF op = 'clear' THEN "
+    "DELETE FROM {leases} WHERE run_id = run; "
+    "END IF; "
+)
 
 
 def _leases_table(events_table_name: str) -> str:
