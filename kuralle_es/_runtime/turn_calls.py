@@ -132,18 +132,23 @@ async def drifted_run(env: TurnEnv, run_id: str, session_id: str) -> tuple[Run, 
 
 
 # ------------------------------------------------------------------ openings
-class Opening(ABC):
+class Opening:
     """What a turn's first save carries besides the lease: changes it hands the
-    run's writer, the one code that changes a run."""
+    run's writer, the one code that changes a run (``apply``), saved with the
+    lease by ``open``."""
 
     #: A flow this opening enters (with its agent), overriding the run's own.
     enters: tuple[Agent, Flow] | None = None
     #: Whether the opening itself records a takeover of the run (a recovery).
     takes_over: bool = False
 
-    @abstractmethod
     async def open(self, writer: RunWriter, env: TurnEnv) -> None:
         """Hand the writer the opening's changes and save them (with the lease)."""
+        self.apply(writer, env)
+        await writer.persist()
+
+    def apply(self, writer: RunWriter, env: TurnEnv) -> None:
+        """The opening's changes, saved by ``open`` (none: only the lease)."""
 
 
 def _repin(writer: RunWriter, flow: Flow) -> None:
@@ -180,11 +185,10 @@ class _NewEpoch(Opening):
     idempotency_key: str | None
     enters: tuple[Agent, Flow] | None = None
 
-    async def open(self, writer: RunWriter, env: TurnEnv) -> None:
+    def apply(self, writer: RunWriter, env: TurnEnv) -> None:
         writer.start_turn(writer.epoch + 1, self.message, self.idempotency_key)
         if self.enters is not None:
             _repin(writer, self.enters[1])
-        await writer.persist()
 
 
 @dataclass
@@ -193,19 +197,17 @@ class _FlowMessage(Opening):
 
     message: Message
 
-    async def open(self, writer: RunWriter, env: TurnEnv) -> None:
+    def apply(self, writer: RunWriter, env: TurnEnv) -> None:
         writer.append_message(self.message)
         writer.resume()
-        await writer.persist()
 
 
 @dataclass
 class _AcceptInput(Opening):
     message: Message
 
-    async def open(self, writer: RunWriter, env: TurnEnv) -> None:
+    def apply(self, writer: RunWriter, env: TurnEnv) -> None:
         writer.accept_input(self.message)
-        await writer.persist()
 
 
 @dataclass
@@ -223,15 +225,13 @@ class _Repin(Opening):
 
     flow: Flow
 
-    async def open(self, writer: RunWriter, env: TurnEnv) -> None:
+    def apply(self, writer: RunWriter, env: TurnEnv) -> None:
         _repin(writer, self.flow)
-        await writer.persist()
 
 
 class _Resume(Opening):
-    async def open(self, writer: RunWriter, env: TurnEnv) -> None:
+    def apply(self, writer: RunWriter, env: TurnEnv) -> None:
         writer.resume()
-        await writer.persist()
 
 
 @dataclass
@@ -241,9 +241,8 @@ class _Recovered(Opening):
     previous_holder: str | None
     takes_over: bool = True
 
-    async def open(self, writer: RunWriter, env: TurnEnv) -> None:
+    def apply(self, writer: RunWriter, env: TurnEnv) -> None:
         writer.take_over(self.previous_holder)
-        await writer.persist()
 
 
 @dataclass
@@ -252,9 +251,8 @@ class _TimerFired(Opening):
 
     request_id: str
 
-    async def open(self, writer: RunWriter, env: TurnEnv) -> None:
+    def apply(self, writer: RunWriter, env: TurnEnv) -> None:
         writer.fire_timer(self.request_id)
-        await writer.persist()
 
 
 def _input_opening(run: Run, text: str, env: TurnEnv) -> Opening | None:

@@ -206,29 +206,20 @@ def _paths() -> dict[str, Any]:
                 "413",
             )
         },
-        "/api/runs/{run_id}/approve": {
-            "post": _post(
-                "approve",
-                f"approve: what the run waits for; {turn}",
-                Approval,
-                TurnResult,
-                [*run, delivery_key],
-                "404",
-                "409",
-                "413",
-            )
-        },
-        "/api/runs/{run_id}/deny": {
-            "post": _post(
-                "deny",
-                f"deny: what the run waits for; {turn}",
-                Approval,
-                TurnResult,
-                [*run, delivery_key],
-                "404",
-                "409",
-                "413",
-            )
+        **{
+            f"/api/runs/{{run_id}}/{verb}": {
+                "post": _post(
+                    verb,
+                    f"{verb}: what the run waits for; {turn}",
+                    Approval,
+                    TurnResult,
+                    [*run, delivery_key],
+                    "404",
+                    "409",
+                    "413",
+                )
+            }
+            for verb in ("approve", "deny")
         },
         "/api/runs/{run_id}/input": {
             "post": _post(
