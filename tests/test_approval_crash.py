@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 from procs import flows
-from procs.worker import KILLED, run_child, wait_lease_expired
+from procs.child import KILLED, run_child, wait_lease_expired
 
 from kuralle_es import RunStore, Runtime, StepRecord, TurnResult, idempotency_key
 
@@ -55,6 +55,7 @@ def deliver_in_child(
     pg_dsn: str, ledger: Path, run_id: str, signal_id: str, payload: str, **env: str
 ) -> tuple[int, dict[str, Any] | None]:
     return run_child(
+        "flows",
         "postgres",
         pg_dsn,
         ledger,
@@ -69,7 +70,9 @@ def deliver_in_child(
 
 
 def resume_in_child(pg_dsn: str, ledger: Path, run_id: str) -> tuple[int, dict[str, Any] | None]:
-    return run_child("postgres", pg_dsn, ledger, SESSION, "resume", run_id, env=NOW_COMPUTED)
+    return run_child(
+        "flows", "postgres", pg_dsn, ledger, SESSION, "resume", run_id, env=NOW_COMPUTED
+    )
 
 
 def transfer_steps(steps: list[StepRecord]) -> list[StepRecord]:

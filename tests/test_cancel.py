@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from conftest import StoreFactory
 from procs import control
+from procs.child import Child, until
 from pydantic import BaseModel
 from test_retries import crashing
 
@@ -251,13 +252,12 @@ async def test_a_turn_in_another_process_stops_at_its_next_save_after_a_cancel(
 ) -> None:
     assert open_store.target is not None
     ledger = tmp_path / "ledger.jsonl"
-    child = control.spawn(
-        open_store.backend, open_store.target, ledger, SESSION, "start", control.SLOW_THEN_AFTER,
-        KT_SLOW="1.5", KT_LEASE_TTL="30",
-    )  # fmt: skip
-    try:
-        run_id = await control.opened(child)
-        await control.until(
+    with Child(
+        "control", open_store.backend, open_store.target, ledger, SESSION,
+        "start", control.SLOW_THEN_AFTER, env={"KT_SLOW": "1.5", "KT_LEASE_TTL": "30"},
+    ) as child:  # fmt: skip
+        run_id = await child.opened()
+        await until(
             lambda: any(e["tool"] == "slow-start" for e in control.read_ledger(ledger)),
             "the child started its slow tool",
         )
@@ -265,12 +265,9 @@ async def test_a_turn_in_another_process_stops_at_its_next_save_after_a_cancel(
         held = await runtime.get_run(run_id, SESSION)
         assert held is not None and held.lease_holder not in (None, runtime.holder)
         cancelled = await runtime.cancel(run_id, SESSION, "from the shell")
-        out, err = await asyncio.to_thread(child.communicate, timeout=60)
-    finally:
-        if child.poll() is None:
-            child.kill()
-    report = json.loads(out.strip().splitlines()[-1])
-    assert child.returncode == 2 and report["error"]["type"] == "StaleWriteError", (out, err)
+        code, report = await asyncio.to_thread(child.wait, 60)
+    assert report is not None, (child.stdout, child.stderr)
+    assert code == 2 and report["error"]["type"] == "StaleWriteError", (child.stdout, child.stderr)
     assert [e["tool"] for e in control.read_ledger(ledger)] == ["slow-start", "slow-done"]
     final = await runtime.get_run(run_id, SESSION)
     assert final is not None

@@ -1,6 +1,6 @@
 """A run paused in one OS process is resumed in another (PostgreSQL).
 
-Every turn here runs in a child process of its own (``tests/procs/worker.py``);
+Every turn here runs in a child process of its own (``tests/procs/child.py``);
 this process only reads the database and the tool's ledger file.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from procs import flows
-from procs.worker import run_child
+from procs.child import run_child
 
 from kuralle_es import RunStore, Runtime
 
@@ -38,7 +38,7 @@ def runtime(pg_dsn: str, ledger: Path) -> Iterator[Runtime]:
 
 
 def child(pg_dsn: str, ledger: Path, *args: str) -> dict[str, Any]:
-    code, report = run_child("postgres", pg_dsn, ledger, SESSION, *args)
+    code, report = run_child("flows", "postgres", pg_dsn, ledger, SESSION, *args)
     assert report is not None, f"child reported nothing (exit {code})"
     if code != 0:
         raise AssertionError(f"child turn failed: {report}")
@@ -111,6 +111,7 @@ async def test_a_typed_signal_is_validated_by_a_process_that_did_not_pause_the_r
     assert before is not None
 
     code, refused = run_child(
+        "flows",
         "postgres",
         pg_dsn,
         ledger,

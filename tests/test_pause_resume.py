@@ -6,7 +6,7 @@ Every test goes through the public API: ``Runtime.run`` / ``TurnHandle`` /
 it was (same status, version, step count and ``waiting_for``).
 
 The in-doubt tests make a step left ``running`` honestly: a child OS process
-(``tests/procs/worker.py``) runs the flow and its tool SIGKILLs that process
+(``tests/procs/child.py``) runs the flow and its tool SIGKILLs that process
 after the step's intent is journaled.
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 from procs import flows as procs_flows
-from procs.worker import KILLED, run_child, wait_lease_expired
+from procs.child import KILLED, run_child, wait_lease_expired
 from pydantic import BaseModel
 
 from kuralle_es import (
@@ -1132,7 +1132,7 @@ async def _crash_in_tool(open_store: Any, tmp_path: Path, flow: str) -> tuple[Ru
     ledger = tmp_path / "ledger.jsonl"
     runtime = Runtime([procs_flows.make_agent(ledger)], store=open_store())
     code, report = run_child(
-        backend, target, ledger, SESSION, "start", flow, env={"KT_DIE_AT": "tool"}
+        "flows", backend, target, ledger, SESSION, "start", flow, env={"KT_DIE_AT": "tool"}
     )
     assert code == KILLED
     assert report is not None and "opened" in report
@@ -1266,6 +1266,7 @@ async def test_in_doubt_ask_asks_again_when_the_retried_execution_also_crashes(
     backend, target = _shared_db(open_store)
 
     code, _ = run_child(
+        "flows",
         backend,
         target,
         ledger,

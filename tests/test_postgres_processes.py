@@ -13,14 +13,55 @@ import queue
 from typing import Any
 
 import pytest
-import workers
+from procs.child import open_store
 
-from kuralle_es import RunStore, Runtime, action, define_agent, define_flow, end
+from kuralle_es import (
+    Message,
+    RunStore,
+    Runtime,
+    StaleWriteError,
+    action,
+    define_agent,
+    define_flow,
+    end,
+)
 
 pytestmark = pytest.mark.postgres
 
 SESSION = "session-1"
 ROUNDS = 8
+
+
+def race_saves(
+    backend: str,
+    target: str,
+    run_id: str,
+    name: str,
+    rounds: int,
+    barrier: Any,
+    results: Any,
+) -> None:
+    """A ``multiprocessing`` (spawn) target. For each round: load the run, meet
+    the other writer, append one event, save; report the outcome on a queue."""
+    store = open_store(backend, target)
+    try:
+        for round_no in range(rounds):
+            run = store.load(run_id)
+            assert run is not None, f"{name}: run {run_id} not found"
+            loaded_version = run.version
+            run.append_message(Message(role="user", content=f"{name}:{round_no}"))
+            barrier.wait(timeout=60)
+            try:
+                store.save_run(run)
+                outcome = "saved"
+            except StaleWriteError:
+                outcome = "stale"
+            except Exception as e:  # reported, so the parent can show it
+                outcome = f"{type(e).__name__}: {e}"
+            results.put((round_no, name, loaded_version, outcome))
+            barrier.wait(timeout=60)
+    finally:
+        store.close()
 
 
 async def _create_run(dsn: str) -> str:
@@ -56,7 +97,7 @@ async def test_two_processes_saving_one_run_at_one_version_exactly_one_wins_each
         results = ctx.Queue()
         procs = [
             ctx.Process(
-                target=workers.race_saves,
+                target=race_saves,
                 args=("postgres", pg_dsn, run_id, name, ROUNDS, barrier, results),
                 name=f"writer-{name}",
             )

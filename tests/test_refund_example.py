@@ -16,12 +16,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from procs.child import Child
 
 from kuralle_es import RunStore, Runtime, SignalDelivery, TurnResult
 from kuralle_es.examples import refund
 
-PROCS = Path(__file__).resolve().parent / "procs"
 SESSION = "s-refund"
+#: What a child turn runs without: it uses the offline scripted model.
+OFFLINE: dict[str, str | None] = {"OPENAI_API_KEY": None, refund.MODEL_ENV: None}
 APPROVED_REPLY = "Good news: your refund was approved and is on its way."
 DECLINED_REPLY = "Sorry, your refund was declined."
 
@@ -131,17 +133,12 @@ async def test_a_declined_refund_replies_declined_and_refunds_nothing(
 
 
 # ------------------------------------------------------ fresh OS processes
-def turn_in_child(env: dict[str, str], db: tuple[str, str], *args: str) -> dict[str, Any]:
+def turn_in_child(db: tuple[str, str], ledger_path: Path, *args: str) -> dict[str, Any]:
     backend, target = db
-    done = subprocess.run(
-        [sys.executable, str(PROCS / "refund_turn.py"), backend, target, SESSION, *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, f"child failed: {done.stdout}\n{done.stderr}"
-    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    with Child("refund", backend, target, ledger_path, SESSION, *args, env=OFFLINE) as child:
+        code, result = child.wait(timeout=120)
+    assert code == 0, f"child failed: {child.stdout}\n{child.stderr}"
+    assert result is not None
     assert result["pid"] != os.getpid()
     TurnResult.model_validate({k: v for k, v in result.items() if k != "pid"})
     return result
@@ -154,38 +151,33 @@ def shared_db(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, str]
     return "postgres", str(request.getfixturevalue("pg_dsn"))
 
 
-@pytest.fixture
-def child_env(ledger_path: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("OPENAI_API_KEY", refund.MODEL_ENV)}
-    env[refund.LEDGER_ENV] = str(ledger_path)
-    return env
-
-
 def _open(db: tuple[str, str]) -> RunStore:
     backend, target = db
     return RunStore.sqlite(target) if backend == "sqlite" else RunStore.postgres(target)
 
 
 def test_refund_resumed_by_a_new_process_at_every_pause_refunds_exactly_once(
-    shared_db: tuple[str, str], child_env: dict[str, str], ledger_path: Path
+    shared_db: tuple[str, str], ledger_path: Path
 ) -> None:
-    start = turn_in_child(child_env, shared_db, "start", "Hi, I'd like a refund for my order.")
+    start = turn_in_child(
+        shared_db, ledger_path, "start", "refund", "Hi, I'd like a refund for my order."
+    )
     assert start["status"] == "paused"
     assert start["waiting_for"]["kind"] == "input"
     run_id = start["run_id"]
 
-    amount = turn_in_child(child_env, shared_db, "input", run_id, "It was $42.50.")
+    amount = turn_in_child(shared_db, ledger_path, "input", run_id, "It was $42.50.")
     assert amount["status"] == "paused"
     assert amount["waiting_for"]["kind"] == "approval"
     assert amount["pid"] != start["pid"]
     assert ledger(ledger_path) == []
 
-    done = turn_in_child(child_env, shared_db, "decide", run_id, "sig-1", "approved", "sup")
+    done = turn_in_child(shared_db, ledger_path, "decide", run_id, "sig-1", "approved", "sup")
     assert done["status"] == "finished"
     assert done["output"] == APPROVED_REPLY
     assert len({start["pid"], amount["pid"], done["pid"]}) == 3
 
-    retry = turn_in_child(child_env, shared_db, "decide", run_id, "sig-1", "approved", "sup")
+    retry = turn_in_child(shared_db, ledger_path, "decide", run_id, "sig-1", "approved", "sup")
     assert retry["status"] == "finished"
     entries = [e for e in ledger(ledger_path) if e["tool"] == "processRefund"]
     assert len(entries) == 1
@@ -205,14 +197,14 @@ def test_refund_resumed_by_a_new_process_at_every_pause_refunds_exactly_once(
 
 
 def test_a_refund_declined_from_a_new_process_replies_declined_and_refunds_nothing(
-    shared_db: tuple[str, str], child_env: dict[str, str], ledger_path: Path
+    shared_db: tuple[str, str], ledger_path: Path
 ) -> None:
-    start = turn_in_child(child_env, shared_db, "start", "I need a refund")
+    start = turn_in_child(shared_db, ledger_path, "start", "refund", "I need a refund")
     run_id = start["run_id"]
-    amount = turn_in_child(child_env, shared_db, "input", run_id, "$12")
+    amount = turn_in_child(shared_db, ledger_path, "input", run_id, "$12")
     assert amount["waiting_for"]["kind"] == "approval"
 
-    done = turn_in_child(child_env, shared_db, "decide", run_id, "sig-no", "declined", "sup")
+    done = turn_in_child(shared_db, ledger_path, "decide", run_id, "sig-no", "declined", "sup")
     assert done["status"] == "finished"
     assert done["output"] == DECLINED_REPLY
     assert ledger(ledger_path) == []

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from conftest import StoreFactory
 from procs import control
-from procs.worker import wait_lease_expired
+from procs.child import Child, until, wait_lease_expired
 from pydantic import BaseModel
 
 from kuralle_es import (
@@ -537,25 +537,21 @@ async def test_a_sigkill_during_a_backoff_resumes_the_count_in_another_process(
 ) -> None:
     assert open_store.target is not None
     ledger = tmp_path / "ledger.jsonl"
-    child = control.spawn(
-        open_store.backend, open_store.target, ledger, SESSION, "start", control.ALWAYS_FAILING,
-        KT_INTERVAL="1.5", KT_LEASE_TTL="0.6",
-    )  # fmt: skip
-    try:
-        run_id = await control.opened(child)
+    with Child(
+        "control", open_store.backend, open_store.target, ledger, SESSION,
+        "start", control.ALWAYS_FAILING, env={"KT_INTERVAL": "1.5", "KT_LEASE_TTL": "0.6"},
+    ) as child:  # fmt: skip
+        run_id = await child.opened()
         store = open_store()
 
         def first_failure_journaled() -> bool:
             run = store.load(run_id)
             return run is not None and bool(run.steps) and run.steps[0].get("failures") == 1
 
-        await control.until(first_failure_journaled, "the first failure is journaled")
-        child.send_signal(signal.SIGKILL)  # mid-backoff: attempt 2 is 1.5 s away
-        assert await asyncio.to_thread(child.wait, 30) == -signal.SIGKILL
-    finally:
-        if child.poll() is None:
-            child.kill()
-        child.communicate()
+        await until(first_failure_journaled, "the first failure is journaled")
+        child.process.send_signal(signal.SIGKILL)  # mid-backoff: attempt 2 is 1.5 s away
+        code, _ = await asyncio.to_thread(child.wait, 30)
+        assert code == -signal.SIGKILL
     assert len(control.read_ledger(ledger)) == 1
     # Between attempts, `kuralle-es runs show` shows the step running with its last error.
     run = store.load(run_id)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import re
 import signal
-import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -21,9 +20,10 @@ from typing import Any
 from uuid import UUID, uuid4
 
 import pytest
-import workers
 from conftest import StoreFactory
 from eventsourcing.application import project_aggregate
+from procs import crashy
+from procs.child import Child
 from pydantic import BaseModel
 
 from kuralle_es import (
@@ -400,23 +400,16 @@ async def test_step_left_running_by_a_killed_process_executes_again_with_the_sam
         pytest.skip("a memory store cannot be shared with another OS process")
     assert open_store.target is not None
     ledger = tmp_path / "ledger.jsonl"
-    child = await asyncio.create_subprocess_exec(
-        sys.executable,
-        str(Path(workers.__file__)),
-        "crash",
-        open_store.backend,
-        open_store.target,
-        str(ledger),
-        SESSION,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    _, stderr = await asyncio.wait_for(child.communicate(), timeout=90)
-    assert child.returncode == -signal.SIGKILL, f"child did not die in the tool: {stderr!r}"
-    (killed,) = workers.read_ledger(ledger)
+    with Child(
+        "crashy", open_store.backend, open_store.target, ledger, SESSION,
+        "start", crashy.CRASH_FLOW, "pay",
+    ) as child:  # fmt: skip
+        code, _ = await asyncio.to_thread(child.wait, 90)
+    assert code == -signal.SIGKILL, f"child did not die in the tool: {child.stderr!r}"
+    (killed,) = crashy.read_ledger(ledger)
     run_id = killed["run_id"]
 
-    agent = workers.crash_agent(ledger, die_in_tool=False)
+    agent = crashy.crash_agent(ledger, die_in_tool=False)
     runtime2 = Runtime([agent], store=open_store(), holder="recovering-worker")
     orphan = await runtime2.get_run(run_id, SESSION)
     assert orphan is not None
@@ -432,7 +425,7 @@ async def test_step_left_running_by_a_killed_process_executes_again_with_the_sam
     assert not isinstance(second, BaseException), second
     assert second.status == "finished"
     assert second.output == "charged"
-    killed_exec, retried_exec = workers.read_ledger(ledger)
+    killed_exec, retried_exec = crashy.read_ledger(ledger)
     assert retried_exec["key"] == killed_exec["key"], "a retry must reuse the idempotency key"
     assert retried_exec["pid"] != killed_exec["pid"]
     (step,) = await runtime2.get_steps(run_id, SESSION)

@@ -1,11 +1,7 @@
 """Execution-control flows, shared by the tests and the child processes they spawn.
 
-    control.py BACKEND TARGET LEDGER SESSION start FLOW
-    control.py BACKEND TARGET LEDGER SESSION resume RUN_ID
-
-prints ``{"opened": run_id}`` as soon as the run is opened, then one JSON line:
-the turn's result, or ``{"error": {...}}`` (exit 2) when the turn raised.
-``KT_LEASE_TTL`` (default 0.5 s) is the child's lease.
+Both sides import this one module as ``procs.control`` (a child runs it as
+``child.py control ...``), so every flow digest is identical in every process.
 
 - ``always_failing``: one node calls ``flaky`` (``RetryPolicy(max_attempts=3,
   initial_interval=KT_INTERVAL, backoff=1)``), which writes an ``attempt`` line
@@ -21,10 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
-import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +26,6 @@ from pydantic import BaseModel
 from kuralle_es import (
     Agent,
     RetryPolicy,
-    RunStore,
-    Runtime,
     ToolCall,
     action,
     define_agent,
@@ -111,71 +102,3 @@ def make_agent(ledger: Path) -> Agent:
         define_flow(SLOW_THEN_AFTER, "slow, then after", "go", [action("go", slow_then_after)]),
     ]
     return define_agent("control", "execution control tests", None, tools, flows)
-
-
-def spawn(
-    backend: str, target: str, ledger: Path, session: str, *args: str, **env: str
-) -> subprocess.Popen[str]:
-    """Start a child running this module (its stdout piped, ``KT_*`` from ``env`` only)."""
-    child_env = {k: v for k, v in os.environ.items() if not k.startswith("KT_")}
-    child_env.update(env)
-    return subprocess.Popen(
-        [sys.executable, str(Path(__file__).resolve()), backend, target, str(ledger), session,
-         *args],
-        env=child_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )  # fmt: skip
-
-
-async def opened(child: subprocess.Popen[str]) -> str:
-    """The id of the run a ``start`` child opened (its first line)."""
-    assert child.stdout is not None
-    return str(json.loads(await asyncio.to_thread(child.stdout.readline))["opened"])
-
-
-async def until(check: Callable[[], bool], what: str) -> None:
-    """Poll ``check`` until it holds (30 s at most)."""
-    deadline = time.monotonic() + 30
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        await asyncio.sleep(0.02)
-
-
-def _store(backend: str, target: str) -> RunStore:
-    return RunStore.sqlite(target) if backend == "sqlite" else RunStore.postgres(target)
-
-
-async def _main(
-    backend: str, target: str, ledger: str, session: str, command: str, arg: str
-) -> int:
-    store = _store(backend, target)
-    runtime = Runtime(
-        [make_agent(Path(ledger))],
-        store=store,
-        lease_ttl=float(os.environ.get("KT_LEASE_TTL", "0.5")),
-    )
-    try:
-        if command == "start":
-            handle = runtime.run(session, input="go", kind="flow", flow_name=arg)
-            print(json.dumps({"opened": await handle.run_id}), flush=True)
-        else:
-            handle = runtime.run(session, run_id=arg)
-        try:
-            result = await handle.result()
-        except Exception as e:
-            print(json.dumps({"error": {"type": type(e).__name__, "message": str(e)}}), flush=True)
-            return 2
-        print(json.dumps(result.model_dump(mode="json")), flush=True)
-        return 0
-    finally:
-        store.close()
-
-
-if __name__ == "__main__":
-    # The flows come from ``procs.control``, as in the parent, so every digest matches.
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from procs.control import _main as main
-
-    sys.exit(asyncio.run(main(*sys.argv[1:])))
