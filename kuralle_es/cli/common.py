@@ -1,0 +1,257 @@
+"""What every command of ``kuralle-es`` shares (internal): the store and app options and
+a command's parser, naming and opening the store, loading ``--app``, the command line's
+errors, and reading and printing a run or a turn's result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+from .._definitions.agents import Agent
+from .._journal.run import Run
+from .._journal.store import RunStore
+from .._journal.store_url import STORE_ENV, open_store_from_env, open_store_url
+from .._runtime.handle import TurnHandle
+from ..errors import KuralleError
+from ..shapes import TurnResult
+
+DEFAULT_APP = "kuralle_es.examples.refund:build_agent"
+APP_ENV = "KURALLE_APP"
+
+Handler = Callable[[argparse.Namespace], Coroutine[Any, Any, int]]
+SubParsers = Any  # argparse's private _SubParsersAction
+
+
+#: What a command that opens a store says when none was named.
+NO_STORE = (
+    "no store named: pass --store URL (sqlite:///runs.db, postgresql://user@host:5432/db, "
+    f"or memory: for an empty store that lives only as long as this command) or set "
+    f"{STORE_ENV}; the eventsourcing variables (PERSISTENCE_MODULE, ...) work too"
+)
+
+
+def store_named(args: argparse.Namespace, environ: dict[str, str] | None = None) -> bool:
+    """Whether the options or the environment name a store (``memory:`` included)."""
+    env = os.environ if environ is None else environ
+    return bool(
+        getattr(args, "store", None)
+        or getattr(args, "sqlite", None)
+        or env.get(STORE_ENV)
+        or env.get("PERSISTENCE_MODULE")
+    )
+
+
+def _masked(url: str) -> str:
+    """``url`` without its password (in the authority or a ``password=`` parameter)."""
+    parts = urlsplit(url)
+    netloc = parts.netloc
+    if "@" in netloc:
+        userinfo, _, hostport = netloc.rpartition("@")
+        user, has_password, _ = userinfo.partition(":")
+        netloc = f"{user}:***@{hostport}" if has_password else netloc
+    query = parts.query
+    if "password=" in query:
+        pairs = parse_qsl(query, keep_blank_values=True)
+        query = urlencode([(k, "***" if k == "password" else v) for k, v in pairs])
+    return urlunsplit(parts._replace(netloc=netloc, query=query))
+
+
+def store_label(args: argparse.Namespace, environ: dict[str, str] | None = None) -> str:
+    """The store a command uses, for its start line: never a password."""
+    env = os.environ if environ is None else environ
+    url = getattr(args, "store", None)
+    if not url and getattr(args, "sqlite", None):
+        url = f"sqlite:///{args.sqlite}"
+    if not url and env.get(STORE_ENV):
+        url = env[STORE_ENV]
+    if url:
+        if url.startswith("sqlite:///") and len(url) > len("sqlite:///"):
+            return f"{url} ({Path(url[len('sqlite:///') :]).resolve()})"
+        if url in ("memory:", "memory://"):
+            return "memory: (this process only, empty at start)"
+        return _masked(url)
+    module = env.get("PERSISTENCE_MODULE", "")
+    if module.endswith("postgres"):
+        where = (
+            f"{env.get('POSTGRES_USER', '')}@{env.get('POSTGRES_HOST', '')}:"
+            f"{env.get('POSTGRES_PORT', '5432')}/{env.get('POSTGRES_DBNAME', '')}"
+        )
+        return f"{module} {where}"
+    if module.endswith("sqlite"):
+        return f"{module} {env.get('SQLITE_DBNAME', '')}"
+    return f"{module} (in memory: this process only, empty at start)"
+
+
+def open_store(args: argparse.Namespace, *, must_exist: bool = False) -> RunStore:
+    """The store the options (or the environment) name; ``StoreUnavailableError`` if away,
+    a refusal (exit 2) if nothing names one."""
+    if not store_named(args):
+        raise CliError(NO_STORE)
+    if getattr(args, "store", None):
+        return open_store_url(args.store, must_exist=must_exist)
+    if getattr(args, "sqlite", None):
+        return open_store_url(f"sqlite:///{args.sqlite}", must_exist=must_exist)
+    return open_store_from_env(must_exist=must_exist)
+
+
+def load_agents(spec: str) -> list[Agent]:
+    """The agents ``module:attribute`` names (a list, one agent, or a callable returning them)."""
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise CliError(f"--app must look like module:attribute, got {spec!r}")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # the user's app lives in the current folder
+    try:
+        target: Any = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as e:
+        raise CliError(f"cannot load --app {spec}: {e}") from None
+    except Exception as e:  # the user's module raised while it was imported
+        raise CliError(
+            f"cannot load --app {spec}: importing {module_name} raised {type(e).__name__}: {e}"
+        ) from None
+    if callable(target) and not isinstance(target, Agent):
+        try:
+            target = target()
+        except Exception as e:
+            raise CliError(
+                f"cannot load --app {spec}: calling {attribute}() raised {type(e).__name__}: {e}"
+            ) from None
+    try:
+        agents = [target] if isinstance(target, Agent) else list(target)
+    except TypeError:
+        agents = [target]
+    if not all(isinstance(a, Agent) for a in agents):
+        raise CliError(f"{spec} is not an agent, a list of agents, or a callable returning them")
+    return agents
+
+
+def app_hint(args: argparse.Namespace) -> str:
+    """What to do when the loaded agents lack a run's flow (or agent)."""
+    source = (
+        f"{args.app} (the default: the refund example)" if args.app == DEFAULT_APP else args.app
+    )
+    return (
+        f"the agents came from --app {source}; pass --app module:attribute (or set "
+        f"{APP_ENV}) naming the agents that define the run's flow"
+    )
+
+
+class CliError(KuralleError):
+    """A bad command line: printed as one line, exit code 2."""
+
+
+class TurnFailed(KuralleError):
+    """A run's turn ended in error (the node raised): printed as one line, exit code 1."""
+
+
+def _opened_run(handle: TurnHandle) -> str | None:
+    """The id of the run the turn opened, or None when it was refused before."""
+    future = handle.run_id
+    if future.done() and not future.cancelled() and future.exception() is None:
+        return future.result()
+    return None
+
+
+async def turn_result(handle: TurnHandle) -> TurnResult:
+    """The turn's result; an error after the run opened is one line naming the run."""
+    try:
+        return await handle.result()
+    except Exception as e:
+        run_id = _opened_run(handle)
+        if run_id is None:
+            raise  # refused before anything was written
+        raise TurnFailed(
+            f"run {run_id}: the turn ended in error: {type(e).__name__}: {e} "
+            f"(kuralle-es runs show {run_id})"
+        ) from None
+
+
+def result_text(result: TurnResult) -> str:
+    """A turn's result for a person: the run, its status, what it waits for, its output."""
+    line = f"run {result.run_id} {result.status}"
+    wait = result.waiting_for
+    if wait is not None:
+        line += f", waiting for {wait.kind} {wait.name}"
+        if wait.title:
+            line += f": {wait.title}"
+    lines = [line]
+    if result.output is not None:
+        output = result.output if isinstance(result.output, str) else json.dumps(result.output)
+        lines.append(f"output: {output}")
+    return "\n".join(lines)
+
+
+async def stored_run(store: RunStore, run_id: str, *, history: bool = False) -> Run | None:
+    """The run (an operator acts on its session, read from the store), or None, said on
+    stderr; with ``history``, folded with every step it journaled (``load_history``)."""
+    run = await store.load_async(run_id, history=history)
+    if run is None:
+        print(f"kuralle-es: RunNotFoundError: no run {run_id} in this store", file=sys.stderr)
+    return run
+
+
+def print_result(result: TurnResult) -> None:
+    """A turn's result as indented JSON on stdout."""
+    print(json.dumps(result.model_dump(mode="json"), indent=2))
+
+
+def add_common_options(
+    parser: argparse.ArgumentParser, *, top: bool, store: bool = True, app: bool = True
+) -> None:
+    """The store and app options, accepted before or after the command; a command that
+    does not use one still accepts it but does not list it in its help."""
+    default = None if top else argparse.SUPPRESS
+    parser.add_argument(
+        "--store",
+        default=default,
+        metavar="URL",
+        help=(
+            "postgresql://user[:pw]@host[:port]/db, sqlite:///file.db (sqlite:////abs.db) or "
+            f"memory: (env {STORE_ENV}; else PERSISTENCE_MODULE and its variables); "
+            "required: without one the command refuses"
+        )
+        if store
+        else argparse.SUPPRESS,
+    )
+    parser.add_argument(
+        "--sqlite",
+        default=default,
+        metavar="FILE",
+        help="SQLite file: short for --store" if store else argparse.SUPPRESS,
+    )
+    parser.add_argument(
+        "--app",
+        default=os.environ.get(APP_ENV, DEFAULT_APP) if top else argparse.SUPPRESS,
+        metavar="MODULE:ATTR",
+        help=(
+            f"the agents that define the runs' flows, for commands that drive runs "
+            f"(env {APP_ENV}; default: the refund demo)"
+        )
+        if app
+        else argparse.SUPPRESS,
+    )
+
+
+def add_command(
+    sub: SubParsers,
+    name: str,
+    help: str,
+    handler: Handler,
+    *,
+    store: bool = True,
+    app: bool = True,
+) -> argparse.ArgumentParser:
+    """A command's parser. ``store``: it opens a store, so it refuses to run unless one
+    is named; ``app``: it loads ``--app`` (else the option is accepted but not listed)."""
+    parser: argparse.ArgumentParser = sub.add_parser(name, help=help, description=help)
+    add_common_options(parser, top=False, store=store, app=app)
+    parser.set_defaults(handler=handler, opens_store=store, uses_app=app)
+    return parser

@@ -1,0 +1,148 @@
+"""The delivery commands (internal): ``approve``, ``deny`` and ``signal`` deliver to a
+waiting run on behalf of its session and drive it on in this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+from .._runtime.runtime import Runtime
+from ..errors import KuralleError
+from ..shapes import TurnResult
+from .common import (
+    CliError,
+    SubParsers,
+    TurnFailed,
+    add_command,
+    load_agents,
+    open_store,
+    print_result,
+    stored_run,
+)
+
+
+def add_deliveries(sub: SubParsers) -> None:
+    approve = add_command(sub, "approve", "approve what a run waits for", _approve)
+    approve.add_argument("run_id", metavar="RUN_ID", help="the paused run's id")
+    approve.add_argument("--by", required=True, metavar="NAME", help="who approves (the actor)")
+    approve.add_argument("--reason", help="why (kept in the journal)")
+    approve.add_argument("--signal-id", help="makes a retry of this command a no-op")
+    approve.add_argument(
+        "--raise-to",
+        metavar="JSON",
+        help='for a run waiting on its budget: the limits to raise, e.g. \'{"max_total_tokens": '
+        "20000}' (docs/usage.md)",
+    )
+
+    deny = add_command(sub, "deny", "deny what a run waits for", _deny)
+    deny.add_argument("run_id", metavar="RUN_ID", help="the paused run's id")
+    deny.add_argument("--by", required=True, metavar="NAME", help="who denies (the actor)")
+    deny.add_argument("--reason", required=True, help="why (the model or node sees it)")
+    deny.add_argument("--signal-id", help="makes a retry of this command a no-op")
+
+    signal = add_command(sub, "signal", "deliver a named signal to a waiting run", _signal)
+    signal.add_argument("run_id", metavar="RUN_ID", help="the paused run's id")
+    signal.add_argument("name", metavar="NAME", help="the signal the run waits for")
+    signal.add_argument(
+        "--payload",
+        default="null",
+        metavar="JSON",
+        help="the payload, as JSON; @FILE reads it from a file, - from stdin (default null)",
+    )
+    signal.add_argument("--signal-id", help="makes a retry of this command a no-op")
+    signal.add_argument("--actor", metavar="NAME", help="who sends it (kept in the journal)")
+
+
+#: What an operator command does to a run, given the runtime and the run's session.
+_Act = Callable[[Runtime, str], Coroutine[Any, Any, TurnResult]]
+
+
+async def _deliver(args: argparse.Namespace, act: _Act) -> int:
+    agents = load_agents(args.app)
+    with open_store(args, must_exist=True) as store:
+        runtime = Runtime(agents, store=store)
+        # An operator acts on behalf of the run's session, read from the store.
+        run = await stored_run(store, args.run_id)
+        if run is None:
+            return 1
+        try:
+            result = await act(runtime, run.session_id)
+        except KuralleError:
+            raise  # a refusal, or a frozen error: its class and message say it
+        except Exception as e:  # the resumed node raised: the run is saved as error
+            raise TurnFailed(
+                f"run {args.run_id}: the turn ended in error: {type(e).__name__}: {e} "
+                f"(kuralle-es runs show {args.run_id})"
+            ) from None
+        print_result(result)
+    return 0
+
+
+async def _approve(args: argparse.Namespace) -> int:
+    return await _deliver(
+        args,
+        lambda runtime, session: runtime.approve(
+            args.run_id,
+            session,
+            by=args.by,
+            reason=args.reason,
+            signal_id=args.signal_id,
+            raise_to=_raise_to(args.raise_to),
+        ),
+    )
+
+
+def _raise_to(text: str | None) -> dict[str, Any] | None:
+    """``approve --raise-to JSON``: a mapping of budget limits, or a clear refusal."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        msg = f"--raise-to is not JSON ({e}); e.g. '{{\"max_total_tokens\": 20000}}'"
+        raise CliError(msg) from None
+    if not isinstance(value, dict):
+        raise CliError(f"--raise-to must be a JSON object of budget limits, got {text}")
+    return value
+
+
+async def _deny(args: argparse.Namespace) -> int:
+    return await _deliver(
+        args,
+        lambda runtime, session: runtime.deny(
+            args.run_id, session, by=args.by, reason=args.reason, signal_id=args.signal_id
+        ),
+    )
+
+
+def _payload_text(value: str) -> str:
+    """``--payload`` as given, or read from ``@FILE`` or ``-`` (stdin): a payload too
+    big for the command line (``Argument list too long``) goes through either."""
+    if value == "-":
+        return sys.stdin.read()
+    if value.startswith("@"):
+        try:
+            return Path(value[1:]).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise CliError(f"cannot read --payload {value}: {e}") from None
+    return value
+
+
+async def _signal(args: argparse.Namespace) -> int:
+    text = await asyncio.to_thread(_payload_text, args.payload)
+    try:
+        payload = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CliError(f"--payload is not JSON: {e}") from None
+    return await _deliver(
+        args,
+        lambda runtime, session: runtime.signal(
+            args.run_id, session, args.name, payload, signal_id=args.signal_id, actor=args.actor
+        ),
+    )

@@ -1,0 +1,81 @@
+"""The deploy commands (internal): ``check`` replays the live runs against new code,
+``migrate`` moves a live flow run onto the newest definition of its flow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .._operations.replay_check import RunCheck, check_runs
+from .._runtime.runtime import Runtime
+from .common import SubParsers, add_command, load_agents, open_store, print_result, stored_run
+
+
+def add_deploy(sub: SubParsers) -> None:
+    check = add_command(
+        sub,
+        "check",
+        "replay every live run against --app without executing or writing anything; "
+        "exit 1 if one would not resume (docs/deploying.md)",
+        _check,
+    )
+    check.add_argument("--json", action="store_true", help="a JSON array, one object per run")
+    migrate = add_command(
+        sub,
+        "migrate",
+        "fork a live flow run at step N onto the newest definition of its flow in --app, "
+        "then stop the original (outcome 'migrated: FORK_ID')",
+        _migrate,
+    )
+    migrate.add_argument("run_id", metavar="RUN_ID", help="the live flow run to move")
+    migrate.add_argument(
+        "--at",
+        dest="at_step",
+        type=int,
+        required=True,
+        metavar="N",
+        help="the first step to execute afresh under the new definition: 0 to the step count",
+    )
+
+
+def _check_line(check: RunCheck) -> str:
+    flow = "-" if check.flow is None else f"{check.flow}@{check.flow_version or '-'}"
+    line = f"{check.kind:<14} {check.run_id}  {check.status:<7}  {flow}"
+    if check.step is not None:
+        line += f"  step {check.step}"
+    return line + (f"  {check.message}" if check.message else "")
+
+
+async def _check(args: argparse.Namespace) -> int:
+    agents = load_agents(args.app)
+    with open_store(args, must_exist=True) as store:
+        checks = await check_runs(store, agents)
+    if args.json:
+        print(json.dumps([c.model_dump(mode="json") for c in checks], indent=2))
+    else:
+        for check in checks:
+            print(_check_line(check))
+    bad = [c for c in checks if not c.ok]
+    kinds = {k: sum(c.kind == k for c in checks) for k in ("ok", "drift", "nondeterminism")}
+    print(
+        f"{len(checks)} live run(s): {kinds['ok']} ok, {kinds['drift']} drift, "
+        f"{kinds['nondeterminism']} nondeterminism",
+        file=sys.stderr,
+    )
+    return 1 if bad else 0
+
+
+async def _migrate(args: argparse.Namespace) -> int:
+    agents = load_agents(args.app)
+    with open_store(args, must_exist=True) as store:
+        # The run's session is read from the store: the operator acts on its behalf.
+        run = await stored_run(store, args.run_id)
+        if run is None:
+            return 1
+        result = await Runtime(agents, store=store).migrate(
+            args.run_id, run.session_id, args.at_step
+        )
+    print_result(result)
+    return 0

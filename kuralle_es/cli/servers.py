@@ -1,0 +1,73 @@
+"""The commands that serve over HTTP until stopped (internal): ``dashboard`` (the web
+pages) and ``serve`` (the JSON API); each imports the ``dashboard`` extra only when run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from .._runtime.runtime import Runtime
+from .common import CliError, SubParsers, add_command, load_agents, open_store, store_label
+
+
+# --------------------------------------------------------------- dashboard
+def add_dashboard(sub: SubParsers) -> None:
+    dash = add_command(
+        sub, "dashboard", "web pages over the runs; approve or deny from a browser", _dashboard
+    )
+    dash.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="the interface to bind (default 127.0.0.1; another needs KURALLE_DASHBOARD_TOKEN)",
+    )
+    dash.add_argument("--port", type=int, default=8765, help="the port (default 8765)")
+
+
+async def _dashboard(args: argparse.Namespace) -> int:
+    try:  # the `dashboard` extra: imported only by this command
+        from ..dashboard import TOKEN_ENV, check_bind, serve
+    except ImportError as e:
+        raise CliError(f"the dashboard needs: pip install 'kuralle_es[dashboard]' ({e})") from None
+    token = os.environ.get(TOKEN_ENV) or None
+    check_bind(args.host, token)  # before anything is opened
+    # Only a dashboard with a token can deliver decisions, so only it needs the agents.
+    agents = load_agents(args.app) if token else []
+    with open_store(args, must_exist=True) as store:
+        await serve(
+            store,
+            lambda s: Runtime(agents, store=s),
+            args.host,
+            args.port,
+            token,
+            store_label=store_label(args),
+        )
+    return 0
+
+
+# ------------------------------------------------------------------- serve
+def add_serve(sub: SubParsers) -> None:
+    serve = add_command(
+        sub, "serve", "the HTTP API over the runs, JSON in and out (docs/http.md)", _serve
+    )
+    serve.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="the interface to bind (default 127.0.0.1; another needs KURALLE_API_TOKEN)",
+    )
+    serve.add_argument("--port", type=int, default=8000, help="the port (default 8000)")
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    try:  # the `dashboard` extra (Starlette, uvicorn): imported only by this command
+        from ..http import TOKEN_ENV, check_bind, serve
+    except ImportError as e:
+        raise CliError(f"serve needs: pip install 'kuralle_es[dashboard]' ({e})") from None
+    token = os.environ.get(TOKEN_ENV) or None
+    check_bind(args.host, token)  # before anything is opened
+    agents = load_agents(args.app)  # starts and deliveries drive runs in this process
+    with open_store(args) as store:
+        await serve(
+            Runtime(agents, store=store), args.host, args.port, token, store_label=store_label(args)
+        )
+    return 0
