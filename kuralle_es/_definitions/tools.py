@@ -11,6 +11,7 @@ import contextlib
 import contextvars
 import inspect
 import math
+import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -143,7 +144,7 @@ class Tool(Generic[ArgsT]):
 
 
 async def _in_own_thread(fn: Callable[[], Any]) -> Any:
-    """Run a sync tool in a daemon thread of its own (awaiting an awaitable it returns).
+    """Run a sync tool on a tool thread (awaiting an awaitable it returns).
 
     Not the loop's default executor: an abandoned attempt would hold one of
     its threads, and ``asyncio.run`` waits for that executor at exit. The
@@ -170,11 +171,71 @@ async def _in_own_thread(fn: Callable[[], Any]) -> Any:
         with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(settle, value, error)
 
-    threading.Thread(target=work, name="kuralle-tool", daemon=True).start()
+    _TOOL_THREADS.submit(work)
     outcome = await future
     if inspect.isawaitable(outcome):
         outcome = await outcome
     return outcome
+
+
+#: Seconds a tool thread with nothing to do waits for another call before it ends.
+IDLE_SECONDS = 30.0
+
+
+class _ToolThreads:
+    """Daemon threads for sync tools, each kept for the next call once it is done.
+
+    Starting a thread costs more than a short tool call (it was most of a
+    journaled no-op step under load): a thread that finished a call waits up
+    to ``IDLE_SECONDS`` for the next one instead. A call that outlives its
+    timeout keeps its thread to itself; the next call gets another.
+    """
+
+    def __init__(self) -> None:
+        self._guard = threading.Lock()
+        self._idle: list[_ToolThread] = []
+
+    def submit(self, work: Callable[[], None]) -> None:
+        with self._guard:
+            thread = self._idle.pop() if self._idle else None
+        if thread is None:
+            thread = _ToolThread(self)
+            thread.start()
+        thread.inbox.put(work)
+
+    def done(self, thread: _ToolThread) -> None:
+        """``thread`` finished its call and may take another."""
+        with self._guard:
+            self._idle.append(thread)
+
+    def retire(self, thread: _ToolThread) -> bool:
+        """Whether idle ``thread`` may end (no call was handed to it meanwhile)."""
+        with self._guard:
+            if thread in self._idle:
+                self._idle.remove(thread)
+                return True
+            return False
+
+
+class _ToolThread(threading.Thread):
+    def __init__(self, pool: _ToolThreads) -> None:
+        super().__init__(name="kuralle-tool", daemon=True)
+        self.pool = pool
+        self.inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+
+    def run(self) -> None:
+        while True:
+            try:
+                work = self.inbox.get(timeout=IDLE_SECONDS)
+            except queue.Empty:
+                if self.pool.retire(self):
+                    return
+                continue  # a call was handed over as the wait ran out
+            work()
+            self.pool.done(self)
+
+
+_TOOL_THREADS = _ToolThreads()
 
 
 def _is_async(fn: Callable[..., Any]) -> bool:
