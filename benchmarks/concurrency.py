@@ -39,8 +39,16 @@ import psycopg
 from journal_overhead import DEFAULT_DSN, DSN_ENV, create_database, drop_database, with_dbname
 from pydantic import BaseModel
 
-from kuralle_es import RunContext, RunStore, Runtime, action, define_agent, define_flow
-from kuralle_es import define_tool, end
+from kuralle_es import (
+    RunContext,
+    RunStore,
+    Runtime,
+    action,
+    define_agent,
+    define_flow,
+    define_tool,
+    end,
+)
 
 
 class Step(BaseModel):
@@ -148,7 +156,8 @@ def main() -> int:
     finally:
         for admin, name in zip(admins, names, strict=True):
             drop_database(admin, str(name))
-    print(f"{'runs at once':>12} | {'raw commits/s':>13} | {'steps/s':>8} | of raw (2 commits a step)")
+    header = f"{'runs at once':>12} | {'raw commits/s':>13} | {'steps/s':>8}"
+    print(f"{header} | of raw (2 commits a step)")
     for c in levels:
         raw, ours = statistics.median(commits[c]), statistics.median(steps[c])
         print(f"{c:>12} | {raw:>13,.0f} | {ours:>8,.0f} | {2 * ours / raw:.2f}")

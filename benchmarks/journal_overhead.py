@@ -74,7 +74,7 @@ from kuralle_es import (
     define_tool,
     end,
 )
-from kuralle_es._journal.store import postgres_env
+from kuralle_es._journal.log import postgres_env
 from kuralle_es._runtime.context import RunContext
 
 DEFAULT_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"

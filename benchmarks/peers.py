@@ -70,7 +70,7 @@ from kuralle_es import (
     end,
     goto,
 )
-from kuralle_es._journal.store import postgres_env
+from kuralle_es._journal.log import postgres_env
 from kuralle_es._runtime.context import RunContext
 
 #: eventsourcing's own recorder, for the row "without the one-round-trip save".

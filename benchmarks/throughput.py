@@ -17,8 +17,12 @@ the medians for ``chart.py``.
 ``pg_stat_activity`` is sampled every 20 ms: what the workers' busy backends
 wait on (the events table's lock, the WAL flush, ...), on average.
 
+``--per-worker C`` makes each worker drive C runs at once (their saves share
+commits: group commit), ``--partitions K`` spreads the runs over K event logs
+of the database (docs/scaling.md).
+
 Usage: ``python benchmarks/throughput.py [--workers 1,2,4] [--steps 20] [--seconds 10]
-[--rounds 3] [--sample-waits] [--json FILE]``.
+[--rounds 3] [--per-worker 1] [--partitions 1] [--sample-waits] [--json FILE]``.
 """
 
 from __future__ import annotations
@@ -70,27 +74,34 @@ LOOP = define_flow("bench_loop", "N no-op tool steps", "n", [action("n", loop_no
 AGENT = define_agent("bench", "benchmark agent", None, [NOOP], [LOOP])
 
 
-async def work(dsn: str, steps: int, ready: Any, seconds: float) -> tuple[int, int]:
+async def work(
+    dsn: str, steps: int, ready: Any, seconds: float, per_worker: int
+) -> tuple[int, int]:
     STEPS["n"] = steps
     runs = 0
-    with RunStore.postgres(dsn) as store:
+    with RunStore.postgres(dsn) as store:  # every partition the database has
         runtime = Runtime([AGENT], store=store)
         await runtime.run(f"w-{uuid.uuid4().hex}", kind="flow", flow_name=LOOP.name).result()
         ready.wait()  # every worker warmed up: start together
         stop = time.time() + seconds
-        while time.time() < stop:
-            result = await runtime.run(
-                f"t-{uuid.uuid4().hex}", kind="flow", flow_name=LOOP.name
-            ).result()
-            if result.status != "finished":
-                raise RuntimeError(f"run ended {result.status}")
-            runs += 1
+
+        async def driver() -> None:
+            nonlocal runs
+            while time.time() < stop:
+                result = await runtime.run(
+                    f"t-{uuid.uuid4().hex}", kind="flow", flow_name=LOOP.name
+                ).result()
+                if result.status != "finished":
+                    raise RuntimeError(f"run ended {result.status}")
+                runs += 1
+
+        await asyncio.gather(*(driver() for _ in range(per_worker)))
     return runs, runs * steps
 
 
-def worker(dsn: str, steps: int, ready: Any, seconds: float, out: Any) -> None:
+def worker(dsn: str, steps: int, ready: Any, seconds: float, per_worker: int, out: Any) -> None:
     try:
-        out.put(asyncio.run(work(dsn, steps, ready, seconds)))
+        out.put(asyncio.run(work(dsn, steps, ready, seconds, per_worker)))
     except BaseException as e:  # reported by the parent, which would otherwise wait forever
         out.put(f"{type(e).__name__}: {e}")
         raise
@@ -128,14 +139,20 @@ class WaitSampler(threading.Thread):
 
 
 def one_round(
-    dsn: str, workers: int, steps: int, seconds: float, sampler: WaitSampler | None = None
+    dsn: str,
+    workers: int,
+    steps: int,
+    seconds: float,
+    per_worker: int = 1,
+    sampler: WaitSampler | None = None,
 ) -> tuple[float, float]:
     """(runs/s, steps/s) of ``workers`` processes together."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     ready = ctx.Barrier(workers)
     procs = [
-        ctx.Process(target=worker, args=(dsn, steps, ready, seconds, out)) for _ in range(workers)
+        ctx.Process(target=worker, args=(dsn, steps, ready, seconds, per_worker, out))
+        for _ in range(workers)
     ]
     for p in procs:
         p.start()
@@ -161,6 +178,12 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20, help="tool steps per run (default 20)")
     parser.add_argument("--seconds", type=float, default=10.0, help="timed seconds per round")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
+    parser.add_argument(
+        "--per-worker", type=int, default=1, help="runs each worker drives at once (default 1)"
+    )
+    parser.add_argument(
+        "--partitions", type=int, default=1, help="event logs in the database (default 1)"
+    )
     parser.add_argument("--json", help="write the medians to this file (for chart.py)")
     parser.add_argument(
         "--sample-waits",
@@ -178,21 +201,23 @@ def main() -> int:
     samples: dict[int, list[tuple[float, float]]] = {n: [] for n in counts}
     try:
         print(f"postgres: {server_settings(dsn)}", flush=True)
-        RunStore.postgres(dsn).close()  # create the tables once, before the workers race
+        # Create the tables once, before the workers race (and record the partitions).
+        RunStore.postgres(dsn, partitions=args.partitions).close()
         for r in range(args.rounds):
             for n in counts:
-                samples[n].append(one_round(dsn, n, args.steps, args.seconds))
+                samples[n].append(one_round(dsn, n, args.steps, args.seconds, args.per_worker))
             print(f"round {r + 1}/{args.rounds} done", flush=True)
         if args.sample_waits:
             sampler = WaitSampler(dsn, counts[-1])
-            one_round(dsn, counts[-1], args.steps, args.seconds, sampler)
+            one_round(dsn, counts[-1], args.steps, args.seconds, args.per_worker, sampler)
             print(sampler.report(), flush=True)
     finally:
         drop_database(admin_dsn, name)
     base_steps = statistics.median(s[1] for s in samples[counts[0]])
     print()
     print(
-        f"runs of {args.steps} tool steps, {args.seconds:.0f} s a round, "
+        f"runs of {args.steps} tool steps, {args.per_worker} at once per worker, "
+        f"{args.partitions} partition(s), {args.seconds:.0f} s a round, "
         f"median of {args.rounds} interleaved rounds"
     )
     print(f"{'workers':>7} | {'runs/s':>7} | {'steps/s':>8} | vs {counts[0]} worker(s)")

@@ -126,6 +126,37 @@ def _unprivileged_user() -> str:
     raise RuntimeError(msg)
 
 
+@contextlib.contextmanager
+def _throwaway_cluster(reasons: list[str]) -> Iterator[str | None]:
+    """A throwaway cluster's admin DSN while the block runs, or None (and why not,
+    appended to ``reasons``)."""
+    initdb, pg_ctl = _pg_binary("initdb"), _pg_binary("pg_ctl")
+    if not (initdb and pg_ctl):
+        reasons.append("initdb/pg_ctl not found on PATH or in /usr/lib/postgresql/*/bin")
+        yield None
+        return
+    cluster = _ThrowawayCluster(initdb, pg_ctl)
+    try:
+        cluster.start()
+        why = _answers(cluster.admin_dsn)
+        if why is not None:
+            reasons.append(f"throwaway cluster did not answer ({why})")
+    except (subprocess.SubprocessError, OSError, RuntimeError) as e:
+        why = "no start"
+        reasons.append(f"could not start a throwaway cluster: {getattr(e, 'stderr', None) or e}")
+    try:
+        yield cluster.admin_dsn if why is None else None
+    finally:
+        cluster.stop()
+
+
+def _no_server(message: str) -> None:
+    """Skip, or fail under ``KURALLE_REQUIRE_POSTGRES=1`` (CI)."""
+    if os.environ.get(REQUIRE_ENV) == "1":
+        pytest.fail(f"{REQUIRE_ENV}=1 and {message}", pytrace=False)
+    pytest.skip(message)
+
+
 @pytest.fixture(scope="session")
 def postgres_admin_dsn() -> Iterator[str]:
     """An admin DSN of a live PostgreSQL server (skip, or fail in CI, without one)."""
@@ -135,47 +166,53 @@ def postgres_admin_dsn() -> Iterator[str]:
         yield admin
         return
     reasons = [f"{admin} did not answer ({why})"]
-    initdb, pg_ctl = _pg_binary("initdb"), _pg_binary("pg_ctl")
-    if initdb and pg_ctl:
-        cluster = _ThrowawayCluster(initdb, pg_ctl)
-        try:
-            cluster.start()
-            why = _answers(cluster.admin_dsn)
-            if why is None:
-                try:
-                    yield cluster.admin_dsn
-                finally:
-                    cluster.stop()
-                return
-            reasons.append(f"throwaway cluster did not answer ({why})")
-        except (subprocess.SubprocessError, OSError, RuntimeError) as e:
-            detail = getattr(e, "stderr", None) or e
-            reasons.append(f"could not start a throwaway cluster: {detail}")
-        cluster.stop()
-    else:
-        reasons.append("initdb/pg_ctl not found on PATH or in /usr/lib/postgresql/*/bin")
-    message = (
+    with _throwaway_cluster(reasons) as started:
+        if started is not None:
+            yield started
+            return
+    _no_server(
         "no PostgreSQL server for the postgres tests: " + "; ".join(reasons) + ". "
         f"Set {ADMIN_DSN_ENV} to an admin DSN of a running server, or install PostgreSQL."
     )
-    if os.environ.get(REQUIRE_ENV) == "1":
-        pytest.fail(f"{REQUIRE_ENV}=1 and {message}", pytrace=False)
-    pytest.skip(message)
+
+
+@pytest.fixture(scope="session")
+def second_postgres_admin_dsn(postgres_admin_dsn: str) -> Iterator[str]:
+    """An admin DSN of a second PostgreSQL server, a throwaway cluster of this
+    session's (for stores sharded over two servers); fails in CI without one."""
+    reasons: list[str] = []
+    with _throwaway_cluster(reasons) as started:
+        if started is not None:
+            yield started
+            return
+    _no_server("no second PostgreSQL server for the sharding tests: " + "; ".join(reasons))
+
+
+def _fresh_database(admin_dsn: str) -> Iterator[str]:
+    """A fresh, uniquely named database on the admin DSN's server; dropped
+    (connections and all) afterwards."""
+    name = f"kuralle_test_{uuid4().hex[:16]}"
+    with psycopg.connect(admin_dsn, autocommit=True, connect_timeout=10) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    try:
+        yield dsn_for(admin_dsn, name)
+    finally:
+        with psycopg.connect(admin_dsn, autocommit=True, connect_timeout=10) as conn:
+            conn.execute(
+                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+            )
+
+
+@pytest.fixture
+def second_pg_dsn(second_postgres_admin_dsn: str) -> Iterator[str]:
+    """A fresh database on the second server."""
+    yield from _fresh_database(second_postgres_admin_dsn)
 
 
 @pytest.fixture
 def pg_dsn(postgres_admin_dsn: str) -> Iterator[str]:
     """A fresh, uniquely named database; dropped (connections and all) afterwards."""
-    name = f"kuralle_test_{uuid4().hex[:16]}"
-    with psycopg.connect(postgres_admin_dsn, autocommit=True, connect_timeout=10) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    try:
-        yield dsn_for(postgres_admin_dsn, name)
-    finally:
-        with psycopg.connect(postgres_admin_dsn, autocommit=True, connect_timeout=10) as conn:
-            conn.execute(
-                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
-            )
+    yield from _fresh_database(postgres_admin_dsn)
 
 
 # ----------------------------------------------------------------- stores

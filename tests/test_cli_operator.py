@@ -210,7 +210,7 @@ async def test_a_delivery_from_the_command_line_resumes_the_run_with_the_named_a
     done = kuralle(
         "--store", store_url, "--app", "views_app:AGENTS", "signal", runs["signal"], "shipment",
         "--payload", '{"tracking": "T1"}', "--actor", "dock-7",
-        cwd=tmp_path, PYTHONPATH=tests_dir,
+        cwd=tmp_path, PYTHONPATH=os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]),
     )  # fmt: skip
     assert json.loads(_ok(done))["status"] == "finished"
     text = _ok(kuralle("--store", store_url, "runs", "show", runs["signal"]))

@@ -111,8 +111,8 @@ from kuralle_es import (
     reply,
 )
 from kuralle_es._journal.leases import Lease
+from kuralle_es._journal.log import postgres_env
 from kuralle_es._journal.run import Run, StepData
-from kuralle_es._journal.store import postgres_env
 from kuralle_es._runtime.suspensions import approval_decision
 from kuralle_es.testing import BOUNDARIES, Crash, CrashingStore, CrashPlan, ScriptedModel
 

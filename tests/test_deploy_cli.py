@@ -49,7 +49,11 @@ def ledger_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def cli(store_url: str, ledger: Path, *args: str) -> Any:
     """``kuralle-es --store URL ARGS`` with the deploy app importable and its ledger."""
     return kuralle(
-        "--store", store_url, *args, PYTHONPATH=TESTS, **{deploy_app.LEDGER_ENV: str(ledger)}
+        "--store",
+        store_url,
+        *args,
+        PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+        **{deploy_app.LEDGER_ENV: str(ledger)},
     )
 
 

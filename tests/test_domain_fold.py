@@ -38,9 +38,9 @@ from kuralle_es import (
 )
 from kuralle_es._journal import catalogue as stored
 from kuralle_es._journal.leases import LeaseOp
+from kuralle_es._journal.log import snapshot_due
 from kuralle_es._journal.run import Run, new_run
 from kuralle_es._journal.sites import Lane
-from kuralle_es._journal.store import snapshot_due
 from kuralle_es._journal.wait import Wait
 
 # ------------------------------------------------------------------ strategies

@@ -50,7 +50,10 @@ from kuralle_es.events import (
 from kuralle_es.examples import refund
 from kuralle_es.testing import ScriptedModel
 
-GOLDEN = Path(__file__).resolve().parent / "golden" / "run_events_v1.schema.json"
+#: Each published revision of the version-1 schema, oldest first: history, never edited.
+GOLDENS = sorted((Path(__file__).resolve().parent / "golden").glob("run_events_v1*.schema.json"))
+#: The newest revision, which the current schema must equal.
+GOLDEN = Path(__file__).resolve().parent / "golden" / "run_events_v1.2.schema.json"
 
 
 class Nothing(BaseModel):
@@ -218,15 +221,36 @@ def test_every_event_round_trips_through_json() -> None:
 
 def test_the_public_schema_is_the_pinned_version_1() -> None:
     current = events_json_schema()
-    if os.environ.get("KURALLE_UPDATE_GOLDEN") == "1":  # a deliberate schema change
-        GOLDEN.parent.mkdir(exist_ok=True)
+    if os.environ.get("KURALLE_UPDATE_GOLDEN") == "1" and not GOLDEN.exists():
+        # A deliberate revision: a new file, never an old one rewritten.
         GOLDEN.write_text(json.dumps(current, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     pinned = json.loads(GOLDEN.read_text(encoding="utf-8"))
     assert current == pinned, (
         "the public run events' shape changed. Consumers parse this schema: keep it, or "
-        "publish a new schema_version and regenerate tests/golden/run_events_v1.schema.json "
-        "with KURALLE_UPDATE_GOLDEN=1"
+        "publish a new revision (only optional fields added) in a new tests/golden file, "
+        "or a new schema_version"
     )
+
+
+@pytest.mark.parametrize("older", GOLDENS, ids=[g.name for g in GOLDENS])
+def test_every_published_revision_of_version_1_still_parses(older: Path) -> None:
+    """A revision only adds optional fields: each event type of an older revision
+    keeps every field with its schema, requires nothing more, and an event written
+    to it (no ``partition``) parses today, in partition 0."""
+    old = json.loads(older.read_text(encoding="utf-8"))["schema"]["$defs"]
+    new = events_json_schema()["schema"]["$defs"]
+    for name, shape in old.items():
+        assert name in new, f"{name} of {older.name} is gone"
+        kept = {k: v for k, v in new[name]["properties"].items() if k in shape["properties"]}
+        assert kept == shape["properties"], f"a field of {name} changed since {older.name}"
+        assert new[name].get("required", []) == shape.get("required", []), name
+        for added in set(new[name]["properties"]) - set(shape["properties"]):
+            assert "default" in new[name]["properties"][added], f"{name}.{added} is required"
+    written = {
+        "type": "RunFinished", "schema_version": 1, "position": 3, "run_id": "r",
+        "session_id": "s", "occurred_at": "2026-01-01T00:00:00Z", "outcome": "done",
+    }  # fmt: skip
+    assert parse_event(written).partition == 0
 
 
 async def test_a_re_executed_step_is_a_new_attempt_even_for_a_follower_started_after_it(

@@ -31,8 +31,8 @@ from kuralle_es import (
     goto,
 )
 from kuralle_es._journal.leases import LeaseOp
+from kuralle_es._journal.log import postgres_env
 from kuralle_es._journal.run import Run
-from kuralle_es._journal.store import postgres_env
 
 STORES = ["memory", "sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
 BLOCKING_STORES = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]

@@ -36,7 +36,7 @@ from kuralle_es import (
     define_tool,
     end,
 )
-from kuralle_es._journal.store import parse_run_id
+from kuralle_es._journal.log import parse_run_id
 from kuralle_es.events import Consumer, RunEvent, RunOpened, RunPaused
 from kuralle_es.examples import refund
 from kuralle_es.testing import Crash, CrashingStore, CrashPlan, ScriptedModel

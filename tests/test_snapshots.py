@@ -19,8 +19,8 @@ from uuid import uuid4
 from conftest import StoreFactory
 
 from kuralle_es import RunStore
+from kuralle_es._journal.log import snapshot_due, snapshot_spacing
 from kuralle_es._journal.run import Run, new_run
-from kuralle_es._journal.store import snapshot_due, snapshot_spacing
 
 
 def test_the_spacing_is_the_first_of_100_200_400_at_least_the_weight() -> None:

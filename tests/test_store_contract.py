@@ -45,7 +45,7 @@ from kuralle_es import (
     end,
     idempotency_key,
 )
-from kuralle_es._journal.store import snapshot_spacing
+from kuralle_es._journal.log import snapshot_spacing
 
 HEX64 = re.compile(r"[0-9a-f]{64}")
 SESSION = "session-1"

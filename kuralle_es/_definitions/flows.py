@@ -247,7 +247,7 @@ def to_transition(value: Any, flow: Flow, node_id: str) -> Transition:
             f"node {node_id!r} of flow {flow.name!r} goes to unknown node "
             f"{transition.node!r}; the flow has {sorted(flow.nodes)!r}"
         )
-        raise InvalidArgumentError(msg)
+        raise ValueError(msg)  # a bug in the flow, recorded as the run's error: not a refusal
     return transition
 
 

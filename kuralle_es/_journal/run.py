@@ -404,7 +404,6 @@ class Run(Aggregate):
         for field, count in reported.items():
             tally[field] += count or 0
 
-
     @property
     def snapshot_weight(self) -> int:
         """About how many events replaying would cost as much as loading this

@@ -1,8 +1,10 @@
 """Opening a ``RunStore`` from a URL, failing fast when its database is away (API).
 
-``open_store_url(url)`` understands ``postgresql://user[:pw]@host[:port]/db``,
-``sqlite:///relative/path.db`` / ``sqlite:////absolute/path.db`` and
-``memory:``; ``open_store_from_env()`` uses ``KURALLE_STORE``, else the
+``open_store_url(url)`` understands ``postgresql://user[:pw]@host[:port]/db``
+(``?partitions=K`` for K event logs in the database), several such URLs
+separated by commas (a store sharded over those databases, partition i
+being the i-th), ``sqlite:///relative/path.db`` / ``sqlite:////absolute/path.db``
+and ``memory:``; ``open_store_from_env()`` uses ``KURALLE_STORE``, else the
 ``eventsourcing`` variables (``PERSISTENCE_MODULE``, ``POSTGRES_*``, …).
 Before a PostgreSQL store is built, one short connection attempt checks that
 the server answers: an unreachable one is a ``StoreUnavailableError`` within
@@ -18,7 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import StoreUnavailableError
-from .store import CONNECT_TIMEOUT, RunStore, check_postgres, postgres_env, server_reason
+from .log import CONNECT_TIMEOUT, check_postgres, server_reason
+from .store import RunStore
+from .urls import locate
 
 __all__ = [
     "CONNECT_TIMEOUT",
@@ -35,21 +39,13 @@ STORE_ENV = "KURALLE_STORE"
 def open_store_url(url: str, *, must_exist: bool = False) -> RunStore:
     """A store for ``url``; ``must_exist`` refuses a SQLite file that is not there
     (a read-only command must not create an empty database by mistake)."""
-    if url in ("memory:", "memory://"):
-        return RunStore.memory()
-    if url.startswith("sqlite:"):
-        return _open_sqlite(_sqlite_path(url), must_exist)
-    if url.startswith(("postgresql://", "postgres://")):
-        try:
-            env = postgres_env(url)
-        except ValueError as e:
-            raise StoreUnavailableError(str(e)) from None
-        return _open_postgres(env)
-    msg = (
-        f"unknown store URL {url!r}: use postgresql://user[:password]@host[:port]/dbname, "
-        "sqlite:///path/to.db or memory:"
-    )
-    raise StoreUnavailableError(msg)
+    urls = [u.strip() for u in url.split(",")]
+    if len(urls) > 1:
+        return _construct(lambda: RunStore.sharded(urls))
+    place = locate(url)
+    if place.sqlite is not None:
+        return _open_sqlite(place.sqlite, must_exist)
+    return _construct(lambda: RunStore(env=place.env, partitions=place.partitions))
 
 
 def open_store_from_env(
@@ -91,14 +87,3 @@ def _construct(build: Any) -> RunStore:
     except Exception as e:
         raise StoreUnavailableError(f"cannot open the store: {server_reason(e)}") from None
     return store
-
-
-def _sqlite_path(url: str) -> Path:
-    """``sqlite:///runs.db`` is relative, ``sqlite:////var/runs.db`` absolute."""
-    rest = url.removeprefix("sqlite:")
-    if not rest.startswith("///") or len(rest) == 3:
-        msg = (
-            f"a SQLite store URL looks like sqlite:///relative.db or sqlite:////abs.db, got {url!r}"
-        )
-        raise StoreUnavailableError(msg)
-    return Path(rest[3:])

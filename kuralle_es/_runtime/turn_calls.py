@@ -622,7 +622,7 @@ class Fork(Command):
         if original.kind != "flow":
             msg = f"run {self.run_id} is a {original.kind} run; only flow runs fork"
             raise InvalidArgumentError(msg)
-        events: list[Any] = await asyncio.to_thread(lambda: list(env.store.events.get(original.id)))
+        events: list[Any] = await asyncio.to_thread(env.store.run_events, original.run_id)
         agent, flow = env.registry.flow(str(events[0].flow))
         fork_id = UUID(self.fork_id) if self.fork_id is not None else uuid4()
         self._plan = plan_fork(events, self.at_step, str(fork_id), flow.digest, flow.version)

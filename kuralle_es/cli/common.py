@@ -50,7 +50,10 @@ def store_named(args: argparse.Namespace, environ: dict[str, str] | None = None)
 
 
 def _masked(url: str) -> str:
-    """``url`` without its password (in the authority or a ``password=`` parameter)."""
+    """``url`` without its password (in the authority or a ``password=`` parameter;
+    each URL of a sharded store's comma-separated list)."""
+    if "," in url:
+        return ",".join(_masked(part) for part in url.split(","))
     parts = urlsplit(url)
     netloc = parts.netloc
     if "@" in netloc:
@@ -214,8 +217,10 @@ def add_common_options(
         default=default,
         metavar="URL",
         help=(
-            "postgresql://user[:pw]@host[:port]/db, sqlite:///file.db (sqlite:////abs.db) or "
-            f"memory: (env {STORE_ENV}; else PERSISTENCE_MODULE and its variables); "
+            "postgresql://user[:pw]@host[:port]/db (?partitions=K: K logs in it; several "
+            "URLs, comma-separated: a store sharded over them), sqlite:///file.db "
+            f"(sqlite:////abs.db) or memory: (env {STORE_ENV}; else PERSISTENCE_MODULE and "
+            "its variables); "
             "required: without one the command refuses"
         )
         if store

@@ -1,5 +1,6 @@
 """The ``views`` commands (internal): ``follow`` keeps the run views current, ``rebuild``
-projects the whole log again, ``status`` compares their position with the log's.
+projects the whole log again, ``status`` compares their position with the log's
+(each partition's, in a partitioned store).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import threading
 
 from ..views import RunViews
 from ..views.api import open_backend
-from ..views.projector import DEFAULT_BATCH, follow
+from ..views.projector import DEFAULT_BATCH, follow_store
 from .common import CliError, SubParsers, add_command, open_store, store_label
 
 
@@ -52,13 +53,17 @@ async def _follow(args: argparse.Namespace) -> int:
     for sig in (signals.SIGTERM, signals.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     with open_store(args) as store:
-        views = open_backend(store)
         print(
             f"kuralle-es: following the run views of store {store_label(args)} (pid {os.getpid()})",
             file=sys.stderr,
         )
         await asyncio.to_thread(
-            follow, store, views, stop, interval=args.interval, batch=args.batch
+            follow_store,
+            store.partitions,
+            open_backend,
+            stop,
+            interval=args.interval,
+            batch=args.batch,
         )
     return 0
 
@@ -72,7 +77,11 @@ async def _rebuild(args: argparse.Namespace) -> int:
 
 async def _status(args: argparse.Namespace) -> int:
     with open_store(args, must_exist=True) as store:
-        position = await RunViews(store).position()
-        head = await asyncio.to_thread(store.recorder.max_notification_id)
-    print(f"views at event {position or 0} of {head or 0}")
+        positions = await RunViews(store).positions()
+        heads = await asyncio.gather(
+            *(asyncio.to_thread(log.recorder.max_notification_id) for log in store.partitions)
+        )
+    for (partition, position), head in zip(positions.items(), heads, strict=True):
+        where = f"partition {partition}: " if len(heads) > 1 else ""
+        print(f"{where}views at event {position or 0} of {head or 0}")
     return 0

@@ -22,6 +22,12 @@ A handler is ``handler(event)`` or ``handler(event, tx)``, sync or async
 
 A handler that raises stops the consumer with that error, its position left
 before the failed event, so the next run retries it.
+
+In a store of several partitions (docs/scaling.md) the consumer keeps a
+position per partition (under ``name`` for partition 0, ``name@i`` for
+partition i), each in its partition's own database, and applies each
+partition's events in their order, exactly once per partition with ``tx``:
+there ``tx`` is a transaction of the database of the event's partition.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import itertools
 import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -36,8 +43,8 @@ from typing import Any
 from .._callables import wants_call as _wants_tx
 from .._journal.store import RunStore
 from ..errors import AlreadyApplied, InvalidArgumentError
-from .follow import POLL_INTERVAL, EventReader, Tail
-from .positions import PositionBook
+from .follow import POLL_INTERVAL, EventReader, LogReader, Tail
+from .positions import Batch, PositionBook
 from .types import RunEvent
 
 __all__ = ["BATCH_SIZE", "Consumer", "Handler"]
@@ -82,42 +89,59 @@ class Consumer:
             msg = f"batch_size must be a positive int, got {batch_size!r}"
             raise InvalidArgumentError(msg)
         self.batch_size = batch_size
-        self._book = PositionBook(store)
+        #: Each partition's position book, and the name its position is kept under.
+        self._books = {log.partition: PositionBook(log) for log in store.partitions}
+        self._names = {p: name if p == 0 else f"{name}@{p}" for p in self._books}
         self._wants_tx = _wants_tx(handler)
         self._async = _is_async(handler)
         self._tail: Tail | None = None
         self._stop_requested = False
 
-    async def position(self) -> int | None:
-        """The position of the last event this consumer applied (None: none yet)."""
-        return await asyncio.to_thread(self._book.position, self.name)
+    async def position(self) -> int | dict[int, int | None] | None:
+        """The position of the last event this consumer applied (None: none yet); in a
+        store of several partitions, ``{partition: position}`` (as ``follow`` takes it)."""
+        positions = await asyncio.to_thread(self._positions)
+        return positions[0] if len(positions) == 1 else positions
+
+    def _positions(self) -> dict[int, int | None]:
+        return {p: book.position(self._names[p]) for p, book in self._books.items()}
 
     async def run_until_caught_up(self) -> int:
         """Apply every event stored so far; returns how many were applied."""
-        reader = EventReader(self.store, await self.position())
-        target = await asyncio.to_thread(reader.head)
+        reader = EventReader(self.store, await asyncio.to_thread(self._positions))
         applied = 0
-        while reader.position < target:
-            events, more = await asyncio.to_thread(reader.read, target)
-            applied += await self._apply_all(events)
-            if not more:
-                break
+        for log in reader.logs:
+            target = await asyncio.to_thread(log.head)
+            while log.position < target:
+                events, more = await asyncio.to_thread(log.read, target)
+                applied += await self._apply_all(events)
+                if not more or self._stop_requested:
+                    break
         return applied
 
     async def run(self) -> None:
         """Apply events as they are stored, until ``stop()``."""
         self._stop_requested = False
-        reader = EventReader(self.store, await self.position())
+        reader = EventReader(self.store, await asyncio.to_thread(self._positions))
         async with Tail(self.store, self.poll_interval) as tail:
             self._tail = tail
             try:
                 while not self._stop_requested:
-                    events, more = await asyncio.to_thread(reader.read)
-                    await self._apply_all(events)
+                    more = False
+                    for log in reader.logs:
+                        more = await self._apply_next(log) or more
                     if not more:
                         await tail.wait()
             finally:
                 self._tail = None
+
+    async def _apply_next(self, log: LogReader) -> bool:
+        """Apply the next batch of one partition; whether more may follow at once."""
+        if self._stop_requested:
+            return False
+        events, more = await asyncio.to_thread(log.read)
+        await self._apply_all(events)
+        return more
 
     def stop(self) -> None:
         """Make ``run()`` return after the event in flight (call it from the event loop)."""
@@ -128,7 +152,13 @@ class Consumer:
     # -------------------------------------------------------------- applying
     async def _apply_all(self, events: list[RunEvent]) -> int:
         """Apply events in order until done or stopped; how many were applied."""
-        transactional = self._wants_tx and self._book.transactional
+        applied = 0
+        for partition, group in itertools.groupby(events, key=lambda e: e.partition):
+            applied += await self._apply_partition(partition, list(group))
+        return applied
+
+    async def _apply_partition(self, partition: int, events: list[RunEvent]) -> int:
+        transactional = self._wants_tx and self._books[partition].transactional
         size = self.batch_size if transactional else 1
         applied = 0
         for start in range(0, len(events), size):
@@ -156,8 +186,12 @@ class Consumer:
             applied += await self._apply_batch([event])
         return applied
 
+    def _begin(self, chunk: list[RunEvent]) -> contextlib.AbstractContextManager[Batch]:
+        partition = chunk[0].partition
+        return self._books[partition].begin(self._names[partition])
+
     def _batch_sync(self, chunk: list[RunEvent]) -> int:
-        with self._book.begin(self.name) as batch:
+        with self._begin(chunk) as batch:
             todo = _after(chunk, batch.position)
             for event in todo:
                 self.handler(event, batch.tx)
@@ -169,7 +203,7 @@ class Consumer:
         # The handler runs on the loop, inside a transaction entered and left in
         # worker threads.
         stack = contextlib.ExitStack()
-        batch = await asyncio.to_thread(stack.enter_context, self._book.begin(self.name))
+        batch = await asyncio.to_thread(stack.enter_context, self._begin(chunk))
         try:
             todo = _after(chunk, batch.position)
             for event in todo:
@@ -188,16 +222,19 @@ class Consumer:
         try:
             if self._async:
                 await self.handler(*args)
-                await asyncio.to_thread(self._book.record, self.name, event.position)
+                await asyncio.to_thread(self._record, event)
             else:  # both in one worker-thread hop
-                await asyncio.to_thread(self._call_and_record, args, event.position)
+                await asyncio.to_thread(self._call_and_record, args, event)
         except AlreadyApplied:  # another instance of this consumer got further
             return 0
         return 1
 
-    def _call_and_record(self, args: tuple[Any, ...], position: int) -> None:
+    def _call_and_record(self, args: tuple[Any, ...], event: RunEvent) -> None:
         self.handler(*args)
-        self._book.record(self.name, position)
+        self._record(event)
+
+    def _record(self, event: RunEvent) -> None:
+        self._books[event.partition].record(self._names[event.partition], event.position)
 
 
 def _after(events: list[RunEvent], position: int | None) -> list[RunEvent]:

@@ -1,54 +1,102 @@
 """``follow``: the public events after a position, in order, waiting for new ones (public API).
 
-Reading is a pull over the store's notification log (``select_notifications``
-after the last position seen, filtered to the stored topics that have a public
-meaning). That pull is the whole correctness argument: notification ids only
-grow in commit order (PostgreSQL saves lock the events table; SQLite has one
-writer), so reading strictly after the last id seen never skips an event and
-never repeats one, whatever gaps the ids have. Waiting is only a wake-up: on
-PostgreSQL a ``LISTEN`` on the store's notify channel, on SQLite and memory a
-short poll; a missed wake-up costs at most one poll interval, never an event.
+Reading is a pull over each partition's notification log
+(``select_notifications`` after the last position seen there, filtered to
+the stored topics that have a public meaning). That pull is the whole
+correctness argument: notification ids only grow in commit order within a
+log (PostgreSQL saves lock the log's events table; SQLite has one writer),
+so reading strictly after the last id seen never skips an event and never
+repeats one, whatever gaps the ids have. A store of several partitions
+(docs/scaling.md) is read one batch per partition in turn: each run's
+events, and each partition's, stay in order; there is no order across
+partitions. Waiting is only a wake-up: on PostgreSQL a ``LISTEN`` on every
+partition's notify channel, on SQLite and memory a short poll; a missed
+wake-up costs at most one poll interval, never an event.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import psycopg
 from eventsourcing.postgres import PostgresApplicationRecorder
 from psycopg import sql
 
+from .._journal.log import RunLog
 from .._journal.store import RunStore
 from ..errors import InvalidArgumentError
 from .translate import PUBLIC_TOPICS, Translator
 from .types import RunEvent
 
-__all__ = ["EventReader", "Tail", "follow"]
+__all__ = ["After", "EventReader", "Tail", "follow", "start_positions"]
 
 #: Notifications read per query.
 BATCH_SIZE = 500
 #: Seconds between polls (SQLite, memory), and the safety net of a PostgreSQL wait.
 POLL_INTERVAL = 0.1
 
+#: Where to start: None (from the first), a position (a store of one partition)
+#: or ``{partition: position}`` (a partition left out starts from its first event).
+After = int | Mapping[int, int | None] | None
 
-class EventReader:
-    """A position in the log and the translator that goes with it (blocking calls)."""
 
-    def __init__(self, store: RunStore, after: int | None, batch_size: int = BATCH_SIZE) -> None:
-        if after is not None and (not isinstance(after, int) or after < 0):
+def start_positions(store: RunStore, after: After) -> dict[int, int]:
+    """Each partition's position to read after, from what ``follow`` was given;
+    raises ``InvalidArgumentError`` naming what is wrong with ``after``."""
+    count = len(store.partitions)
+    start = dict.fromkeys(range(count), 0)
+    if after is None:
+        return start
+    if isinstance(after, int) and not isinstance(after, bool):
+        if after < 0:
             msg = f"after must be a notification position (an int >= 0) or None, got {after!r}"
             raise InvalidArgumentError(msg)
-        self.store = store
-        self.position = after or 0
+        if count > 1 and after != 0:
+            msg = (
+                f"this store has {count} partitions, each with its own positions: pass "
+                "after={partition: position} (each event says its partition and position)"
+            )
+            raise InvalidArgumentError(msg)
+        return {**start, 0: after}
+    if isinstance(after, Mapping):
+        for partition, position in after.items():
+            if isinstance(partition, bool) or partition not in start:
+                msg = (
+                    f"after names partition {partition!r}, but the store's partitions "
+                    f"are 0..{count - 1}"
+                )
+                raise InvalidArgumentError(msg)
+            if position is not None and (
+                isinstance(position, bool) or not isinstance(position, int) or position < 0
+            ):
+                msg = f"after[{partition}] must be a position (int >= 0) or None, got {position!r}"
+                raise InvalidArgumentError(msg)
+            start[partition] = position or 0
+        return start
+    msg = (
+        "after must be None, a position (an int >= 0) or a mapping {partition: position}, "
+        f"got {after!r}"
+    )
+    raise InvalidArgumentError(msg)
+
+
+class LogReader:
+    """A position in one partition's log and the translator that goes with it
+    (blocking calls)."""
+
+    def __init__(self, log: RunLog, position: int, batch_size: int = BATCH_SIZE) -> None:
+        self.log = log
+        self.partition = log.partition
+        self.position = position
         self.batch_size = batch_size
-        self._translator = Translator(store)
+        self._translator = Translator(log)
 
     def read(self, stop: int | None = None) -> tuple[list[RunEvent], bool]:
         """The next batch of public events (up to ``stop``), and whether more may follow at once."""
-        notifications = self.store.recorder.select_notifications(
+        notifications = self.log.recorder.select_notifications(
             start=self.position,
             limit=self.batch_size,
             stop=stop,
@@ -64,39 +112,68 @@ class EventReader:
         return events, len(notifications) == self.batch_size
 
     def head(self) -> int:
-        """The last position stored right now (0 for an empty store)."""
-        return self.store.recorder.max_notification_id() or 0
+        """The last position stored right now (0 for an empty log)."""
+        return self.log.recorder.max_notification_id() or 0
+
+
+class EventReader:
+    """Every partition's reader; a read takes one batch from each in turn."""
+
+    def __init__(self, store: RunStore, after: After, batch_size: int = BATCH_SIZE) -> None:
+        start = start_positions(store, after)
+        self.logs = [LogReader(log, start[log.partition], batch_size) for log in store.partitions]
+
+    def read(self) -> tuple[list[RunEvent], bool]:
+        """The next batch of each partition, partition by partition, and whether more
+        may follow at once."""
+        events: list[RunEvent] = []
+        more = False
+        for log in self.logs:
+            found, full = log.read()
+            events.extend(found)
+            more = more or full
+        return events, more
 
 
 class Tail:
     """Wakes a follower when new events may be stored; ``stop()`` ends every wait."""
 
     def __init__(self, store: RunStore, poll_interval: float = POLL_INTERVAL) -> None:
-        self.store = store
         self.poll_interval = poll_interval
         self.stopped = asyncio.Event()
-        self._listener: psycopg.AsyncConnection[Any] | None = None
+        #: The notify channels to LISTEN on, grouped by the database they are in.
+        self._channels: dict[str, tuple[dict[str, Any], list[str]]] = {}
+        for log in store.partitions:
+            recorder = log.recorder
+            if isinstance(recorder, PostgresApplicationRecorder):
+                params = _connection_params(recorder)
+                where = repr(sorted(params.items()))
+                self._channels.setdefault(where, (params, []))[1].append(recorder.channel_name)
+        self._listeners: list[psycopg.AsyncConnection[Any]] = []
 
     async def __aenter__(self) -> Tail:
         # LISTEN before the first read, so a save during that read still wakes us.
-        if isinstance(self.store.recorder, PostgresApplicationRecorder):
-            await self._listen(self.store.recorder)
+        if self._channels:
+            await self._listen()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        await self._drop_listener()
+        await self._drop_listeners()
 
-    async def _listen(self, recorder: PostgresApplicationRecorder) -> None:
-        kwargs = recorder.datastore.pool.kwargs or {}
-        params: dict[str, Any] = dict(kwargs() if callable(kwargs) else kwargs)
-        params.pop("row_factory", None)
-        self._listener = await psycopg.AsyncConnection.connect(**params, autocommit=True)
-        channel = sql.Identifier(recorder.channel_name)
-        await self._listener.execute(sql.SQL("LISTEN {}").format(channel))
+    async def _listen(self) -> None:
+        try:
+            for params, channels in self._channels.values():
+                listener = await psycopg.AsyncConnection.connect(**params, autocommit=True)
+                self._listeners.append(listener)
+                for channel in channels:
+                    await listener.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+        except BaseException:
+            await self._drop_listeners()
+            raise
 
-    async def _drop_listener(self) -> None:
-        listener, self._listener = self._listener, None
-        if listener is not None:
+    async def _drop_listeners(self) -> None:
+        listeners, self._listeners = self._listeners, []
+        for listener in listeners:
             with contextlib.suppress(psycopg.Error):
                 await listener.close()
 
@@ -109,10 +186,10 @@ class Tail:
             return
         stop = asyncio.ensure_future(self.stopped.wait())
         try:
-            if not isinstance(self.store.recorder, PostgresApplicationRecorder):
+            if not self._channels:
                 await asyncio.wait({stop}, timeout=self.poll_interval)
                 return
-            notified = asyncio.ensure_future(self._notified(self.store.recorder))
+            notified = asyncio.ensure_future(self._notified())
             try:
                 await asyncio.wait({stop, notified}, return_when=asyncio.FIRST_COMPLETED)
             finally:
@@ -122,23 +199,43 @@ class Tail:
         finally:
             stop.cancel()
 
-    async def _notified(self, recorder: PostgresApplicationRecorder) -> None:
+    async def _notified(self) -> None:
         try:
-            if self._listener is None:  # lost: listen again, then read (a NOTIFY may be missed)
-                await self._listen(recorder)
+            if not self._listeners:  # lost: listen again, then read (a NOTIFY may be missed)
+                await self._listen()
                 return
             # The timeout is a safety net against a lost notification, not the mechanism.
-            async for _ in self._listener.notifies(timeout=1.0, stop_after=1):
-                break
-        except psycopg.Error:  # the server went away: poll until it is back
-            await self._drop_listener()
+            waits = [asyncio.ensure_future(_one_notify(listener)) for listener in self._listeners]
+            try:
+                done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for wait in waits:
+                    wait.cancel()
+                await asyncio.gather(*waits, return_exceptions=True)
+            for wait in done:
+                wait.result()
+        except psycopg.Error:  # a server went away: poll until it is back
+            await self._drop_listeners()
             await asyncio.sleep(self.poll_interval)
 
 
+async def _one_notify(listener: psycopg.AsyncConnection[Any]) -> None:
+    async for _ in listener.notifies(timeout=1.0, stop_after=1):
+        break
+
+
+def _connection_params(recorder: PostgresApplicationRecorder) -> dict[str, Any]:
+    kwargs = recorder.datastore.pool.kwargs or {}
+    params: dict[str, Any] = dict(kwargs() if callable(kwargs) else kwargs)
+    params.pop("row_factory", None)
+    return params
+
+
 async def follow(
-    store: RunStore, after: int | None = None, *, poll_interval: float = POLL_INTERVAL
+    store: RunStore, after: After = None, *, poll_interval: float = POLL_INTERVAL
 ) -> AsyncIterator[RunEvent]:
-    """Every public run event after position ``after`` (None: from the first), in order.
+    """Every public run event after ``after`` (None: from the first; a position; or
+    ``{partition: position}``), in order within each partition.
 
     Never ends by itself: after the last stored event it waits for the next one
     (break out of the loop to stop). Raises ``InvalidArgumentError`` for a bad

@@ -30,7 +30,7 @@ from eventsourcing.sqlite import SQLiteApplicationRecorder, SQLiteTrackingRecord
 from psycopg import sql
 
 from .._journal.eventsourcing_hooks import insert_tracking, use_tracking_table
-from .._journal.store import RunStore, retry_schema_setup
+from .._journal.log import RunLog, retry_schema_setup
 from ..errors import AlreadyApplied
 
 __all__ = ["TABLE", "Batch", "PositionBook"]
@@ -38,15 +38,13 @@ __all__ = ["TABLE", "Batch", "PositionBook"]
 TABLE = "kuralle_consumer_positions"
 
 
-_memory_books: weakref.WeakKeyDictionary[RunStore, POPOTrackingRecorder] = (
-    weakref.WeakKeyDictionary()
-)
+_memory_books: weakref.WeakKeyDictionary[RunLog, POPOTrackingRecorder] = weakref.WeakKeyDictionary()
 
 
 class PositionBook:
-    """Consumer positions for one store."""
+    """Consumer positions for one log (a partition of a store), kept in its database."""
 
-    def __init__(self, store: RunStore) -> None:
+    def __init__(self, store: RunLog) -> None:
         recorder = store.recorder
         self.recorder: TrackingRecorder
         if isinstance(recorder, PostgresApplicationRecorder):

@@ -29,7 +29,7 @@ from uuid import UUID
 from eventsourcing.persistence import Notification
 
 from .._journal import catalogue as stored
-from .._journal.store import RunStore
+from .._journal.log import RunLog
 from .types import (
     EventError,
     EventWaitingFor,
@@ -211,10 +211,11 @@ def _fold(ctx: _RunContext, event: Any, rule: _Rule) -> None:
 
 
 class Translator:
-    """Stored notifications in, public events out; one per follower (not thread-safe)."""
+    """One partition's stored notifications in, public events out; one per follower
+    and partition (not thread-safe)."""
 
-    def __init__(self, store: RunStore, cache_size: int = 4096) -> None:
-        self._store = store
+    def __init__(self, log: RunLog, cache_size: int = 4096) -> None:
+        self._store = log
         self._cache: OrderedDict[UUID, _RunContext] = OrderedDict()
         self._cache_size = cache_size
 
@@ -227,6 +228,7 @@ class Translator:
         ctx = self._context(event.originator_id, event.originator_version)
         session = event.session_id if isinstance(event, stored.RunCreated) else ctx.session_id
         base: _Base = {
+            "partition": self._store.partition,
             "position": notification.id,
             "run_id": str(event.originator_id),
             "session_id": session,

@@ -3,12 +3,16 @@
 These are the shapes other systems read; they are not the ``Run``
 aggregate's stored events, whose names and fields may change between
 releases. Every event has ``schema_version`` (1), ``type`` (its class name,
-the discriminator for parsing JSON), ``position`` (the stored event's
-notification id: unique, increasing, with gaps), ``run_id``, ``session_id``
-and ``occurred_at``. The nested shapes (``EventWaitingFor``, ``EventError``,
+the discriminator for parsing JSON), ``partition`` (the store's partition
+the run lives in, 0 when there is one: docs/scaling.md), ``position`` (the
+stored event's notification id in that partition: increasing, with gaps;
+``(partition, position)`` is unique), ``run_id``, ``session_id`` and
+``occurred_at``. The nested shapes (``EventWaitingFor``, ``EventError``,
 ``EventOperation``) are copies owned by this module, so an internal change
 to the runtime's models never alters an event's shape without a new schema
-version. ``tests/golden/run_events_v1.schema.json`` pins the JSON schema.
+version. ``tests/golden/run_events_v1*.schema.json`` pin each published
+revision of the JSON schema; a revision of version 1 only adds optional
+fields (``partition`` came so), so every event ever published still parses.
 """
 
 from __future__ import annotations
@@ -82,6 +86,8 @@ class EventWaitingFor(_Shape):
 
 class _Event(_Shape):
     schema_version: Literal[1] = 1
+    #: The partition of the store the run lives in (0 in a store of one).
+    partition: int = 0
     position: int
     run_id: str
     session_id: str

@@ -8,7 +8,9 @@ table of the store's own database, through the ``tx`` its handler is given.
 That insert commits in the same transaction as the consumer's position, so
 on PostgreSQL and SQLite each row is written exactly once across crashes and
 restarts. A mailer (or anything) then drains the outbox; each row carries
-the event's ``position``, a stable key for deduplicating further downstream.
+the event's ``partition`` and ``position``, together a stable key for
+deduplicating further downstream. In a store of several partitions each
+partition's database has its outbox (docs/scaling.md).
 
 Run it as ``kuralle-es consume approvals`` (or ``python -m
 kuralle_es.examples.approval_notifier``) with ``--store URL`` /
@@ -47,24 +49,39 @@ __all__ = [
 CONSUMER_NAME = "approvals"
 OUTBOX_TABLE = "kuralle_approval_outbox"
 
-_COLUMNS = "position, run_id, session_id, request_id, title, description, created_at"
+_COLUMNS = (
+    "partition, position, run_id, session_id, request_id, title, description, created_at"
+)
 _POSTGRES_DDL = (
     f"CREATE TABLE IF NOT EXISTS {OUTBOX_TABLE} (id BIGSERIAL PRIMARY KEY, "
     "position BIGINT NOT NULL, run_id TEXT NOT NULL, session_id TEXT NOT NULL, "
-    "request_id TEXT NOT NULL, title TEXT, description TEXT, created_at TEXT NOT NULL)"
+    "request_id TEXT NOT NULL, title TEXT, description TEXT, created_at TEXT NOT NULL, "
+    "partition INTEGER NOT NULL DEFAULT 0)"
 )
 _SQLITE_DDL = _POSTGRES_DDL.replace("BIGSERIAL PRIMARY KEY", "INTEGER PRIMARY KEY AUTOINCREMENT")
+#: An outbox made before partitions had no ``partition`` column: its rows are partition 0.
+_POSTGRES_UPGRADE = (
+    f"ALTER TABLE {OUTBOX_TABLE} ADD COLUMN IF NOT EXISTS partition INTEGER NOT NULL DEFAULT 0"
+)
+_SQLITE_UPGRADE = f"ALTER TABLE {OUTBOX_TABLE} ADD COLUMN partition INTEGER NOT NULL DEFAULT 0"
 
 
 def create_outbox(store: RunStore) -> None:
-    """Create the outbox table in the store's database, if it is not there yet."""
-    datastore: Any = getattr(store.recorder, "datastore", None)
-    if datastore is None:
-        msg = "the approval notifier needs a SQLite or PostgreSQL store, not an in-memory one"
-        raise SystemExit(msg)
-    ddl = _SQLITE_DDL if isinstance(store.recorder, SQLiteApplicationRecorder) else _POSTGRES_DDL
-    with datastore.transaction(commit=True) as curs:
-        curs.execute(ddl)
+    """Create the outbox table in each of the store's databases, if it is not there yet."""
+    for log in store.partitions:
+        datastore: Any = getattr(log.recorder, "datastore", None)
+        if datastore is None:
+            msg = "the approval notifier needs a SQLite or PostgreSQL store, not an in-memory one"
+            raise SystemExit(msg)
+        sqlite = isinstance(log.recorder, SQLiteApplicationRecorder)
+        with datastore.transaction(commit=True) as curs:
+            curs.execute(_SQLITE_DDL if sqlite else _POSTGRES_DDL)
+            if not sqlite:
+                curs.execute(_POSTGRES_UPGRADE)
+                continue
+            curs.execute(f"SELECT name FROM pragma_table_info('{OUTBOX_TABLE}')")
+            if "partition" not in {row["name"] for row in curs.fetchall()}:
+                curs.execute(_SQLITE_UPGRADE)
 
 
 def notify_approval(event: RunEvent, tx: Any) -> None:
@@ -73,6 +90,7 @@ def notify_approval(event: RunEvent, tx: Any) -> None:
         return
     wait = event.waiting_for
     row = (
+        event.partition,
         event.position,
         event.run_id,
         event.session_id,

@@ -15,13 +15,14 @@ from dataclasses import replace
 from datetime import datetime
 from typing import Any, TypeVar
 
+from .._journal.log import RunLog, retry_schema_setup
 from .._journal.recorders import (
     LeasingPOPORecorder,
     LeasingSQLiteRecorder,
     OneTripPostgresRecorder,
 )
 from .._journal.spending import Prices, total, validate_prices
-from .._journal.store import RunStore, retry_schema_setup
+from .._journal.store import RunStore
 from ..errors import InvalidArgumentError
 from ..shapes import Usage
 from .backend import ViewBackend
@@ -29,7 +30,7 @@ from .fold import RunRow, StepRow, as_utc
 from .memory import MemoryViews
 from .postgres import PostgresViews
 from .projector import DEFAULT_BATCH, catch_up
-from .query import RunQuery, UsageGroup, UsageQuery, usage_by_group
+from .query import RunQuery, UsageGroup, UsageQuery, sort_key, tool_stats, usage_by_group
 from .sqlite import SQLiteViews
 from .summaries import RunSummary, ToolStats, summary
 
@@ -37,14 +38,16 @@ __all__ = ["RunViews", "open_backend"]
 
 _T = TypeVar("_T")
 
-#: Views of in-memory stores live as long as their store.
-_MEMORY: weakref.WeakKeyDictionary[RunStore, dict[str, MemoryViews]] = weakref.WeakKeyDictionary()
+#: Views of in-memory logs live as long as their log.
+_MEMORY: weakref.WeakKeyDictionary[RunLog, dict[str, MemoryViews]] = weakref.WeakKeyDictionary()
 
 
-def open_backend(store: RunStore, name: str = "RunViews") -> ViewBackend:
-    """The view tables of ``store`` named ``name`` (created if missing)."""
-    prefix = name.lower()
-    recorder = store.recorder
+def open_backend(log: RunLog, name: str = "RunViews") -> ViewBackend:
+    """The view tables of one log (a partition of a store) named ``name``, created
+    if missing: ``name``'s own tables for the first log of a database, with the
+    partition's suffix (``_p1``, ...) for another log of the same database."""
+    prefix = (name + log.views_name.removeprefix("RunViews")).lower()
+    recorder = log.recorder
     if isinstance(recorder, OneTripPostgresRecorder):
         leases = recorder.leases_table
         return retry_schema_setup(lambda: _created(PostgresViews(
@@ -54,7 +57,7 @@ def open_backend(store: RunStore, name: str = "RunViews") -> ViewBackend:
     if isinstance(recorder, LeasingSQLiteRecorder):
         return _created(SQLiteViews(recorder.datastore, prefix, recorder.leases_table))
     if isinstance(recorder, LeasingPOPORecorder):
-        views = _MEMORY.setdefault(store, {})
+        views = _MEMORY.setdefault(log, {})
         return views.setdefault(prefix, MemoryViews(recorder.leases))
     msg = f"no views for a store recorded by {type(recorder).__name__}"
     raise TypeError(msg)
@@ -93,9 +96,10 @@ class RunViews:
         self.name = name
         self.batch = batch
         self.prices = validate_prices(prices)
-        #: The view tables, opened (created or upgraded if need be) on first use,
-        #: on a worker thread when they live in a database: never on the event loop.
-        self._backend: ViewBackend | None = None
+        #: The view tables of each partition, opened (created or upgraded if need be)
+        #: on first use, on a worker thread when they live in a database: never on
+        #: the event loop.
+        self._backends: list[tuple[RunLog, ViewBackend]] | None = None
         self._opening = asyncio.Lock()
         self._blocking = store.saves_block
 
@@ -147,7 +151,7 @@ class RunViews:
     async def step_stats(self) -> list[ToolStats]:
         """Per tool (by name): calls, failed calls, p50/p95 latency in ms."""
         await self.catch_up()
-        return await self._call(lambda b: b.select_tool_stats())
+        return await self._tool_stats()
 
     async def usage(
         self,
@@ -196,7 +200,8 @@ class RunViews:
     # --------------------------------------------------------- upkeep
     async def catch_up(self) -> int:
         """Apply every event stored so far; returns how many this call applied."""
-        return await self._call(lambda b: catch_up(self.store, b, self.batch))
+        applied = await self._each(lambda log, b: catch_up(log, b, self.batch))
+        return sum(applied)
 
     async def wait_until_caught_up(self, timeout: float = 10.0) -> None:  # noqa: ASYNC109
         """Return once every event stored before the call is in the views.
@@ -208,48 +213,84 @@ class RunViews:
 
     async def rebuild(self) -> int:
         """Empty the views and apply the whole log again; returns the events applied."""
-        await self._call(lambda b: b.reset_views())
+        await self._each(lambda log, b: b.reset_views())
         return await self.catch_up()
 
     async def position(self) -> int | None:
-        """The notification id of the last event in the views."""
-        return await self._call(lambda b: b.view_position())
+        """The notification id of the last event in the views (of the first partition)."""
+        return (await self.positions())[0]
+
+    async def positions(self) -> dict[int, int | None]:
+        """Each partition's last notification id in the views, by partition number."""
+        found = await self._each(lambda log, b: (log.partition, b.view_position()))
+        return dict(found)
 
     async def rows(self) -> tuple[list[RunRow], list[StepRow]]:
         """Every run and step row as stored, for checks (no catch-up, no index)."""
-        runs = await self._call(lambda b: b.select_runs(RunQuery(order="oldest")))
-        return sorted(runs, key=lambda r: r.run_id), await self._call(lambda b: b.select_steps())
+        runs = await self._each(lambda log, b: b.select_runs(RunQuery(order="oldest")))
+        steps = await self._each(lambda log, b: b.select_steps())
+        return sorted(_flat(runs), key=lambda r: r.run_id), _flat(steps)
 
     # --------------------------------------------------------- helpers
     async def _runs(self, query: RunQuery) -> list[RunSummary]:
         await self.catch_up()
-        rows = await self._call(lambda b: b.select_runs(query))
-        return [summary(r) for r in rows]
+        found = _flat(await self._each(lambda log, b: b.select_runs(query)))
+        if len(await self.backends()) > 1:  # each partition answered: merge them
+            found.sort(key=sort_key(query), reverse=query.order == "recent")
+            found = found if query.limit is None else found[: query.limit]
+        return [summary(r) for r in found]
 
     async def _usage(self, query: UsageQuery) -> list[tuple[str | None, Usage]]:
         await self.catch_up()
-        shares = await self._call(lambda b: b.select_usage(query))
-        return usage_by_group(shares, self.prices)
+        shares = _flat(await self._each(lambda log, b: b.select_usage(query)))
+        groups = usage_by_group(shares, self.prices)
+        return groups if query.limit is None else groups[: query.limit]
 
-    async def backend(self) -> ViewBackend:
-        """The view tables, opened on first use (off the event loop on SQLite and
-        PostgreSQL, where opening may create or upgrade them)."""
-        if self._backend is None:
+    async def _tool_stats(self) -> list[ToolStats]:
+        backends = await self.backends()
+        if len(backends) == 1:
+            stats: list[ToolStats] = await self._each(
+                lambda log, b: b.select_tool_stats(), single=True
+            )
+            return stats
+        steps = _flat(await self._each(lambda log, b: b.select_steps()))
+        return tool_stats((s.name, s.status, s.duration_ms) for s in steps if s.kind == "tool")
+
+    async def backends(self) -> list[tuple[RunLog, ViewBackend]]:
+        """Each partition's view tables, opened on first use (off the event loop on
+        SQLite and PostgreSQL, where opening may create or upgrade them)."""
+        if self._backends is None:
             async with self._opening:
-                if self._backend is None:
+                if self._backends is None:
+                    logs = self.store.partitions
                     if self._blocking:
-                        self._backend = await asyncio.to_thread(
-                            open_backend, self.store, self.name
+                        opened = await asyncio.gather(
+                            *(asyncio.to_thread(open_backend, log, self.name) for log in logs)
                         )
                     else:
-                        self._backend = open_backend(self.store, self.name)
-        return self._backend
+                        opened = [open_backend(log, self.name) for log in logs]
+                    self._backends = list(zip(logs, opened, strict=True))
+        return self._backends
 
-    async def _call(self, fn: Callable[[ViewBackend], _T]) -> _T:
-        backend = await self.backend()
+    async def backend(self) -> ViewBackend:
+        """The first partition's view tables (see ``backends``)."""
+        return (await self.backends())[0][1]
+
+    async def _each(
+        self, fn: Callable[[RunLog, ViewBackend], _T], *, single: bool = False
+    ) -> Any:
+        """``fn`` on each partition's views (at once, off the loop where they block);
+        their answers in partition order, or the one answer with ``single``."""
+        backends = await self.backends()
         if self._blocking:
-            return await asyncio.to_thread(fn, backend)
-        return fn(backend)
+            found = await asyncio.gather(*(asyncio.to_thread(fn, log, b) for log, b in backends))
+        else:
+            found = [fn(log, b) for log, b in backends]
+        return found[0] if single else list(found)
+
+
+def _flat(parts: list[list[_T]]) -> list[_T]:
+    return [item for part in parts for item in part]
 
 
 def _usage_query(run_id: Any, session_id: Any, agent_id: Any, since: Any) -> UsageQuery:

@@ -63,15 +63,19 @@ _TRACKING_SUFFIX = "_tracking"
 class PostgresViews(PostgresTrackingRecorder, ViewBackend):
     """Run and step view tables next to the tracking table ``<prefix>_tracking``."""
 
+    #: The lease records the queries join, when none is named.
+    default_leases_table = "runstore_leases"
+
     def __init__(
         self,
         datastore: PostgresDatastore,
         *,
         tracking_table_name: str = "runviews_tracking",
-        leases_table_name: str = "runstore_leases",
+        leases_table_name: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(datastore, tracking_table_name=tracking_table_name, **kwargs)
+        leases_table_name = leases_table_name or self.default_leases_table
         prefix = tracking_table_name.removesuffix(_TRACKING_SUFFIX)
         schema = Identifier(datastore.schema)
         runs, steps = f"{prefix}_runs", f"{prefix}_steps"

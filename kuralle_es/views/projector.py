@@ -11,23 +11,24 @@ views current until stopped: on PostgreSQL with ``eventsourcing``'s
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 from eventsourcing.persistence import Tracking
 from eventsourcing.postgres import PostgresApplicationRecorder
 from eventsourcing.projection import ProjectionRunner
 
-from .._journal.store import RunStore
+from .._journal.log import RunLog
 from .backend import ViewBackend
 from .postgres import PostgresViews, RunViewsProjection
 from .source import ViewSource, read_after
 
-__all__ = ["DEFAULT_BATCH", "catch_up", "follow", "run_projection_runner"]
+__all__ = ["DEFAULT_BATCH", "catch_up", "follow", "follow_store", "run_projection_runner"]
 
 DEFAULT_BATCH = 500
 
 
-def catch_up(store: RunStore, views: ViewBackend, batch: int = DEFAULT_BATCH) -> int:
+def catch_up(store: RunLog, views: ViewBackend, batch: int = DEFAULT_BATCH) -> int:
     """Apply every event stored before the call; returns how many this call applied.
 
     Events stored meanwhile may be applied too, but are not waited for: under
@@ -36,7 +37,7 @@ def catch_up(store: RunStore, views: ViewBackend, batch: int = DEFAULT_BATCH) ->
     return _catch_up(store, views, batch)[0]
 
 
-def _catch_up(store: RunStore, views: ViewBackend, batch: int) -> tuple[int, int]:
+def _catch_up(store: RunLog, views: ViewBackend, batch: int) -> tuple[int, int]:
     """``catch_up``, also returning a position the views have reached."""
     until = store.recorder.max_notification_id() or 0
     position = views.view_position()
@@ -53,7 +54,7 @@ def _catch_up(store: RunStore, views: ViewBackend, batch: int) -> tuple[int, int
 
 
 def follow(
-    store: RunStore,
+    store: RunLog,
     views: ViewBackend,
     stop: threading.Event,
     *,
@@ -71,6 +72,37 @@ def follow(
         stop.wait(interval)
 
 
+def follow_store(
+    logs: Sequence[RunLog],
+    open_views: Callable[[RunLog], ViewBackend],
+    stop: threading.Event,
+    *,
+    interval: float = 0.2,
+    batch: int = DEFAULT_BATCH,
+) -> None:
+    """``follow`` for every log of a store (its partitions), one thread each, until
+    ``stop`` is set; the first error stops them all and is raised."""
+    errors: list[BaseException] = []
+
+    def one(log: RunLog) -> None:
+        try:
+            follow(log, open_views(log), stop, interval=interval, batch=batch)
+        except BaseException as e:
+            errors.append(e)
+            stop.set()
+
+    threads = [
+        threading.Thread(target=one, args=(log,), name=f"views-p{log.partition}", daemon=True)
+        for log in logs
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+
+
 class _BatchingProjection(RunViewsProjection):
     """Woken by the runner's subscription, applies all that is stored, in batches.
 
@@ -82,7 +114,7 @@ class _BatchingProjection(RunViewsProjection):
     tracking position checked inside each batch's transaction.
     """
 
-    source: ClassVar[RunStore]
+    source: ClassVar[RunLog]
     batch: ClassVar[int] = DEFAULT_BATCH
 
     def __init__(self, view: PostgresViews) -> None:
@@ -97,24 +129,32 @@ class _BatchingProjection(RunViewsProjection):
 
 
 def run_projection_runner(
-    store: RunStore, name: str, stop: threading.Event, batch: int = DEFAULT_BATCH
+    store: RunLog, name: str, stop: threading.Event, batch: int = DEFAULT_BATCH
 ) -> None:
-    """Run ``eventsourcing``'s ``ProjectionRunner`` into the views ``name`` until ``stop``."""
+    """Run ``eventsourcing``'s ``ProjectionRunner`` into the views ``name`` of one
+    log (a partition of a store) until ``stop``."""
+    views = name + store.views_name.removeprefix("RunViews")
     env: dict[str, Any] = dict(store.env)
-    prefix = name.upper()
+    prefix, upstream = views.upper(), store.name.upper()
     # Size the runner's pools on purpose: the subscription holds one
     # connection (LISTEN) and reads with another; the view writes with one.
-    env.setdefault("RUNSTORE_POSTGRES_POOL_SIZE", "2")
-    env.setdefault("RUNSTORE_POSTGRES_MAX_OVERFLOW", "2")
+    env.setdefault(f"{upstream}_POSTGRES_POOL_SIZE", "2")
+    env.setdefault(f"{upstream}_POSTGRES_MAX_OVERFLOW", "2")
     env.setdefault(f"{prefix}_POSTGRES_POOL_SIZE", "1")
     env.setdefault(f"{prefix}_POSTGRES_MAX_OVERFLOW", "2")
     projection = type(
-        f"{name}Projection", (_BatchingProjection,), {"name": name, "source": store, "batch": batch}
+        f"{views}Projection",
+        (_BatchingProjection,),
+        {"name": views, "source": store, "batch": batch},
     )
+    # The runner builds its upstream and its view itself: this log's tables.
+    source = type(f"{store.name}Source", (ViewSource,), {"name": store.name})
+    leases = getattr(store.recorder, "leases_table", PostgresViews.default_leases_table)
+    view = type(f"{views}Tables", (PostgresViews,), {"default_leases_table": leases})
     runner: ProjectionRunner[ViewSource, PostgresViews] = ProjectionRunner(
-        application_class=ViewSource,
+        application_class=source,
         projection_class=projection,
-        view_class=PostgresViews,
+        view_class=view,
         env=env,
     )
     with runner:

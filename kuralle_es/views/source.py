@@ -19,7 +19,7 @@ from eventsourcing.persistence import Mapper, Notification, StoredEvent
 from eventsourcing.utils import TopicError
 
 from .._journal import catalogue as stored
-from .._journal.store import RunStore
+from .._journal.log import RunLog
 
 __all__ = ["Logged", "TolerantMapper", "UnknownEvent", "ViewSource", "decode", "read_after"]
 
@@ -86,7 +86,7 @@ def _unknown(mapper: Mapper[Any], stored_event: StoredEvent) -> UnknownEvent:
     )
 
 
-def read_after(store: RunStore, position: int | None, limit: int) -> list[Logged]:
+def read_after(store: RunLog, position: int | None, limit: int) -> list[Logged]:
     """Up to ``limit`` entries of the log after ``position`` (None: from the start)."""
     notifications: Sequence[Notification] = store.recorder.select_notifications(
         start=position if position is not None else None,
@@ -107,7 +107,7 @@ class TolerantMapper(Mapper[UUID]):
         return Logged(int(getattr(stored_event, "id", 0)), event)
 
 
-class ViewSource(RunStore):
+class ViewSource(RunLog):
     """The run store as a projection's upstream: same tables, ``Logged`` entries.
 
     ``eventsourcing``'s ``ProjectionRunner`` constructs its upstream

@@ -15,7 +15,7 @@ from datetime import datetime
 from typing import Any
 
 from .._journal import catalogue as stored
-from .._journal.store import RunStore, parse_run_id
+from .._journal.store import RunStore
 from ..shapes import RunState, StepRecord
 from .fold import as_utc
 
@@ -66,11 +66,8 @@ _TOPICS = frozenset(c.TOPIC for c, read in _READ.items() if read is not None)
 
 def read_deliveries(store: RunStore, run_id: str) -> list[Delivery]:
     """The run's accepted deliveries, oldest first, from its stored events."""
-    aggregate_id = parse_run_id(run_id)
-    if aggregate_id is None:
-        return []
     deliveries = []
-    for record in store.recorder.select_events(aggregate_id):
+    for record in store.stored_events(run_id):
         if record.topic not in _TOPICS:  # decode only what the timeline reads
             continue
         event: Any = store.mapper.to_domain_event(record)

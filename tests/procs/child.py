@@ -18,7 +18,8 @@ that every flow digest and schema topic is the same in both processes:
 - ``refund``: the refund example, ``kuralle_es.examples.refund.build_agent()``;
   ``LEDGER`` is handed to it as ``REFUND_LEDGER`` (``-``: keep the inherited one).
 
-``BACKEND`` is ``sqlite`` (``TARGET`` a file) or ``postgres`` (``TARGET`` a DSN).
+``BACKEND`` is ``sqlite`` (``TARGET`` a file), ``postgres`` (``TARGET`` a DSN)
+or ``url`` (``TARGET`` a store URL, such as a sharded store's).
 The commands:
 
 - ``start FLOW [TEXT]``: a new run of the flow, with input ``TEXT`` (default ``go``);
@@ -59,6 +60,7 @@ from types import TracebackType
 from typing import Any
 
 from kuralle_es import Agent, RunStore, Runtime, SignalDelivery, TurnHandle
+from kuralle_es._journal.store_url import open_store_url
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
 
@@ -87,6 +89,8 @@ def open_store(backend: str, target: str) -> RunStore:
         return RunStore.sqlite(target)
     if backend == "postgres":
         return RunStore.postgres(target)
+    if backend == "url":  # a store URL: sharded (comma-separated), ?partitions=K, ...
+        return open_store_url(target)
     msg = f"backend {backend!r} cannot be shared with another process"
     raise ValueError(msg)
 

@@ -1,0 +1,517 @@
+"""``RunLog``: one event log of runs, an ``eventsourcing`` application (internal).
+
+A ``RunStore`` is one or more such logs (partitions; ``store``). Persistence
+is chosen the ``eventsourcing`` way (``PERSISTENCE_MODULE`` and that
+module's variables, from the environment or an ``env`` mapping). This is the
+one boundary where the library's ``IntegrityError`` (a version clash on
+append) becomes our ``StaleWriteError``, and a refused lease op becomes
+``LeaseHeldError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, ClassVar, TypeVar
+from urllib.parse import unquote, urlparse
+from uuid import UUID
+
+import psycopg
+from eventsourcing.application import AggregateNotFoundError, ProcessingEvent
+from eventsourcing.domain import (
+    Snapshot,
+)
+from eventsourcing.persistence import (
+    ApplicationRecorder,
+    EventStore,
+    InfrastructureFactory,
+    IntegrityError,
+    InternalError,
+    ProgrammingError,
+    Transcoder,
+)
+from eventsourcing.popo import POPOAggregateRecorder, POPOFactory
+from eventsourcing.utils import Environment, EnvType, get_topic
+from psycopg.errors import DuplicateObject, DuplicateTable, UniqueViolation
+from psycopg.errors import InternalError as PsycopgInternalError
+
+from ..errors import (
+    InvalidArgumentError,
+    LeaseHeldError,
+    StaleWriteError,
+    StoreUnavailableError,
+)
+from .eventsourcing_hooks import AggregatesFirst, SavingApplication
+from .leases import Lease, LeaseOp, LeaseRefused
+from .pg_async import AsyncOneTripSaver
+from .recorders import (
+    LeasingPOPORecorder,
+    LeasingRecorder,
+    LeasingSQLiteRecorder,
+    OneTripPostgresRecorder,
+)
+from .run import Run
+from .sessions import SessionRuns, new_session_runs, session_runs_id
+from .transcoding import EscapingJSONTranscoder
+
+__all__ = [
+    "RunLog",
+    "parse_run_id",
+    "postgres_env",
+    "retry_schema_setup",
+    "snapshot_due",
+    "snapshot_spacing",
+]
+
+#: Events between snapshots of an aggregate whose state is small; a larger
+#: state is snapshotted less often (``snapshot_spacing``).
+SNAPSHOT_INTERVAL = 100
+
+
+def snapshot_spacing(weight: int) -> int:
+    """Events between snapshots of an aggregate whose state weighs ``weight``.
+
+    ``weight`` is about how many events replaying would cost as much as
+    loading the state (``Run.snapshot_weight``). The spacing is the first of
+    100, 200, 400, ... at least that weight, so a snapshot's bytes are paid
+    for by at least as many events: the bytes a run stores per event stay
+    the same however long it lives, where a fixed interval would make a
+    long run's snapshots add up to the square of its length. A load reads
+    one snapshot and at most one spacing of events after it, both bounded by
+    what the run holds (docs/concepts.md, "What a run holds").
+    """
+    spacing = SNAPSHOT_INTERVAL
+    while spacing < weight:
+        spacing *= 2
+    return spacing
+
+
+def snapshot_due(before: int, after: int, weight: int) -> bool:
+    """Whether a save that took an aggregate from version ``before`` to ``after``
+    crossed a multiple of its ``snapshot_spacing``."""
+    spacing = snapshot_spacing(weight)
+    return after // spacing > before // spacing
+
+
+def project_events(aggregate: Any, events: Iterable[Any]) -> Any:
+    """The repository's projector without its per-event protocol check.
+
+    ``eventsourcing``'s default asserts ``isinstance(event, CanMutateProtocol)``
+    on every event: a runtime-checkable protocol check that costs more than
+    decoding and applying the event (half of a long conversation's load,
+    benchmarks/RESULTS.md). The store only holds our own events, each with
+    ``mutate``.
+    """
+    for event in events:
+        aggregate = event.mutate(aggregate)
+    return aggregate
+
+
+def parse_run_id(run_id: str) -> UUID | None:
+    """The aggregate id behind a public run id, or None if it cannot be one."""
+    try:
+        return UUID(run_id)
+    except (ValueError, AttributeError, TypeError):
+        return None
+
+
+def postgres_env(dsn_or_params: str | Mapping[str, Any]) -> dict[str, str]:
+    """``POSTGRES_*`` variables from a DSN or a mapping of connection params."""
+    if isinstance(dsn_or_params, str):
+        url = urlparse(dsn_or_params)
+        if url.scheme not in ("postgresql", "postgres"):
+            msg = (
+                f"not a PostgreSQL DSN: {dsn_or_params!r}; "
+                "use postgresql://user[:password]@host[:port]/dbname"
+            )
+            raise InvalidArgumentError(msg)
+        params: dict[str, Any] = {
+            "dbname": url.path.lstrip("/") or None,
+            "host": url.hostname,
+            "port": url.port,
+            "user": unquote(url.username) if url.username else None,
+            "password": unquote(url.password) if url.password else None,
+        }
+    else:
+        params = dict(dsn_or_params)
+    unknown = set(params) - {"dbname", "host", "port", "user", "password"}
+    if unknown:
+        msg = (
+            f"unknown PostgreSQL parameters {sorted(unknown)!r}; "
+            "use dbname, host, port, user, password"
+        )
+        raise InvalidArgumentError(msg)
+    if not params.get("dbname"):
+        msg = "a PostgreSQL store needs a database name (dbname)"
+        raise InvalidArgumentError(msg)
+    env = {
+        "PERSISTENCE_MODULE": "eventsourcing.postgres",
+        "POSTGRES_DBNAME": str(params["dbname"]),
+        "POSTGRES_HOST": str(params.get("host") or "127.0.0.1"),
+        "POSTGRES_PORT": str(params.get("port") or 5432),
+        "POSTGRES_USER": str(params.get("user") or "postgres"),
+        "POSTGRES_PASSWORD": str(params.get("password") or ""),
+    }
+    return env
+
+
+#: Seconds one connection attempt may take before the store counts as unreachable.
+CONNECT_TIMEOUT = 3
+
+
+def check_postgres(env: Mapping[str, str]) -> None:
+    """Raise ``StoreUnavailableError`` unless the server in ``POSTGRES_*`` answers."""
+    get = env.get
+    missing = [k for k in ("POSTGRES_DBNAME", "POSTGRES_HOST", "POSTGRES_USER") if not get(k)]
+    if missing:
+        msg = (
+            f"the PostgreSQL store needs {', '.join(missing)}; or give "
+            "RunStore.postgres('postgresql://user@host:port/dbname') (KURALLE_STORE for the CLI)"
+        )
+        raise StoreUnavailableError(msg)
+    host, port, dbname = (
+        str(get("POSTGRES_HOST")),
+        get("POSTGRES_PORT") or "5432",
+        get("POSTGRES_DBNAME"),
+    )
+    try:
+        with psycopg.connect(
+            host=host,
+            port=port,
+            dbname=dbname,
+            user=get("POSTGRES_USER"),
+            password=get("POSTGRES_PASSWORD") or None,
+            connect_timeout=CONNECT_TIMEOUT,
+        ):
+            pass
+    except psycopg.Error as e:
+        msg = f"cannot reach PostgreSQL at {host}:{port}, database {dbname!r}: {server_reason(e)}"
+        raise StoreUnavailableError(msg) from None
+
+
+def server_reason(error: BaseException) -> str:
+    """The server's (or driver's) reason, on one line, without the boilerplate."""
+    text = " ".join(str(error).split())
+    for marker in ("failed: ", "FATAL: "):
+        if marker in text:
+            text = text.rsplit(marker, 1)[1]
+    return text.removesuffix(
+        " Is the server running on that host and accepting TCP/IP connections?"
+    )
+
+
+_T = TypeVar("_T")
+
+
+def retry_schema_setup(construct: Callable[[], _T]) -> _T:
+    """Construct a recorder, retrying its (idempotent) schema setup.
+
+    Workers starting together race on ``eventsourcing``'s ``CREATE TABLE IF NOT
+    EXISTS`` / ``CREATE OR REPLACE FUNCTION`` on PostgreSQL, which fail with
+    "tuple concurrently updated" or a duplicate catalog key for all but one of
+    them. The statements are idempotent, so trying again is safe.
+    """
+    for attempt in range(_SCHEMA_SETUP_ATTEMPTS):
+        try:
+            return construct()
+        except (InternalError, IntegrityError, ProgrammingError) as e:
+            if attempt == _SCHEMA_SETUP_ATTEMPTS - 1 or not _is_setup_race(e):
+                raise
+            time.sleep(random.uniform(0.01, 0.05) * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
+def _is_setup_race(error: Exception) -> bool:
+    """Whether a schema-setup failure is another worker's setup winning the race."""
+    cause = error.__cause__
+    if isinstance(cause, DuplicateTable | DuplicateObject | UniqueViolation):
+        return True
+    return isinstance(cause, PsycopgInternalError) and "concurrently updated" in str(cause)
+
+
+_SCHEMA_SETUP_ATTEMPTS = 8
+
+
+class RunLog(SavingApplication):
+    """One log of runs: their events, snapshots and lease records, with its own
+    lock and notification log; appends are compare-and-set on the aggregate
+    version. ``partition`` is its number in its store (0 for the first)."""
+
+    #: The tables of the first log (``runstore_events``, ...), as every store has had.
+    name = "RunStore"
+    partition = 0
+    #: The name of the log's view tables (``runviews_runs``, ...).
+    views_name = "RunViews"
+
+    def __init__(
+        self, env: EnvType | None = None, *, partition: int = 0, own_tables: bool = False
+    ) -> None:
+        if own_tables:
+            # Another partition of one database: tables of its own
+            # (``runstore_p1_events``, ``runviews_p1_runs``, ...), and variables
+            # ``RUNSTORE_P1_*`` before the plain ones.
+            self.name = f"RunStore_p{partition}"
+            self.views_name = f"RunViews_p{partition}"
+        self.partition = partition
+        super().__init__(env=env)
+
+    #: The loop-side sender of saves: on the one-trip PostgreSQL recorder only.
+    _saver: AsyncOneTripSaver | None = None
+    snapshotting_intervals: ClassVar[dict[type[Any], int]] = {
+        Run: SNAPSHOT_INTERVAL,
+        SessionRuns: SNAPSHOT_INTERVAL,
+    }
+
+    def put_snapshots(self, due: list[Any]) -> None:
+        if due and self.snapshots is not None:
+            self.snapshots.put([Snapshot.take(aggregate) for aggregate in due])
+
+    def due_snapshots(self, processing_event: ProcessingEvent[UUID]) -> list[Any]:
+        """Each saved aggregate whose save crossed its spacing (``snapshot_due``): its
+        snapshot is taken from the aggregate just saved. (The library's default
+        snapshots every ``snapshotting_intervals`` events, so a long run's snapshots
+        add up to the square of its length, and reloads the aggregate to do it.)
+        ``snapshotting_intervals`` still says which aggregate types are snapshotted.
+        """
+        if self.snapshots is None:
+            return []
+        first_saved: dict[UUID, int] = {}
+        for event in processing_event.events:
+            first_saved.setdefault(event.originator_id, event.originator_version)
+        due: list[Run | SessionRuns] = []
+        for aggregate_id, first in first_saved.items():
+            aggregate = processing_event.aggregates.get(aggregate_id)
+            if (
+                isinstance(aggregate, Run | SessionRuns)
+                and type(aggregate) in self.snapshotting_intervals
+                and snapshot_due(first - 1, aggregate.version, aggregate.snapshot_weight)
+            ):
+                due.append(aggregate)
+        return due
+
+    def construct_factory(self, env: Environment) -> InfrastructureFactory[Any]:
+        """The persistence factory, after one short connection attempt on PostgreSQL:
+        a server that is away is a ``StoreUnavailableError`` in seconds, not a pool
+        retrying for thirty."""
+        module = env.get("PERSISTENCE_MODULE") or ""
+        if module.startswith("eventsourcing.postgres"):
+            check_postgres(env)
+            if not env.get("POSTGRES_CONNECT_TIMEOUT"):
+                env["POSTGRES_CONNECT_TIMEOUT"] = str(CONNECT_TIMEOUT + 2)
+        return super().construct_factory(env)
+
+    def construct_env(self, name: str, env: EnvType | None = None) -> Environment:
+        """The environment, with the recorder that keeps lease records beside the
+        events (on PostgreSQL, the one-round-trip one) unless
+        ``APPLICATION_RECORDER_TOPIC`` names another."""
+        environment = super().construct_env(name, env)
+        module = environment.get("PERSISTENCE_MODULE") or ""
+        if environment.get("APPLICATION_RECORDER_TOPIC"):
+            return environment
+        if module.startswith("eventsourcing.postgres"):
+            environment["APPLICATION_RECORDER_TOPIC"] = get_topic(OneTripPostgresRecorder)
+        elif module.startswith("eventsourcing.sqlite"):
+            environment["APPLICATION_RECORDER_TOPIC"] = get_topic(LeasingSQLiteRecorder)
+        return environment
+
+    @property
+    def saves_block(self) -> bool:
+        """Whether a save waits on I/O (SQLite, Postgres) and so belongs off the event
+        loop; an in-memory save is pure CPU, cheaper inline than a thread hop."""
+        return not isinstance(self.recorder, POPOAggregateRecorder)
+
+    def construct_recorder(self) -> ApplicationRecorder:
+        """The persistence module's recorder, with lease records beside the events
+        (``recorders``), its schema set up."""
+        if isinstance(self.factory, POPOFactory):
+            return LeasingPOPORecorder()
+        recorder = retry_schema_setup(super().construct_recorder)
+        if isinstance(recorder, OneTripPostgresRecorder):
+            # Async code's saves are sent from its event loop (``save_run_async``).
+            self._saver = AsyncOneTripSaver(recorder)
+        return recorder
+
+    def construct_snapshot_store(self) -> EventStore[UUID]:
+        return retry_schema_setup(super().construct_snapshot_store)
+
+    def construct_transcoder(self) -> Transcoder:
+        """Our transcoder: stores user JSON exactly, whatever keys it uses."""
+        transcoder = EscapingJSONTranscoder()
+        self.register_transcodings(transcoder)
+        return transcoder
+
+    # ---------------------------------------------------------------- runs
+    def load(self, run_id: str) -> Run | None:
+        """The run with this public id, or None if this log has none."""
+        aggregate_id = parse_run_id(run_id)
+        if aggregate_id is None:
+            return None
+        try:
+            run: object = self.repository.get(aggregate_id, projector_func=project_events)
+        except AggregateNotFoundError:
+            return None
+        if not isinstance(run, Run):
+            return None
+        return run
+
+    async def load_async(self, run_id: str, *, history: bool = False) -> Run | None:
+        """``load`` (or ``load_history``) for async code: inline in memory, where a
+        load is pure CPU and cheaper than a thread hop; on a worker thread where
+        it waits on a database."""
+        load = RunLog.load_history if history else RunLog.load
+        if self.saves_block:
+            return await asyncio.to_thread(load, self, run_id)
+        return load(self, run_id)
+
+    def load_history(self, run_id: str) -> Run | None:
+        """The run folded from all its events, every step it ever journaled kept
+        (a loaded run holds only the steps a resume can replay: ``Run``).
+
+        For reading a run's whole journal (``Runtime.get_steps``, ``runs show``,
+        the dashboard); it costs the run's length, where ``load`` does not.
+        Never save it.
+        """
+        aggregate_id = parse_run_id(run_id)
+        if aggregate_id is None:
+            return None
+        events: Iterator[Any] = iter(self.events.get(aggregate_id))
+        created = next(events, None)
+        run = created.mutate(None) if created is not None else None
+        if not isinstance(run, Run):
+            return None
+        run.keeps_all_steps = True  # before any later event can archive a step
+        folded: Run = project_events(run, events)
+        return folded
+
+    def create_run(self, run: Run, lease: LeaseOp | None = None) -> None:
+        """Save a new run together with its entry in its session's index (and the
+        ``lease`` op, in the same transaction).
+
+        A clash can only be on the session index (a concurrent creation in the
+        same session), since a new run's id is fresh: reload it and try again.
+        """
+        events = run.collect_events()
+        for _ in range(20):
+            index = self.session_runs(run.session_id) or new_session_runs(run.session_id)
+            index.add_run(run.run_id)
+            try:
+                with _lease_errors(run):
+                    self.save(*events, index, **_lease_kwargs(lease))
+                return
+            except IntegrityError:
+                if RunLog.load(self, run.run_id) is not None:
+                    raise StaleWriteError(run.run_id, "the run already exists") from None
+        raise StaleWriteError(run.run_id, "its session index kept changing")
+
+    def session_run_ids(self, session_id: str) -> list[str]:
+        """Ids of the session's runs, oldest first."""
+        index = self.session_runs(session_id)
+        return list(index.run_ids) if index is not None else []
+
+    def session_runs(self, session_id: str) -> SessionRuns | None:
+        """The session's index of runs, if this log has it."""
+        try:
+            index: object = self.repository.get(
+                session_runs_id(session_id), projector_func=project_events
+            )
+        except AggregateNotFoundError:
+            return None
+        return index if isinstance(index, SessionRuns) else None
+
+    def save_run(self, run: Run, lease: LeaseOp | None = None) -> None:
+        """Append the run's pending events in one transaction, or nothing at all,
+        with the ``lease`` op in the same transaction (refused: ``LeaseHeldError``,
+        or ``StaleWriteError`` for a lease taken over; nothing is written)."""
+        try:
+            with _lease_errors(run):
+                self.save(run, **_lease_kwargs(lease))
+        except IntegrityError as e:
+            raise StaleWriteError(run.run_id, "another writer appended first") from e
+
+    async def save_run_async(self, run: Run, lease: LeaseOp | None = None) -> None:
+        """``save_run`` for async code, without blocking the event loop.
+
+        In memory a save is pure CPU and is made inline; on PostgreSQL (the
+        one-trip recorder) it is sent from the loop over an async connection;
+        anywhere else (SQLite, another recorder) it runs on a worker thread.
+        """
+        saver = self._saver
+        if saver is None:
+            if self.saves_block:
+                await asyncio.to_thread(RunLog.save_run, self, run, lease)
+            else:
+                RunLog.save_run(self, run, lease)
+            return
+        # ``save`` with the recorder's insert sent from the loop. The library's
+        # post-save hooks (``_notify``, ``notify``) are not called: nothing here
+        # uses them, and a store in an ``eventsourcing`` system would not save runs.
+        processing_event = AggregatesFirst()
+        processing_event.collect_events(run)
+        events = processing_event.events
+        try:
+            with _lease_errors(run):
+                await saver.insert([self.mapper.to_stored_event(e) for e in events], lease)
+        except IntegrityError as e:
+            raise StaleWriteError(run.run_id, "another writer appended first") from e
+        due = self.due_snapshots(processing_event)
+        if due:
+            await asyncio.to_thread(self.put_snapshots, due)
+
+    def stored_events(self, run_id: str) -> list[Any]:
+        """The run's stored events as recorded (not decoded), oldest first."""
+        aggregate_id = parse_run_id(run_id)
+        if aggregate_id is None:
+            return []
+        return list(self.recorder.select_events(aggregate_id))
+
+    def run_events(self, run_id: str) -> list[Any]:
+        """The run's events, decoded and upcast, oldest first."""
+        aggregate_id = parse_run_id(run_id)
+        if aggregate_id is None:
+            return []
+        return list(self.events.get(aggregate_id))
+
+    # --------------------------------------------------------------- leases
+    def lease(self, run_id: str) -> Lease | None:
+        """The run's lease record (None: none, or not a run id)."""
+        aggregate_id = parse_run_id(run_id)
+        if aggregate_id is None:
+            return None
+        recorder: LeasingRecorder = self.recorder  # type: ignore[assignment]
+        return recorder.select_lease(aggregate_id)
+
+    async def lease_async(self, run_id: str) -> Lease | None:
+        """``lease`` for async code: inline in memory, on the loop's connection on
+        PostgreSQL, on a worker thread elsewhere."""
+        aggregate_id = parse_run_id(run_id)
+        if aggregate_id is None:
+            return None
+        if self._saver is not None:
+            return await self._saver.select_lease(aggregate_id)
+        if self.saves_block:
+            return await asyncio.to_thread(RunLog.lease, self, run_id)
+        return RunLog.lease(self, run_id)
+
+    def close(self) -> None:
+        if self._saver is not None:
+            self._saver.close()
+        super().close()
+
+
+def _lease_kwargs(lease: LeaseOp | None) -> dict[str, Any]:
+    return {} if lease is None else {"lease": lease}
+
+
+@contextlib.contextmanager
+def _lease_errors(run: Run) -> Iterator[None]:
+    """A refused lease op as the error a caller acts on."""
+    try:
+        yield
+    except LeaseRefused as refused:
+        held = refused.held
+        if refused.op.kind == "take" and held is not None:
+            raise LeaseHeldError(run.run_id, held.holder, held.expires_at) from None
+        raise StaleWriteError(run.run_id, "its lease was taken over by another worker") from None
