@@ -73,7 +73,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 from uuid import uuid4
 
 import pytest
@@ -253,6 +253,9 @@ class MNodeError(Exception):
     """The model's error a node raises after catching a suspension."""
 
 
+#: What ``except Exception`` (and ``return_exceptions=True``) catches in the model.
+BROAD = (MSuspend, MDenied, MNonDeterminism, MNodeError)
+
 MODEL_ERRORS = {MDenied: "ToolApprovalDeniedError", MNonDeterminism: "NonDeterminismError"}
 
 
@@ -265,14 +268,26 @@ class ModelPass:
         self.executed = set(executed)
         self.new: list[str] = []
         self.first_wait: str | None = None
+        #: A replay refused (a new key at a recorded callsite): like a suspension,
+        #: it stops the turn, whatever the node does with the error.
+        self.mismatch = False
         self.strays = 0  # tasks left running, each refused with TurnClosedError
         self.refused_strays = 0  # effects a stray segment asked for after the suspension
         self.swallowed: set[str] = set()  # what a ``Guarded`` swallowed (statistics)
 
     def request(self) -> None:
-        """Node code asks for an effect: refused once the turn suspended."""
+        """Node code asks for an effect: refused once the turn suspended, or
+        once a replay was refused (the turn ends in that error)."""
         if self.first_wait is not None:
             raise MSuspend
+        if self.mismatch:
+            raise MNonDeterminism
+
+    def refuse_replay(self) -> NoReturn:
+        """A recorded callsite asked for under another key: nothing executes,
+        and every later effect of the pass is refused the same way."""
+        self.mismatch = True
+        raise MNonDeterminism
 
     def wait(self, wait: Wait) -> bool:
         """An admitted wait runs: its recorded answer, or the turn suspends on it."""
@@ -438,13 +453,13 @@ class Swallow(Habit):
         try:
             p.request()
             decision = p.wait(self.wait)
-        except (MSuspend, MDenied):
+        except BROAD:
             pass
         if decision is None or decision:
             try:
                 p.request()
                 p.execute(self.charge)
-            except MSuspend:
+            except BROAD:
                 if not self.shielded:
                     raise
 
@@ -489,7 +504,7 @@ class Finally(Habit):
             finally:
                 p.request()
                 p.execute(self.charge)
-        except (MSuspend, MDenied):
+        except BROAD:
             pass
 
     def waits(self) -> list[Wait]:
@@ -538,7 +553,7 @@ class Gather(Habit):
             p.request()  # every call is asked for before any of them runs
         for item in self.items:
             if isinstance(item, Wait):
-                with contextlib.suppress(MSuspend, MDenied):  # return_exceptions=True
+                with contextlib.suppress(*BROAD):  # return_exceptions=True
                     p.wait(item)
             else:
                 p.execute(item)  # admitted before the suspension: it runs
@@ -546,7 +561,7 @@ class Gather(Habit):
             try:
                 p.request()
                 p.execute(self.after)
-            except MSuspend:
+            except BROAD:
                 if not self.shielded:
                     raise
 
@@ -692,7 +707,7 @@ class Keyed(Habit):
             p.request()  # ctx.now() / ctx.uuid()
         p.request()
         if self.label in p.prior and self.source in UNRECORDED and not self.override:
-            raise MNonDeterminism
+            p.refuse_replay()
         p.execute(self.label)
 
     def guards(self, earlier: list[tuple[str, str]]) -> Guards:
@@ -751,7 +766,7 @@ class Guarded(Habit):
         try:
             for habit in self.inner:
                 habit.model(p)
-        except (MSuspend, MDenied, MNonDeterminism, MNodeError) as e:
+        except BROAD as e:
             p.swallowed.add(type(e).__name__)
 
     def waits(self) -> list[Wait]:
@@ -981,6 +996,8 @@ class Slot:
             )
             if p.first_wait is not None:  # whatever the node returned or raised
                 return replace(seen, status="paused", wait=p.first_wait)
+            if p.mismatch:  # likewise: the turn ends in the refused replay
+                return replace(seen, status="error", error=MODEL_ERRORS[MNonDeterminism])
             if raised is not None:
                 return replace(seen, status="error", error=MODEL_ERRORS[type(raised)])
             if node == "b":
