@@ -378,7 +378,7 @@ async def test_an_unawaited_effect_awaited_after_the_node_returned_is_refused(
 
 
 # ----------------------------------------------------------- held runs
-async def test_input_to_a_run_another_worker_holds_is_lease_held(open_store: Any) -> None:
+async def test_any_call_to_a_run_another_worker_holds_is_lease_held(open_store: Any) -> None:
     entered = asyncio.Event()
     gate = asyncio.Event()
 
@@ -398,11 +398,21 @@ async def test_input_to_a_run_another_worker_holds_is_lease_held(open_store: Any
     handle = worker.run(SESSION, kind="flow", flow_name="held")
     run_id = await handle.run_id
     await asyncio.wait_for(entered.wait(), 10)
+    # Whatever the call delivers, the held lease answers first (not a mismatch
+    # with what the run waits for: it is running and waits for nothing).
+    calls = {
+        "input": lambda: other.run(SESSION, run_id=run_id, input="hello").result(),
+        "signal": lambda: other.signal(run_id, SESSION, "go", {"n": 1}),
+        "approval": lambda: other.approve(run_id, SESSION, by="ann"),
+        "denial": lambda: other.deny(run_id, SESSION, by="ann", reason="no"),
+        "plain call": lambda: other.run(SESSION, run_id=run_id).result(),
+    }
     try:
         before = await other.get_run(run_id, SESSION)
-        with pytest.raises(LeaseHeldError) as refused:
-            await other.run(SESSION, run_id=run_id, input="hello").result()
-        assert refused.value.holder == "worker-a"
+        for what, call in calls.items():
+            with pytest.raises(LeaseHeldError) as refused:
+                await call()
+            assert refused.value.holder == "worker-a", what
         after = await other.get_run(run_id, SESSION)
         assert before is not None and after is not None and after.version == before.version
     finally:
