@@ -13,6 +13,9 @@ the package uses the library's public API.
   policy (``due_snapshots``) from the aggregate just saved;
 - ``SQLiteInsertHook``: the SQLite recorder's ``_insert_events``, so that a
   subclass can write on the insert's own cursor, in its transaction;
+- ``SQLiteCreateTableHook``: a SQLite recorder's ``_create_table``, so that a
+  subclass can order its statements and upgrade older tables in the creating
+  transaction;
 - ``insert_tracking``: a tracking record written on a cursor whose
   transaction the caller holds (``_insert_tracking``);
 - ``use_tracking_table``: a SQLite tracking recorder moved to a table of its
@@ -28,11 +31,17 @@ from uuid import UUID
 from eventsourcing.application import Application, ProcessingEvent
 from eventsourcing.domain import BaseAggregate, DomainEventProtocol, MutableOrImmutableAggregate
 from eventsourcing.persistence import Recording, StoredEvent, Tracking
-from eventsourcing.sqlite import SQLiteApplicationRecorder, SQLiteCursor, SQLiteTrackingRecorder
+from eventsourcing.sqlite import (
+    SQLiteApplicationRecorder,
+    SQLiteCursor,
+    SQLiteRecorder,
+    SQLiteTrackingRecorder,
+)
 
 __all__ = [
     "HOOKS",
     "AggregatesFirst",
+    "SQLiteCreateTableHook",
     "SQLiteInsertHook",
     "SavingApplication",
     "insert_tracking",
@@ -49,6 +58,7 @@ HOOKS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         "_insert_events",
         ("self", "c", "stored_events"),
     ),
+    ("eventsourcing.sqlite:SQLiteRecorder", "_create_table", ("self", "c")),
     ("eventsourcing.sqlite:SQLiteTrackingRecorder", "_insert_tracking", ("self", "c", "tracking")),
     (
         "eventsourcing.postgres:PostgresTrackingRecorder",
@@ -127,6 +137,19 @@ class SQLiteInsertHook(SQLiteApplicationRecorder):
         subclass takes its own keys out of it)."""
 
 
+class SQLiteCreateTableHook(SQLiteRecorder):
+    """A SQLite recorder whose tables are created by ``create_tables_on``, on the
+    creating transaction's cursor."""
+
+    def _create_table(self, c: SQLiteCursor) -> None:
+        self.create_tables_on(c)
+
+    def create_tables_on(self, c: SQLiteCursor) -> None:
+        """Run ``create_table_statements`` on ``c`` (a subclass may do more)."""
+        for statement in self.create_table_statements:
+            c.execute(statement)
+
+
 def insert_tracking(recorder: Any, cursor: Any, tracking: Tracking) -> None:
     """Record ``tracking`` on ``cursor``, in the transaction the caller holds
     (a tracking recorder's own ``insert_tracking`` opens one of its own)."""
@@ -138,8 +161,8 @@ def use_tracking_table(recorder: SQLiteTrackingRecorder, table: str) -> None:
     recorder.insert_tracking_statement = recorder.insert_tracking_statement.replace(
         "tracking", table
     )
-    recorder.select_max_tracking_id_statement = (
-        recorder.select_max_tracking_id_statement.replace("tracking", table)
+    recorder.select_max_tracking_id_statement = recorder.select_max_tracking_id_statement.replace(
+        "tracking", table
     )
     recorder.create_table_statements = [
         s.replace("EXISTS tracking", f"EXISTS {table}") for s in recorder.create_table_statements

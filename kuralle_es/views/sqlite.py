@@ -22,8 +22,9 @@ from contextlib import contextmanager
 from datetime import UTC, datetime
 
 from eventsourcing.persistence import OperationalError, Tracking, TrackingRecorder
-from eventsourcing.sqlite import SQLiteCursor, SQLiteDatastore, SQLiteRecorder
+from eventsourcing.sqlite import SQLiteCursor, SQLiteDatastore
 
+from .._journal.eventsourcing_hooks import SQLiteCreateTableHook
 from .._journal.recorders import sqlite_time
 from .backend import StepKey, ViewBackend
 from .fold import RunRow, StepRow
@@ -63,7 +64,7 @@ def from_text(value: str | None) -> datetime | None:
     return datetime.fromisoformat(value).replace(tzinfo=UTC)  # C-fast; the format is ISO
 
 
-class SQLiteViews(SQLiteRecorder, TrackingRecorder, ViewBackend):
+class SQLiteViews(SQLiteCreateTableHook, TrackingRecorder, ViewBackend):
     """Run and step view tables plus their tracking row, in the store's database."""
 
     def __init__(
@@ -133,7 +134,7 @@ class SQLiteViews(SQLiteRecorder, TrackingRecorder, ViewBackend):
                     raise
                 time.sleep(random.uniform(0.02, 0.1))
 
-    def _create_table(self, c: SQLiteCursor) -> None:
+    def create_tables_on(self, c: SQLiteCursor) -> None:
         # Tables first, then the upgrade (the tracking row's INSERT took the write
         # lock: upgrading is ours alone), then the indexes: one may cover a column
         # that the upgrade adds to an older table.
