@@ -37,6 +37,7 @@ ArgsT = TypeVar("ArgsT", bound=BaseModel)
 Policy = Callable[[str, ArgsT, ToolCall | None], PolicyAnswer]
 InDoubt = Literal["retry", "ask"]
 
+
 @dataclass(frozen=True)
 class Tool(Generic[ArgsT]):
     """A named, validated, durable side effect that agents and flows can call."""
@@ -113,8 +114,10 @@ class Tool(Generic[ArgsT]):
         interrupt, is abandoned: its thread runs on and its result is ignored
         (docs/node-code.md). Either way ``ToolTimeoutError`` is raised.
         """
-        work = self._call(args, call) if self.is_async else _in_own_thread(
-            lambda: self._call(args, call)
+        work = (
+            self._call(args, call)
+            if self.is_async
+            else _in_own_thread(lambda: self._call(args, call))
         )
         if self.timeout is None:
             return await work
@@ -342,4 +345,3 @@ def define_tool(
         timeout=float(timeout) if timeout is not None else None,
         is_async=_is_async(execute),
     )
-

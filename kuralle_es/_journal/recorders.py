@@ -241,9 +241,7 @@ class OneTripPostgresRecorder(PostgresApplicationRecorder):
                 "SET LOCAL lock_timeout = '{lock_timeout}s'; "
                 "LOCK TABLE {schema}.{table} IN EXCLUSIVE MODE; "
                 "NOTIFY {channel}; "
-                "END IF; "
-                + _LEASE_OP
-                + "IF cardinality(events) > 0 THEN "
+                "END IF; " + _LEASE_OP + "IF cardinality(events) > 0 THEN "
                 "RETURN QUERY INSERT INTO {schema}.{table} AS t "
                 "(originator_id, originator_version, topic, state) "
                 "SELECT originator_id, originator_version, topic, state FROM unnest(events) "
@@ -274,9 +272,7 @@ class OneTripPostgresRecorder(PostgresApplicationRecorder):
                 "FOR i IN 1 .. cardinality(starts) LOOP "
                 "op := ops[i]; run := runs[i]; holder_ := holders[i]; token_ := tokens[i]; "
                 "until := untils[i]; now_ := nows[i]; "
-                "BEGIN "
-                + _LEASE_OP
-                + "save := i; outcome := 'ok'; detail := NULL; "
+                "BEGIN " + _LEASE_OP + "save := i; outcome := 'ok'; detail := NULL; "
                 "WITH inserted AS (INSERT INTO {schema}.{table} AS t "
                 "(originator_id, originator_version, topic, state) "
                 "SELECT originator_id, originator_version, topic, state "

@@ -235,6 +235,8 @@ async def accept(writer: RunWriter, delivery: SignalDelivery, payload: Any) -> N
     kind: StepKind = "approval" if wait.kind == "approval" else "signal"
     args = {"operation": operation} if wait.lane is Lane.APPROVAL else None
     await writer.record_value(Effect(site, kind, wait.name, args), make=lambda: payload)
+
+
 def approval_delivery(
     *,
     approved: bool,

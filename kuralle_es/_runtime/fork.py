@@ -85,7 +85,6 @@ class ForkPlan:
     wait: Wait | None
 
 
-
 def _fields(event: Any) -> dict[str, Any]:
     return {k: v for k, v in vars(event).items() if k not in _BASE_FIELDS}
 

@@ -152,5 +152,3 @@ def approval_decision(payload: Any) -> ApprovalDecision:
         reason=data.pop("reason", None),
         data=data,
     )
-
-

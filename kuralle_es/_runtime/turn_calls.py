@@ -300,9 +300,7 @@ class Command(ABC):
         """The run this turn is for, and whether it is new (not stored yet)."""
 
     @abstractmethod
-    def prepare(
-        self, run: Run, fresh: bool, env: TurnEnv, held: Lease | None
-    ) -> Opening | None:
+    def prepare(self, run: Run, fresh: bool, env: TurnEnv, held: Lease | None) -> Opening | None:
         """The opening this turn needs (None: nothing to do), or a refusal; ``held``
         is the run's lease (not another holder's live one: that was refused)."""
 
@@ -346,9 +344,7 @@ class StartFlow(Command):
         )
         return run, True
 
-    def prepare(
-        self, run: Run, fresh: bool, env: TurnEnv, held: Lease | None
-    ) -> Opening | None:
+    def prepare(self, run: Run, fresh: bool, env: TurnEnv, held: Lease | None) -> Opening | None:
         if fresh:
             return _NewRun(_user_message(self.input), self.idempotency_key)
         if self.input is not None:
@@ -379,9 +375,7 @@ class Converse(Command):
         agent = env.registry.default_agent()
         return new_run(run_id, self.session_id, "conversation", agent.id, None, None), True
 
-    def prepare(
-        self, run: Run, fresh: bool, env: TurnEnv, held: Lease | None
-    ) -> Opening | None:
+    def prepare(self, run: Run, fresh: bool, env: TurnEnv, held: Lease | None) -> Opening | None:
         # ``flow_name`` on a plain call enters that flow on a fresh user turn.
         if fresh:
             return _NewRun(_user_message(self.input), self.idempotency_key, self._enters(env))
@@ -408,9 +402,7 @@ class Input(Command):
     async def address(self, env: TurnEnv) -> tuple[Run, bool]:
         return await _addressed(env, self.run_id, self.session_id), False
 
-    def prepare(
-        self, run: Run, fresh: bool, env: TurnEnv, held: Lease | None
-    ) -> Opening | None:
+    def prepare(self, run: Run, fresh: bool, env: TurnEnv, held: Lease | None) -> Opening | None:
         opening = _input_opening(run, self.input, env)
         if isinstance(opening, _NewEpoch):
             return _NewEpoch(opening.message, self.idempotency_key)
@@ -462,9 +454,7 @@ class Deliver(Command):
     def already_done(self, run: Run) -> bool:
         return deliveries.is_duplicate(run, self.delivery)
 
-    def prepare(
-        self, run: Run, fresh: bool, env: TurnEnv, held: Lease | None
-    ) -> Opening | None:
+    def prepare(self, run: Run, fresh: bool, env: TurnEnv, held: Lease | None) -> Opening | None:
         require_current_flow(run, env.registry)
         payload = deliveries.check(
             run, self.delivery, utcnow(), env.registry.schemas, from_sweeper=self.from_sweeper
@@ -491,9 +481,7 @@ class Resume(Command):
     async def address(self, env: TurnEnv) -> tuple[Run, bool]:
         return await _addressed(env, self.run_id, self.session_id), False
 
-    def prepare(
-        self, run: Run, fresh: bool, env: TurnEnv, held: Lease | None
-    ) -> Opening | None:
+    def prepare(self, run: Run, fresh: bool, env: TurnEnv, held: Lease | None) -> Opening | None:
         return _resume_opening(run, env)
 
 
@@ -513,9 +501,7 @@ class Recover(Command):
     async def address(self, env: TurnEnv) -> tuple[Run, bool]:
         return await _addressed(env, self.run_id, self.session_id), False
 
-    def prepare(
-        self, run: Run, fresh: bool, env: TurnEnv, held: Lease | None
-    ) -> Opening | None:
+    def prepare(self, run: Run, fresh: bool, env: TurnEnv, held: Lease | None) -> Opening | None:
         if run.status != "running":
             return None
         require_current_flow(run, env.registry)
@@ -544,9 +530,7 @@ class Wake(Command):
     async def address(self, env: TurnEnv) -> tuple[Run, bool]:
         return await _addressed(env, self.run_id, self.session_id), False
 
-    def prepare(
-        self, run: Run, fresh: bool, env: TurnEnv, held: Lease | None
-    ) -> Opening | None:
+    def prepare(self, run: Run, fresh: bool, env: TurnEnv, held: Lease | None) -> Opening | None:
         if not self._sleeping(run):
             return None  # woken already, or never this timer
         require_current_flow(run, env.registry)
@@ -580,9 +564,7 @@ class RestartFlow(Command):
         run, _ = await drifted_run(env, self.run_id, self.session_id)
         return run, False
 
-    def prepare(
-        self, run: Run, fresh: bool, env: TurnEnv, held: Lease | None
-    ) -> Opening | None:
+    def prepare(self, run: Run, fresh: bool, env: TurnEnv, held: Lease | None) -> Opening | None:
         _, flow = env.registry.flow(str(run.active_flow))
         return _Repin(flow)
 
@@ -637,9 +619,7 @@ class Fork(Command):
         fork = new_run(fork_id, session, "flow", agent.id, flow.name, flow.digest, flow.version)
         return fork, True
 
-    def prepare(
-        self, run: Run, fresh: bool, env: TurnEnv, held: Lease | None
-    ) -> Opening | None:
+    def prepare(self, run: Run, fresh: bool, env: TurnEnv, held: Lease | None) -> Opening | None:
         assert self._plan is not None, "address() plans the fork"
         return _ForkOpening(self._plan)
 

@@ -99,6 +99,7 @@ class RunStopped(Exception):
         self.outcome = outcome
         super().__init__(f"the run ends here: {outcome}")
 
+
 #: ``StepError.data`` marker of a result the journal could not hold.
 _UNRECORDABLE = "unrecordable_result"
 #: ``StepError.data`` marker of an attempt cancelled by the tool's timeout.

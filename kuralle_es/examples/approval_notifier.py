@@ -49,9 +49,7 @@ __all__ = [
 CONSUMER_NAME = "approvals"
 OUTBOX_TABLE = "kuralle_approval_outbox"
 
-_COLUMNS = (
-    "partition, position, run_id, session_id, request_id, title, description, created_at"
-)
+_COLUMNS = "partition, position, run_id, session_id, request_id, title, description, created_at"
 _POSTGRES_DDL = (
     f"CREATE TABLE IF NOT EXISTS {OUTBOX_TABLE} (id BIGSERIAL PRIMARY KEY, "
     "position BIGINT NOT NULL, run_id TEXT NOT NULL, session_id TEXT NOT NULL, "

@@ -88,7 +88,7 @@ class Approval(_Body):
         default=None,
         description=(
             "approve only, for a run waiting on its budget (__budget): the Budget "
-            "limits to raise, e.g. {\"max_total_tokens\": 20000} (docs/usage.md)"
+            'limits to raise, e.g. {"max_total_tokens": 20000} (docs/usage.md)'
         ),
     )
 

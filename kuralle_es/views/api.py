@@ -276,9 +276,7 @@ class RunViews:
         """The first partition's view tables (see ``backends``)."""
         return (await self.backends())[0][1]
 
-    async def _each(
-        self, fn: Callable[[RunLog, ViewBackend], _T], *, single: bool = False
-    ) -> Any:
+    async def _each(self, fn: Callable[[RunLog, ViewBackend], _T], *, single: bool = False) -> Any:
         """``fn`` on each partition's views (at once, off the loop where they block);
         their answers in partition order, or the one answer with ``single``."""
         backends = await self.backends()

@@ -230,9 +230,7 @@ def _lease_taken(run: RunRow, e: stored.LeaseTaken, step: StepLookup) -> tuple[R
     return replace(run, lease_holder=e.holder, lease_expires_at=as_utc(e.expires_at)), None
 
 
-def _step_intended(
-    run: RunRow, e: stored.StepIntended, step: StepLookup
-) -> tuple[RunRow, StepRow]:
+def _step_intended(run: RunRow, e: stored.StepIntended, step: StepLookup) -> tuple[RunRow, StepRow]:
     row = StepRow(
         run_id=run.run_id,
         index=e.index,
