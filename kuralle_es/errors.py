@@ -22,6 +22,11 @@ class InvalidArgumentError(KuralleError, ValueError):
     """A bad argument to a public function or method; nothing was written."""
 
 
+class InvalidDefinitionError(KuralleError, TypeError):
+    """A tool, node, flow or agent defined with a value of the wrong kind (a
+    ``TypeError`` too); raised where it is defined, before any run exists."""
+
+
 class SuspendError(KuralleError):
     """Raised inside a run to stop the turn until a signal arrives.
 
@@ -280,6 +285,18 @@ class FlowNotFoundError(KuralleError, LookupError):
         self.known = known
         super().__init__(
             f"unknown flow {flow_name!r}; the runtime's agents define {sorted(known)!r}"
+        )
+
+
+class ModelResponseError(KuralleError, ValueError):
+    """A model answered with something that is not a usable response."""
+
+    def __init__(self, model: str, detail: str) -> None:
+        self.model = model
+        self.detail = detail
+        super().__init__(
+            f"model {model!r} gave a malformed response: {detail}. Nothing was journaled "
+            "for this turn; re-address the run to ask the model again"
         )
 
 

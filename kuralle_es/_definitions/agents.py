@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, InvalidDefinitionError
 from .budget import Budget
 from .flows import Flow, version_key
 from .tools import Tool
@@ -62,7 +62,7 @@ def define_agent(
             "kuralle_es.testing.ScriptedModel, or your own; docs/agents.md), or be None for "
             f"an agent that makes no model turns; got {model!r}"
         )
-        raise TypeError(msg)
+        raise InvalidDefinitionError(msg)
     if isinstance(tools, Mapping):
         by_name = dict(tools)
         for key, tool in by_name.items():

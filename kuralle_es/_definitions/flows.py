@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel
 
 from .._journal.keys import canonical_json, sha256_hex
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, InvalidDefinitionError
 
 if TYPE_CHECKING:
     from .._runtime.context import RunContext
@@ -118,11 +118,11 @@ def action(id: str, run: ActionRun) -> ActionNode:
     """A node of durable logic: ``async def run(state, ctx)`` returns a transition.
 
     Every side effect it makes through ``ctx`` is journaled and replayed.
-    Raises ``TypeError`` when ``run`` is not callable.
+    Raises ``InvalidDefinitionError`` (a ``TypeError``) when ``run`` is not callable.
     """
     if not callable(run):
         msg = f"action {id!r}: run must be an async callable (state, ctx)"
-        raise TypeError(msg)
+        raise InvalidDefinitionError(msg)
     return ActionNode(id=id, run=run)
 
 
@@ -207,7 +207,7 @@ def collect(
     """
     if not (isinstance(schema, type) and issubclass(schema, BaseModel)):
         msg = f"collect {id!r}: schema must be a pydantic model class, got {schema!r}"
-        raise TypeError(msg)
+        raise InvalidDefinitionError(msg)
     unknown = [f for f in required if f not in schema.model_fields]
     if unknown:
         msg = (
@@ -355,7 +355,7 @@ def define_flow(
     for node in nodes:
         if not isinstance(node, Node):
             msg = f"flow {name!r}: {node!r} is not a node (use action(...), collect(...), ...)"
-            raise TypeError(msg)
+            raise InvalidDefinitionError(msg)
         if node.id in by_id:
             msg = f"flow {name!r}: two nodes share the id {node.id!r}"
             raise InvalidArgumentError(msg)

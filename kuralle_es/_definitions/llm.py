@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 from pydantic import BaseModel, Field, field_validator
 
 from .._journal.spending import normalise_usage
-from ..errors import KuralleError
+from ..errors import KuralleError, ModelResponseError
 from ..shapes import Message
 
 if TYPE_CHECKING:
@@ -24,24 +24,11 @@ __all__ = [
     "Model",
     "ModelRequest",
     "ModelResponse",
-    "ModelResponseError",
     "OpenAIModel",
     "ToolCallRequest",
     "as_response",
     "openai_model",
 ]
-
-
-class ModelResponseError(KuralleError, ValueError):
-    """A model answered with something that is not a usable response."""
-
-    def __init__(self, model: str, detail: str) -> None:
-        self.model = model
-        self.detail = detail
-        super().__init__(
-            f"model {model!r} gave a malformed response: {detail}. Nothing was journaled "
-            "for this turn; re-address the run to ask the model again"
-        )
 
 
 class ToolCallRequest(BaseModel):

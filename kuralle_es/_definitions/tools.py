@@ -23,6 +23,7 @@ from .._callables import wants_call
 from .._journal.json_data import plain_json_problem
 from ..errors import (
     InvalidArgumentError,
+    InvalidDefinitionError,
     InvalidToolArgsError,
     ToolTimeoutError,
 )
@@ -314,7 +315,7 @@ def define_tool(
         raise TypeError(msg)
     if not callable(execute):
         msg = f"tool {name!r}: execute must be callable"
-        raise TypeError(msg)
+        raise InvalidDefinitionError(msg)
     if on_in_doubt not in ("retry", "ask"):
         msg = f"tool {name!r}: on_in_doubt must be 'retry' or 'ask', got {on_in_doubt!r}"
         raise InvalidArgumentError(msg)

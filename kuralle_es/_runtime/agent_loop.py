@@ -16,11 +16,12 @@ from typing import Any
 from pydantic import BaseModel
 
 from .._definitions.agents import Agent
-from .._definitions.llm import ModelRequest, ModelResponse, ModelResponseError, ToolCallRequest
+from .._definitions.llm import ModelRequest, ModelResponse, ToolCallRequest
 from .._definitions.tools import Tool
 from .._journal.sites import Site
 from ..errors import (
     InvalidToolArgsError,
+    ModelResponseError,
     SuspendError,
     ToolApprovalDeniedError,
     ToolExecutionError,

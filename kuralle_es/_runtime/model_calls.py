@@ -14,11 +14,11 @@ from collections.abc import Callable
 from typing import Any
 
 from .._definitions.budget import Budget
-from .._definitions.llm import Model, ModelRequest, ModelResponse, ModelResponseError, as_response
+from .._definitions.llm import Model, ModelRequest, ModelResponse, as_response
 from .._journal.json_data import plain_json_problem
 from .._journal.sites import Effect, Lane, Site
 from .._journal.wait import BUDGET
-from ..errors import BudgetExceededError, InvalidArgumentError
+from ..errors import BudgetExceededError, InvalidArgumentError, ModelResponseError
 from ..shapes import Message
 from .cursor import Cursor
 from .suspensions import approval_decision, frozen_operation, suspend
