@@ -37,7 +37,7 @@ from kuralle_es import (
 )
 from kuralle_es._runtime import migrate as migrate_module
 from kuralle_es._runtime.migrate import migration_id
-from kuralle_es.testing import Crash, CrashingStore, CrashPlan, ScriptedModel
+from kuralle_es.testing import Crash, CrashingStore, CrashPlan, ScriptedModel, check_runs
 
 SESSION = "s-deploy"
 
@@ -69,6 +69,34 @@ async def paused_on_v1(open_store: StoreFactory, count: int = 1) -> list[str]:
         assert result.status == "paused" and result.waiting_for is not None
         run_ids.append(result.run_id)
     return run_ids
+
+
+# ------------------------------------------------------------------- check
+async def test_check_runs_says_which_runs_would_resume_and_writes_nothing(
+    open_store: StoreFactory,
+) -> None:
+    """``kuralle-es check``'s answer, on every backend: a run paused under v1 is
+    ``ok`` against an application that keeps v1 beside v2, ``drift`` against v2
+    alone and ``nondeterminism`` (with the step) against v1 with reordered code;
+    no answer executes a tool or writes to the store."""
+    (old,) = await paused_on_v1(open_store)
+    store = open_store()
+    before = head(store)
+
+    def verdicts(checks: list[Any]) -> dict[str, tuple[str, int | None]]:
+        return {c.run_id: (c.kind, c.step) for c in checks}
+
+    assert verdicts(await check_runs(store, deploy_app.v1_and_v2())) == {old: ("ok", None)}
+    assert verdicts(await check_runs(store, deploy_app.v2())) == {old: ("drift", None)}
+    assert verdicts(await check_runs(store, deploy_app.v1_reordered())) == {
+        old: ("nondeterminism", 0)
+    }
+    assert head(store) == before
+    assert executed() == {"reserve": 1}
+    # The run still resumes where it was, on the application that keeps v1.
+    done = await Runtime(deploy_app.v1_and_v2(), store=store).approve(old, SESSION, by="ann")
+    assert done.status == "finished"
+    assert executed() == {"reserve": 1, "ship": 1}
 
 
 # ------------------------------------------------------------------ versions
