@@ -146,15 +146,17 @@ def start_server(
     token: str | None = TOKEN,
     name: str = "server",
     args: tuple[str, ...] = (),
+    app: str = APP,
     **env: str,
 ) -> Server:
-    """``kuralle-es serve`` over ``store_url``, ready to answer (its output in ``workdir``)."""
+    """``kuralle-es serve`` over ``store_url``, ready to answer (its output in ``workdir``);
+    ``app`` is importable from ``tests/procs``."""
     port = free_port()
     extra = dict(env)
     if token is not None:
         extra["KURALLE_API_TOKEN"] = token
     log = workdir / f"{name}-{port}.log"
-    command = [*COMMAND, "serve", "--app", APP, "--store", store_url, "--port", str(port), *args]
+    command = [*COMMAND, "serve", "--app", app, "--store", store_url, "--port", str(port), *args]
     with log.open("wb") as out:
         process = subprocess.Popen(
             command, cwd=PROCS, env=clean_env(**extra), stdout=out, stderr=subprocess.STDOUT

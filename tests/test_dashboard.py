@@ -45,6 +45,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
 from kuralle_es import (
+    Budget,
     ModelResponse,
     RunContext,
     RunState,
@@ -59,6 +60,8 @@ from kuralle_es import (
     define_flow,
     define_tool,
     end,
+    goto,
+    reply,
 )
 from kuralle_es.dashboard import REFRESH_SECONDS, create_app
 from kuralle_es.errors import InvalidArgumentError
@@ -128,8 +131,24 @@ def ops_agent() -> Any:
     return define_agent("ops", "operations", ScriptedModel(["ok"]), tools, flows)
 
 
+def budgeted_agent() -> Any:
+    """Two model turns in a row (``reply`` nodes), so a budget of one call pauses
+    the run before the second."""
+    flow = define_flow(
+        "chatty",
+        "two replies",
+        "first",
+        [
+            reply("first", "Say hello.", goto("second")),
+            reply("second", "Say more.", end("said")),
+        ],
+    )
+    model = ScriptedModel(lambda request: "ok", id="chatty-model")
+    return define_agent("chatter", "talks", model, [], [flow])
+
+
 def agents() -> list[Any]:
-    return [refund.build_agent(), ops_agent()]
+    return [refund.build_agent(), ops_agent(), budgeted_agent()]
 
 
 def run_sync(coro: Coroutine[Any, Any, T]) -> T:
@@ -824,3 +843,44 @@ def test_the_usage_page_shows_usage_per_agent_and_per_run_and_a_run_shows_its_ow
     with cli_dashboard(command, env) as (client, _):
         status, page = client.request("/usage")
         assert status == 200 and "KURALLE_PRICES" in page and f"{small_cost:.4f}" not in page
+
+
+def test_a_run_past_its_budget_is_approved_in_the_browser_with_a_raised_limit(
+    browser: webdriver.Chrome, serve: Callable[..., Dashboard], maker: Maker
+) -> None:
+    paused = maker._turn(
+        "s-budget", input="go", kind="flow", flow_name="chatty", budget=Budget(max_model_calls=1)
+    )
+    assert paused.status == "paused" and paused.waiting_for is not None
+    assert paused.waiting_for.name == "__budget"
+    dashboard = serve()
+    run_url = f"{dashboard.url}/runs/{paused.run_id}"
+    login(browser, dashboard, f"/runs/{paused.run_id}")
+    click_and_wait(browser, "approve")
+    assert browser.current_url == run_url + "/approve"
+    field = browser.find_element(By.ID, "raise_max_model_calls")
+    assert field.get_attribute("value") == "1"  # the limit the run was held to
+    assert browser.find_element(By.ID, "raise_max_total_tokens").get_attribute("value") == ""
+
+    # Not a number: refused, nothing delivered.
+    field.clear()
+    field.send_keys("lots")
+    click_and_wait(browser, "confirm")
+    assert "must be a whole number" in browser.page_source
+    assert maker.session_runs("s-budget")[0].status == "paused"
+
+    visit(browser, run_url + "/approve")
+    field = browser.find_element(By.ID, "raise_max_model_calls")
+    field.clear()
+    field.send_keys("5")
+    click_and_wait(browser, "confirm")
+    assert text_of(browser, "run-status") == "finished"
+    assert text_of(browser, "outcome") == "said"
+
+    async def budget_steps() -> list[Any]:
+        steps = await maker.runtime.get_steps(paused.run_id, "s-budget")
+        return [s for s in steps if s.name == "__budget"]
+
+    [decided] = run_sync(budget_steps())
+    assert decided.result["approved"] is True
+    assert decided.result["raise_to"] == {"max_model_calls": 5}

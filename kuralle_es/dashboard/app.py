@@ -39,7 +39,16 @@ from ..errors import InvalidArgumentError, KuralleError
 from ..shapes import RunState
 from ..views import RunViews
 from ..views.timeline import read_deliveries
-from .decisions import Decision, deliver, new_signal_id, refusal_status, valid_signal_id
+from .decisions import (
+    RAISABLE,
+    Decision,
+    budget_limits,
+    deliver,
+    new_signal_id,
+    raise_to_of,
+    refusal_status,
+    valid_signal_id,
+)
 from .overview import overview, tool_overview, usage_overview
 from .security import CSRF_COOKIE, SESSION_COOKIE, TOKEN_ENV, Gate, Operator
 from .security import valid_operator_name as _valid_name
@@ -283,6 +292,10 @@ class _Dashboard:
             # Only an approval is decided here; a run on a timer, a signal or
             # input is shown with what it waits for instead of a form.
             "decidable": run.waiting_for is not None and run.waiting_for.kind == "approval",
+            # A spent budget is approved with the limits to raise, filled in with
+            # the ones it was held to (docs/usage.md).
+            "budget": budget_limits(run) if approve else None,
+            "raisable": list(RAISABLE),
         }
         return self.render(request, "confirm.html", context)
 
@@ -299,6 +312,10 @@ class _Dashboard:
         run = await self.load(run_id)
         if run is None:
             return self.problem(request, 404, "No such run", f"There is no run {run_id}.")
+        try:
+            raise_to = raise_to_of(fields) if approve else None
+        except ValueError as error:
+            return self.problem(request, 422, "Refused", str(error))
         decision = Decision(
             run_id=run_id,
             approved=approve,
@@ -306,6 +323,7 @@ class _Dashboard:
             signal_id=signal_id,
             request_id=fields.get("request_id") or None,
             reason=(fields.get("reason") or "").strip()[:500] or None,
+            raise_to=raise_to,
         )
         try:
             runtime = await self.runtime()
