@@ -229,9 +229,9 @@ async def bench_journal(
     runtime = Runtime([AGENT], store=store)
     save_run_async = store.save_run_async
 
-    async def counted_save(run: Any) -> None:
+    async def counted_save(run: Any, lease: Any = None) -> None:
         PROBE.saves += 1
-        await save_run_async(run)
+        await save_run_async(run, lease)
 
     store.save_run_async = counted_save  # type: ignore[method-assign]
     try:
@@ -273,16 +273,16 @@ async def break_down(backend: str, runtime: Runtime, store: RunStore, steps: int
     loop_thread = threading.get_ident()
     off_loop = 0
 
-    def threaded_save(run: Any) -> None:
+    def threaded_save(run: Any, lease: Any = None) -> None:
         nonlocal off_loop
         if threading.get_ident() != loop_thread:
             off_loop += 1
-        save_run(run)
+        save_run(run, lease)
 
-    async def timed_save(run: Any) -> None:
+    async def timed_save(run: Any, lease: Any = None) -> None:
         start = time.perf_counter()
         try:
-            await save_run_async(run)
+            await save_run_async(run, lease)
         finally:
             saves.append(time.perf_counter() - start)
 
@@ -320,15 +320,15 @@ async def break_down(backend: str, runtime: Runtime, store: RunStore, steps: int
 class InlineSaves(RunStore):
     """A ``RunStore`` whose saves are the recorder's blocking call, on the loop's thread."""
 
-    async def save_run_async(self, run: Any) -> None:
-        self.save_run(run)
+    async def save_run_async(self, run: Any, lease: Any = None) -> None:
+        self.save_run(run, lease)
 
 
 class ThreadedSaves(RunStore):
     """A ``RunStore`` whose saves are the recorder's blocking call, on a worker thread."""
 
-    async def save_run_async(self, run: Any) -> None:
-        await asyncio.to_thread(self.save_run, run)
+    async def save_run_async(self, run: Any, lease: Any = None) -> None:
+        await asyncio.to_thread(self.save_run, run, lease)
 
 
 # --------------------------------------------------------------------- floors
