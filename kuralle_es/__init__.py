@@ -29,6 +29,7 @@ from ._definitions.llm import (
     ToolCallRequest,
     openai_model,
 )
+from ._definitions.loops import ConversationLoop, LoopTurn
 from ._definitions.retry import RetryPolicy
 from ._definitions.tools import Tool, define_tool
 from ._journal.keys import idempotency_key
@@ -93,6 +94,7 @@ __all__ = [
     "ApprovalDecision",
     "Budget",
     "BudgetExceededError",
+    "ConversationLoop",
     "End",
     "Flow",
     "FlowDriftError",
@@ -106,6 +108,7 @@ __all__ = [
     "InvalidToolArgsError",
     "KuralleError",
     "LeaseHeldError",
+    "LoopTurn",
     "Message",
     "Model",
     "ModelRequest",

@@ -9,6 +9,7 @@ from typing import Any
 from ..errors import InvalidArgumentError, InvalidDefinitionError
 from .budget import Budget
 from .flows import Flow, version_key
+from .loops import ConversationLoop
 from .tools import Tool
 
 __all__ = ["Agent", "define_agent"]
@@ -30,6 +31,9 @@ class Agent:
     #: The most each of its runs may spend on model calls (docs/usage.md).
     budget: Budget | None = None
     flow_versions: tuple[Flow, ...] = ()
+    #: What drives its conversation turns in place of the built-in loop
+    #: (docs/pydantic-ai.md); None: the built-in loop (docs/agents.md).
+    loop: ConversationLoop | None = None
 
 
 def define_agent(
@@ -39,6 +43,7 @@ def define_agent(
     tools: Sequence[Tool[Any]] | Mapping[str, Tool[Any]] = (),
     flows: Sequence[Flow] = (),
     budget: Budget | None = None,
+    loop: ConversationLoop | None = None,
 ) -> Agent:
     """An agent: instructions, a ``Model``, its tools and flows.
 
@@ -48,8 +53,13 @@ def define_agent(
     ``InvalidArgumentError`` on two tools with one name, or two flows with one
     name and one version (or none). ``budget`` limits what each of the agent's
     runs spends on model calls (a run's own ``runtime.run(..., budget=)``
-    replaces it; docs/usage.md).
+    replaces it; docs/usage.md). ``loop`` drives the agent's conversation turns
+    in place of the built-in loop: the extension point integrations use to run
+    another framework's agent on the journal (docs/pydantic-ai.md).
     """
+    if loop is not None and not isinstance(loop, ConversationLoop):
+        msg = f"agent {id!r}: loop must have `async def drive(self, turn)`, got {loop!r}"
+        raise TypeError(msg)
     if budget is not None and not isinstance(budget, Budget):
         msg = f"agent {id!r}: budget must be a kuralle_es.Budget, got {budget!r}"
         raise InvalidArgumentError(msg)
@@ -92,5 +102,5 @@ def define_agent(
             flows_by_name[flow.name] = flow
     return Agent(
         id=id, instructions=instructions, model=model, tools=by_name, flows=flows_by_name,
-        budget=budget, flow_versions=tuple(flows),
+        budget=budget, flow_versions=tuple(flows), loop=loop,
     )  # fmt: skip

@@ -27,10 +27,30 @@ from .suspensions import Schemas, approval_decision, is_deadline_deny, suspend
 from .tool_calls import run_tool
 from .writer import RunWriter, decode, utcnow
 
-__all__ = ["RunContext"]
+__all__ = ["RunContext", "TurnBound"]
 
 
-class RunContext:
+class TurnBound:
+    """What a node's context and an agent loop's turn share: the run's writer and
+    callsite cursor, and the turn's stream (docs/concepts.md, "Callsites")."""
+
+    def __init__(
+        self, writer: RunWriter, cursor: Cursor, emit: Callable[[StreamPart], None]
+    ) -> None:
+        self._writer = writer
+        self._cursor = cursor
+        self._emit = emit
+
+    @property
+    def run_id(self) -> str:
+        return self._writer.run_id
+
+    @property
+    def session_id(self) -> str:
+        return self._writer.session_id
+
+
+class RunContext(TurnBound):
     """Durable effects for one node execution of one run."""
 
     def __init__(
@@ -41,20 +61,10 @@ class RunContext:
         emit: Callable[[StreamPart], None],
         schemas: Schemas,
     ) -> None:
-        self._writer = writer
-        self._cursor = cursor
+        super().__init__(writer, cursor, emit)
         self._tools = tools
-        self._emit = emit
         self._schemas = schemas
         self._closed = False
-
-    @property
-    def run_id(self) -> str:
-        return self._writer.run_id
-
-    @property
-    def session_id(self) -> str:
-        return self._writer.session_id
 
     def close(self) -> None:
         """End this context's node visit (the driver calls it when the node is done)."""

@@ -1,5 +1,5 @@
 """Drives a run for one turn: a flow's nodes, or the agent loop of a conversation
-(internal).
+(the built-in one, or the agent's own ``loop``) (internal).
 
 The driver re-enters the run's *active* node from its start; every effect
 the node already performed replays from the journal because the node's
@@ -36,6 +36,7 @@ from ..shapes import Message, StreamPart
 from .agent_loop import agent_turn
 from .context import RunContext
 from .cursor import Cursor
+from .loop_turn import JournalTurn
 from .model_calls import model_turn
 from .suspensions import Schemas, suspend
 from .writer import RunWriter
@@ -72,7 +73,10 @@ async def drive(
         return Driven(transition, state)
     cursor = Cursor(logical_run_id(writer.run_id, writer.epoch), writer.callsite_base)
     try:
-        reply = await agent_turn(writer, cursor, agent, emit, max_tool_concurrency)
+        if agent.loop is not None:  # an agent loop of its own (docs/pydantic-ai.md)
+            reply = await agent.loop.drive(JournalTurn(writer, cursor, agent, emit))
+        else:
+            reply = await agent_turn(writer, cursor, agent, emit, max_tool_concurrency)
     except Exception:
         writer.raise_if_stopped()
         raise

@@ -35,9 +35,29 @@ class Registry:
             if agent.id in self.agents:
                 msg = f"two agents share the id {agent.id!r}; give each agent its own id"
                 raise InvalidArgumentError(msg)
-            self.agents[agent.id] = agent
-            for flow in agent.flow_versions or tuple(agent.flows.values()):
-                self._add_version(agent, flow)
+            self._add_agent(agent)
+
+    def add(self, agent: Agent) -> None:
+        """Add an agent after the runtime was made (an integration's, docs/pydantic-ai.md).
+
+        The same definition again is a no-op (each process makes it anew and
+        adds it to its runtime); another agent under a taken id is refused.
+        """
+        known = self.agents.get(agent.id)
+        if known is not None:
+            if known == agent:
+                return
+            msg = (
+                f"this runtime already has another agent with the id {agent.id!r}; "
+                "give each agent its own id"
+            )
+            raise InvalidArgumentError(msg)
+        self._add_agent(agent)
+
+    def _add_agent(self, agent: Agent) -> None:
+        self.agents[agent.id] = agent
+        for flow in agent.flow_versions or tuple(agent.flows.values()):
+            self._add_version(agent, flow)
 
     def _add_version(self, agent: Agent, flow: Flow) -> None:
         versions = self._versions.setdefault(flow.name, [])

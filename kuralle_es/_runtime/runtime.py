@@ -152,11 +152,15 @@ class Runtime:
         signal_delivery: SignalDelivery | None = None,
         idempotency_key: str | None = None,
         budget: Budget | None = None,
+        agent: str | None = None,
     ) -> TurnHandle:
         """Start a turn; returns its handle at once (errors surface through it).
 
         ``budget`` gives the run a budget of its own from this turn on, in place
-        of its agent's (docs/usage.md).
+        of its agent's (docs/usage.md). ``agent`` is the id of the agent a plain
+        call's conversation is with (default: the first agent given); the
+        session's conversation with another agent is refused
+        (``InvalidArgumentError``).
         """
 
         def command() -> Command:
@@ -175,7 +179,7 @@ class Runtime:
             if kind not in (None, "conversation"):
                 msg = f"kind must be 'conversation' or 'flow', got {kind!r}"
                 raise InvalidArgumentError(msg)
-            return Converse(session_id, input, flow_name, idempotency_key)
+            return Converse(session_id, input, flow_name, idempotency_key, agent)
 
         async def turn(sink: TurnSink) -> TurnResult:
             return await drive_turn(self._env, command(), sink, budget)
@@ -356,6 +360,17 @@ class Runtime:
         return await self.run(session_id, run_id=run_id, signal_delivery=delivery).result()
 
     # ----------------------------------------------------------- definitions
+    def add_agent(self, agent: Agent) -> None:
+        """Add an agent to this runtime after it was made, so that it drives (and
+        resumes, recovers, approves) that agent's runs like those of the agents
+        given to ``Runtime``: what an integration does with the agent it wraps
+        (``kuralle_es.integrations.pydantic_ai.durable``, docs/pydantic-ai.md).
+
+        Adding the same definition again is a no-op; another agent under an id
+        the runtime has is refused with ``InvalidArgumentError``.
+        """
+        self._registry.add(agent)
+
     def default_agent(self) -> Agent:
         """The agent a new conversation starts with: the first one given."""
         return self._registry.default_agent()

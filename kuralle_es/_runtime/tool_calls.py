@@ -7,7 +7,7 @@ run tools through ``run_tool``, so a tool behaves the same whoever calls it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from pydantic import BaseModel
 
@@ -16,11 +16,11 @@ from .._journal.run import StepData
 from .._journal.sites import Effect, Lane, Site
 from .._journal.wait import APPROVAL, IN_DOUBT
 from ..errors import ToolApprovalDeniedError
-from ..shapes import StreamPart, ToolCall
+from ..shapes import ApprovalDecision, StreamPart, ToolCall
 from .suspensions import approval_decision, frozen_operation, suspend
 from .writer import RunWriter, decode
 
-__all__ = ["run_tool", "tool_call", "tool_effect"]
+__all__ = ["ask_approval", "recorded_approval", "run_tool", "tool_call", "tool_effect"]
 
 
 def tool_effect(site: Site, tool: Tool[Any], args: BaseModel) -> Effect:
@@ -49,13 +49,12 @@ async def _approved_args(
     Once an approval is journaled, its frozen operation wins over whatever the
     caller computes now: the approver saw those args.
     """
-    approval_site = site.in_lane(Lane.APPROVAL)
-    step = writer.recorded(Effect(approval_site, "approval", APPROVAL))
-    if step is not None and step["status"] == "finished":
-        decision = approval_decision(decode(step))
+    recorded = recorded_approval(writer, site)
+    if recorded is not None:
+        decision, shown = recorded
         if not decision.approved:
             raise ToolApprovalDeniedError(tool.name, decision.by, decision.reason)
-        frozen: BaseModel = tool.validate(step["args"]["operation"]["args"])
+        frozen: BaseModel = tool.validate(shown)
         return frozen
     call = tool_call(writer, site, tool, args)
     if writer.recorded(tool_effect(site, tool, args)) is not None:
@@ -65,14 +64,31 @@ async def _approved_args(
         return args
     if answer == "deny":
         raise ToolApprovalDeniedError(tool.name, "policy", "denied by the tool's policy")
+    ask_approval(writer, site, tool.name, args.model_dump(mode="json"), tool.description)
+
+
+def recorded_approval(writer: RunWriter, site: Site) -> tuple[ApprovalDecision, Any] | None:
+    """The decision journaled on the call at ``site`` and the args the approver
+    saw (its frozen operation), or None while none was delivered."""
+    step = writer.recorded(Effect(site.in_lane(Lane.APPROVAL), "approval", APPROVAL))
+    if step is None or step["status"] != "finished":
+        return None
+    return approval_decision(decode(step)), step["args"]["operation"]["args"]
+
+
+def ask_approval(
+    writer: RunWriter, site: Site, tool_name: str, args: Any, description: str | None
+) -> NoReturn:
+    """Suspend the turn on ``__approval`` for the call at ``site``, its operation
+    (tool name, args, args hash) frozen for the approver (docs/howto/approvals.md)."""
     suspend(
         writer,
-        approval_site,
+        site.in_lane(Lane.APPROVAL),
         name=APPROVAL,
         kind="approval",
-        title=f"Approve {tool.name}",
-        description=tool.description,
-        operation=frozen_operation(tool.name, args.model_dump(mode="json")),
+        title=f"Approve {tool_name}",
+        description=description,
+        operation=frozen_operation(tool_name, args),
     )
 
 

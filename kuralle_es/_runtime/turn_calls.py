@@ -364,6 +364,8 @@ class Converse(Command):
     input: str | None
     flow_name: str | None
     idempotency_key: str | None
+    #: The agent the conversation is with (None: the runtime's first agent).
+    agent_id: str | None = None
 
     async def address(self, env: TurnEnv) -> tuple[Run, bool]:
         run_id = conversation_run_id(self.session_id)
@@ -371,9 +373,24 @@ class Converse(Command):
         if existing is not None:
             if existing.session_id != self.session_id:
                 raise RunNotFoundError(str(run_id), self.session_id)
+            self._check_agent(existing)
             return existing, False
-        agent = env.registry.default_agent()
+        if self.agent_id is not None:
+            agent = env.registry.agent(self.agent_id)
+        else:
+            agent = env.registry.default_agent()
         return new_run(run_id, self.session_id, "conversation", agent.id, None, None), True
+
+    def _check_agent(self, run: Run) -> None:
+        """Refuse to talk to the session's conversation as another agent than its own."""
+        if self.agent_id is None or run.active_agent == self.agent_id:
+            return
+        msg = (
+            f"session {self.session_id!r} has a conversation with agent {run.active_agent!r}, "
+            f"not {self.agent_id!r}; use another session id for a conversation with "
+            f"{self.agent_id!r}"
+        )
+        raise InvalidArgumentError(msg)
 
     def prepare(self, run: Run, fresh: bool, env: TurnEnv, held: Lease | None) -> Opening | None:
         # ``flow_name`` on a plain call enters that flow on a fresh user turn.

@@ -1,0 +1,85 @@
+"""The journaled turn an agent's own loop drives (internal; docs/pydantic-ai.md).
+
+``JournalTurn`` is the runtime's side of ``LoopTurn``: it hands the loop the
+same machinery the built-in agent loop uses (``model_turn`` for model steps,
+``run_tool`` for tool steps, the approval lane of a tool call), so a turn
+driven by another framework's loop is journaled, budgeted, approved and
+replayed exactly like one of the built-in loop (docs/agents.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .._definitions.agents import Agent
+from .._definitions.llm import Model, ModelRequest, ModelResponse
+from .._definitions.tools import Tool
+from ..shapes import ApprovalDecision, Message, StreamPart
+from .context import TurnBound
+from .cursor import Cursor
+from .model_calls import assistant_message, model_turn
+from .tool_calls import ask_approval, recorded_approval, run_tool
+from .writer import RunWriter
+
+__all__ = ["JournalTurn"]
+
+
+class JournalTurn(TurnBound):
+    """One user turn of a conversation run whose agent has a ``loop``."""
+
+    def __init__(
+        self,
+        writer: RunWriter,
+        cursor: Cursor,
+        agent: Agent,
+        emit: Callable[[StreamPart], None],
+    ) -> None:
+        super().__init__(writer, cursor, emit)
+        self._agent = agent
+
+    def messages(self) -> list[Message]:
+        return self._writer.messages()
+
+    def append_message(self, message: Message) -> None:
+        self._writer.append_message(message)
+
+    def emit(self, part: StreamPart) -> None:
+        self._emit(part)
+
+    async def model(
+        self, model: Model, request: ModelRequest, messages: Sequence[Message] = ()
+    ) -> ModelResponse:
+        writer = self._writer
+
+        def on_new(response: ModelResponse) -> None:
+            # Saved with the response, so a replay neither loses nor repeats them.
+            for message in messages:
+                writer.append_message(message)
+            writer.append_message(assistant_message(response))
+            if response.content:
+                self._emit(StreamPart(type="text", text=response.content))
+
+        return await model_turn(
+            writer, self._cursor, model, request, on_new, budget=self._agent.budget
+        )
+
+    def reserve(self, n: int) -> list[int]:
+        return self._cursor.reserve(n)
+
+    async def approval(
+        self, callsite: int, tool_name: str, args: Any, description: str | None = None
+    ) -> ApprovalDecision:
+        site = self._cursor.site(callsite)
+        recorded = recorded_approval(self._writer, site)
+        if recorded is None:
+            ask_approval(self._writer, site, tool_name, args, description)
+        return recorded[0]
+
+    async def tool(
+        self, tool: Tool[Any], args: Any, callsite: int, tool_call_id: str | None = None
+    ) -> Any:
+        site = self._cursor.site(callsite)
+        return await run_tool(
+            self._writer, site, tool, tool.validate(args), self._emit, tool_call_id
+        )
