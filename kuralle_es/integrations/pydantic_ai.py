@@ -1,0 +1,489 @@
+"""Pydantic AI agents made durable on the journal (docs/pydantic-ai.md).
+
+``durable(agent, runtime)`` keeps the ``pydantic_ai.Agent`` a user wrote and runs
+each of its turns as a user turn of a kuralle_es conversation run. Nothing of
+Pydantic AI's loop is rewritten: a capability added to each run puts the
+journal under it, at the three places where a run touches the world:
+
+- every model request goes through the journal as a ``model`` step (a
+  ``WrapperModel``), its ``ModelResponse`` recorded in Pydantic AI's own JSON
+  form, so a replay hands the agent the very response it had;
+- every tool call goes through the journal as a ``tool`` step (a
+  ``WrapperToolset``), with the idempotency key of docs/concepts.md;
+- approval-required tools (``requires_approval=True``) reach Pydantic AI's
+  ``handle_deferred_tool_calls`` hook, answered from the journal: the run
+  pauses on ``__approval`` with the operation frozen until someone decides,
+  from any process (docs/howto/approvals.md), and a denial is a ``ToolDenied``.
+
+A resume re-runs the agent from the turn's start; every step the journal has
+is replayed, so the model and the tools are asked only for what is new.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+from pydantic_core import to_json, to_jsonable_python
+
+from kuralle_es import (
+    InvalidArgumentError,
+    LoopTurn,
+    ModelRequest,
+    ModelResponse,
+    RunNotFoundError,
+    Runtime,
+    ToolCall,
+    ToolCallRequest,
+    WaitingFor,
+    define_agent,
+    define_tool,
+)
+from kuralle_es.shapes import Message
+
+try:
+    from pydantic_ai import Agent, ModelRetry
+    from pydantic_ai.capabilities import AbstractCapability
+    from pydantic_ai.messages import (
+        ModelMessage,
+        ModelMessagesTypeAdapter,
+        ModelRequestPart,
+        RetryPromptPart,
+        SystemPromptPart,
+        TextPart,
+        ToolCallPart,
+        ToolReturnPart,
+        UserPromptPart,
+    )
+    from pydantic_ai.messages import ModelRequest as PaiRequest
+    from pydantic_ai.messages import ModelResponse as PaiResponse
+    from pydantic_ai.models import Model, ModelRequestParameters
+    from pydantic_ai.models.wrapper import WrapperModel
+    from pydantic_ai.settings import ModelSettings
+    from pydantic_ai.tools import DeferredToolRequests, DeferredToolResults, RunContext, ToolDenied
+    from pydantic_ai.toolsets import AbstractToolset, WrapperToolset
+    from pydantic_ai.toolsets.abstract import ToolsetTool
+except ImportError as missing:  # pragma: no cover - the extra is installed in CI
+    msg = (
+        "kuralle_es.integrations.pydantic_ai needs Pydantic AI: "
+        "pip install 'kuralle_es[pydantic-ai]'"
+    )
+    raise ImportError(msg) from missing
+
+__all__ = ["DurableAgent", "DurableRunResult", "durable", "tool_call"]
+
+#: The key of a model step's recorded Pydantic AI response in ``ModelResponse.data``.
+RESPONSE_KEY = "pydantic_ai"
+#: How a tool's ``ModelRetry`` is journaled: as its result, so a replay retries alike.
+MODEL_RETRY_KEY = "__pydantic_ai_model_retry"
+#: The journaled call a tool runs as (``tool_call()``), while it runs.
+_current_call: contextvars.ContextVar[ToolCall | None] = contextvars.ContextVar(
+    "kuralle_pydantic_ai_tool_call", default=None
+)
+#: Outputs of the turns a ``DurableAgent.run`` call drives, by run id (this call's only).
+_outputs: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
+    "kuralle_pydantic_ai_outputs", default=None
+)
+
+
+# --------------------------------------------------------------- the result
+@dataclass(frozen=True)
+class DurableRunResult:
+    """What ``DurableAgent.run`` returns: the turn's ``output``, ``run_id`` and ``status``.
+
+    ``output`` is the agent's output as Pydantic AI gave it when the turn ended
+    in this call (None while it is paused); ``waiting_for`` says what a paused
+    run waits for (an ``__approval`` with the frozen operation).
+    """
+
+    output: Any
+    run_id: str
+    status: str
+    waiting_for: WaitingFor | None = None
+
+
+def tool_call() -> ToolCall | None:
+    """The journaled call the Pydantic AI tool now running is (None outside one).
+
+    Its ``idempotency_key`` is the same on every execution of the call (a
+    re-execution after a crash included): hand it to the system the tool
+    changes, so that system can keep one effect per key (docs/guarantees.md).
+    """
+    return _current_call.get()
+
+
+# ------------------------------------------------------------ the callsites
+@dataclass
+class _Callsites:
+    """The callsite of each tool call of the turn, by tool call id.
+
+    Reserved in the order of the model response that asked for the calls, on a
+    fresh pass and a replay alike, so each call keeps its journal position
+    (and its idempotency key) whatever order Pydantic AI then runs them in.
+    """
+
+    by_call: dict[str, int] = field(default_factory=dict)
+
+    def assign(self, turn: LoopTurn, response: PaiResponse) -> None:
+        calls = response.tool_calls
+        for call, callsite in zip(calls, turn.reserve(len(calls)), strict=True):
+            self.by_call[call.tool_call_id] = callsite
+
+    def of(self, tool_call_id: str | None) -> int:
+        if tool_call_id is None or tool_call_id not in self.by_call:
+            msg = (
+                f"tool call {tool_call_id!r} came from no model response of this turn; "
+                "kuralle_es journals the tool calls a model asks for (docs/pydantic-ai.md)"
+            )
+            raise InvalidArgumentError(msg)
+        return self.by_call[tool_call_id]
+
+
+# -------------------------------------------------------------------- model
+def _usage(response: PaiResponse) -> dict[str, int]:
+    usage = response.usage
+    return {
+        "input_tokens": usage.input_tokens,
+        "output_tokens": usage.output_tokens,
+        "total_tokens": usage.input_tokens + usage.output_tokens,
+    }
+
+
+def _recordable(response: PaiResponse) -> ModelResponse:
+    """A Pydantic AI response as a model step records it: its text and tool calls
+    (what the dashboard and the chat show), its usage (docs/usage.md), and the
+    whole response in Pydantic AI's JSON form, which a replay rebuilds."""
+    dumped = ModelMessagesTypeAdapter.dump_python([response], mode="json")[0]
+    return ModelResponse(
+        content=response.text,
+        tool_calls=[
+            ToolCallRequest(call.tool_call_id, call.tool_name, call.args_as_dict())
+            for call in response.tool_calls
+        ],
+        data={RESPONSE_KEY: dumped},
+        usage=_usage(response),
+    )
+
+
+def _rebuilt(response: ModelResponse) -> PaiResponse:
+    data = response.data or {}
+    [message] = ModelMessagesTypeAdapter.validate_python([data[RESPONSE_KEY]])
+    assert isinstance(message, PaiResponse)
+    return message
+
+
+@dataclass
+class _OneRequest:
+    """One Pydantic AI model request as a kuralle_es ``Model``: asked only when
+    the journal has no response for it."""
+
+    model: Model
+    messages: list[ModelMessage]
+    settings: ModelSettings | None
+    parameters: ModelRequestParameters
+
+    @property
+    def id(self) -> str:
+        return self.model.model_name
+
+    async def respond(self, request: ModelRequest) -> ModelResponse:
+        answer = await self.model.request(self.messages, self.settings, self.parameters)
+        return _recordable(answer)
+
+
+def _tool_messages(parts: Sequence[ModelRequestPart]) -> list[Message]:
+    """The chat messages of the tool results among ``parts`` (a request's)."""
+    out: list[Message] = []
+    for part in parts:
+        if isinstance(part, ToolReturnPart):
+            content = json.dumps(to_jsonable_python(part.content), ensure_ascii=False)
+        elif isinstance(part, RetryPromptPart) and part.tool_name is not None:
+            content = json.dumps(part.model_response(), ensure_ascii=False)
+        else:
+            continue
+        out.append(
+            Message(
+                role="tool", tool_call_id=part.tool_call_id, name=part.tool_name, content=content
+            )
+        )
+    return out
+
+
+class _JournaledModel(WrapperModel):
+    """The agent's model, each request a journaled ``model`` step."""
+
+    def __init__(self, wrapped: Model, turn: LoopTurn, callsites: _Callsites) -> None:
+        super().__init__(wrapped)
+        self._turn = turn
+        self._callsites = callsites
+
+    async def request(
+        self,
+        messages: list[ModelMessage],
+        model_settings: ModelSettings | None,
+        model_request_parameters: ModelRequestParameters,
+    ) -> PaiResponse:
+        last = messages[-1] if messages else None
+        led_here = _tool_messages(last.parts) if isinstance(last, PaiRequest) else []
+        one = _OneRequest(self.wrapped, messages, model_settings, model_request_parameters)
+        recorded = await self._turn.model(one, ModelRequest(purpose="agent", messages=[]), led_here)
+        response = _rebuilt(recorded)
+        self._callsites.assign(self._turn, response)
+        return response
+
+
+# -------------------------------------------------------------------- tools
+class _Args(BaseModel):
+    """A Pydantic AI tool's arguments as the journal keeps them (Pydantic AI validates them)."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+@dataclass
+class _JournaledToolset(WrapperToolset[Any]):
+    """The agent's tools, each call a journaled ``tool`` step."""
+
+    turn: LoopTurn | None = None
+    callsites: _Callsites | None = None
+
+    async def call_tool(
+        self, name: str, tool_args: dict[str, Any], ctx: RunContext[Any], tool: ToolsetTool[Any]
+    ) -> Any:
+        assert self.turn is not None and self.callsites is not None
+        shown = to_jsonable_python(tool_args)
+
+        async def execute(args: _Args, call: ToolCall) -> Any:
+            given = args.model_dump(mode="json")
+            # Approved, the args the approver saw are the ones that run (docs/guarantees.md).
+            final = tool_args if given == shown else tool.args_validator.validate_python(given)
+            token = _current_call.set(call)
+            try:
+                result = await self.wrapped.call_tool(name, final, ctx, tool)
+            except ModelRetry as retry:  # Pydantic AI's own "try again": journaled as such
+                return {MODEL_RETRY_KEY: retry.message}
+            finally:
+                _current_call.reset(token)
+            return to_jsonable_python(result)
+
+        journaled = define_tool(
+            name,
+            tool.tool_def.description or "",
+            _Args,
+            execute,
+            needs_approval=tool.tool_def.kind == "unapproved",
+        )
+        callsite = self.callsites.of(ctx.tool_call_id)
+        result = await self.turn.tool(journaled, shown, callsite, ctx.tool_call_id)
+        if isinstance(result, dict) and set(result) == {MODEL_RETRY_KEY}:
+            raise ModelRetry(str(result[MODEL_RETRY_KEY]))
+        return result
+
+
+# --------------------------------------------------------------- capability
+def _denial(by: str | None, reason: str | None) -> ToolDenied:
+    """Pydantic AI's own denial, saying who declined and why."""
+    message = "The tool call was denied"
+    message += f" by {by}" if by else ""
+    message += f": {reason}" if reason else "."
+    return ToolDenied(message)
+
+
+class _OnTheJournal(AbstractCapability[Any]):
+    """Puts the journal under one run of the agent: its model, its tools, its approvals."""
+
+    def __init__(self, turn: LoopTurn) -> None:
+        self.turn = turn
+        self.callsites = _Callsites()
+
+    @classmethod
+    def get_serialization_name(cls) -> str | None:
+        return None  # made per turn, never written in an agent spec
+
+    def get_wrapper_model(self, model: Model) -> Model | None:
+        return _JournaledModel(model, self.turn, self.callsites)
+
+    def get_wrapper_toolset(self, toolset: AbstractToolset[Any]) -> AbstractToolset[Any] | None:
+        return _JournaledToolset(toolset, self.turn, self.callsites)
+
+    async def handle_deferred_tool_calls(
+        self, ctx: RunContext[Any], *, requests: DeferredToolRequests
+    ) -> DeferredToolResults | None:
+        """Approvals from the journal; the first undecided one pauses the run."""
+        results = DeferredToolResults()
+        for call in requests.approvals:
+            callsite = self.callsites.of(call.tool_call_id)
+            decision = await self.turn.approval(callsite, call.tool_name, call.args_as_dict())
+            if decision.approved:
+                results.approvals[call.tool_call_id] = True
+            else:
+                results.approvals[call.tool_call_id] = _denial(decision.by, decision.reason)
+        return results if results.approvals else None
+
+
+# ---------------------------------------------------------------- the chat
+def _history(messages: list[Message]) -> tuple[list[ModelMessage], str]:
+    """The run's chat as Pydantic AI's message history, and the turn's prompt.
+
+    The prompt is the last user message (a turn adds none of its own); what
+    came before it is rebuilt as Pydantic AI messages: user and system text,
+    assistant text and tool calls, tool results.
+    """
+    last_user = max(i for i, m in enumerate(messages) if m.role == "user")
+    history: list[ModelMessage] = []
+    pending: list[ModelRequestPart] = []
+
+    def flush() -> None:
+        if pending:
+            history.append(PaiRequest(parts=list(pending)))
+            pending.clear()
+
+    for message in messages[:last_user]:
+        if message.role == "assistant":
+            flush()
+            history.append(PaiResponse(parts=_response_parts(message)))
+        else:
+            pending.append(_request_part(message))
+    flush()
+    return history, messages[last_user].content or ""
+
+
+def _request_part(message: Message) -> ModelRequestPart:
+    if message.role == "tool":
+        return ToolReturnPart(
+            tool_name=message.name or "",
+            content=json.loads(message.content or "null"),
+            tool_call_id=message.tool_call_id or "",
+        )
+    if message.role == "system":
+        return SystemPromptPart(content=message.content or "")
+    return UserPromptPart(content=message.content or "")
+
+
+def _response_parts(message: Message) -> list[Any]:
+    parts: list[Any] = [TextPart(content=message.content)] if message.content else []
+    for call in message.tool_calls or []:
+        function = call["function"]
+        parts.append(
+            ToolCallPart(
+                tool_name=function["name"], args=function["arguments"], tool_call_id=call["id"]
+            )
+        )
+    return parts
+
+
+def _output_text(output: Any) -> str:
+    return output if isinstance(output, str) else to_json(output).decode()
+
+
+# -------------------------------------------------------------------- loop
+class PydanticAILoop:
+    """Drives a user turn with a Pydantic AI agent, on the journal (``define_agent(loop=)``).
+
+    Equal to another loop over the same agent object, so a runtime given the
+    same agent twice (``durable`` called again) keeps the one definition.
+    """
+
+    def __init__(self, agent: Agent[Any, Any]) -> None:
+        self.agent = agent
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, PydanticAILoop) and other.agent is self.agent
+
+    def __hash__(self) -> int:
+        return id(self.agent)
+
+    async def drive(self, turn: LoopTurn) -> str | None:
+        history, prompt = _history(turn.messages())
+        result = await self.agent.run(
+            prompt, message_history=history, capabilities=[_OnTheJournal(turn)]
+        )
+        # Tool results after the last response (an output tool's) ride the turn's close.
+        new = result.new_messages()
+        if new and isinstance(new[-1], PaiRequest):
+            for message in _tool_messages(new[-1].parts):
+                turn.append_message(message)
+        outputs = _outputs.get()
+        if outputs is not None:
+            outputs[turn.run_id] = result.output
+        return _output_text(result.output)
+
+
+# ----------------------------------------------------------- durable agent
+class DurableAgent:
+    """A Pydantic AI agent whose runs are kuralle_es conversation runs (``durable``)."""
+
+    def __init__(self, agent: Agent[Any, Any], runtime: Runtime) -> None:
+        self.wrapped = agent
+        self.runtime = runtime
+        self.name: str = str(agent.name)
+
+    async def run(
+        self, prompt: str, *, session_id: str, run_id: str | None = None
+    ) -> DurableRunResult:
+        """Run one user turn of the session's conversation with the agent.
+
+        Without ``run_id``: a new user turn of the session's conversation run
+        (made on first use). With the ``run_id`` of a run whose last turn did
+        not finish (a crash left it running, or it failed), that turn is
+        resumed instead, replaying what the journal recorded (``prompt`` is
+        then the turn's own, already recorded); with that of a finished run, a
+        new user turn of it. A paused run moves on with ``runtime.approve`` or
+        ``runtime.deny`` (or the CLI, the dashboard, the HTTP API).
+        """
+        outputs: dict[str, Any] = {}
+        token = _outputs.set(outputs)
+        try:
+            handle = await self._turn(prompt, session_id, run_id)
+            result = await handle.result()
+        finally:
+            _outputs.reset(token)
+        output = outputs.get(result.run_id, result.output)
+        if result.status == "paused":
+            output = None
+        return DurableRunResult(output, result.run_id, result.status, result.waiting_for)
+
+    async def _turn(self, prompt: str, session_id: str, run_id: str | None) -> Any:
+        runtime = self.runtime
+        if run_id is None:
+            return runtime.run(session_id, input=prompt, agent=self.name)
+        state = await runtime.get_run(run_id, session_id)
+        if state is None:
+            raise RunNotFoundError(run_id, session_id)
+        if state.active_agent != self.name:
+            msg = (
+                f"run {run_id} is a conversation with agent {state.active_agent!r}, "
+                f"not {self.name!r}"
+            )
+            raise InvalidArgumentError(msg)
+        if state.status in ("running", "error"):
+            return runtime.run(session_id, run_id=run_id)
+        return runtime.run(session_id, run_id=run_id, input=prompt)
+
+
+def durable(agent: Agent[Any, Any], runtime: Runtime) -> DurableAgent:
+    """Make a Pydantic AI agent durable on ``runtime``'s journal (docs/pydantic-ai.md).
+
+    The agent needs a ``name``: the runtime knows it by that name, so another
+    process that calls ``durable`` on its own runtime (with the same agent)
+    resumes, recovers and approves its runs. It needs a model too
+    (``Agent(model, ...)``). Calling ``durable`` again with the same agent is
+    harmless; another agent under a taken name is ``InvalidArgumentError``.
+    """
+    if not isinstance(agent, Agent):
+        msg = f"durable() takes a pydantic_ai.Agent, got {agent!r}"
+        raise InvalidArgumentError(msg)
+    if not agent.name:
+        msg = (
+            "durable() needs the agent's name: give it one, Agent(..., name='support'); "
+            "the runtime knows the agent by it, so that another process resumes its runs"
+        )
+        raise InvalidArgumentError(msg)
+    if agent.model is None:
+        msg = f"durable(): agent {agent.name!r} has no model; give it one, Agent(model, ...)"
+        raise InvalidArgumentError(msg)
+    runtime.add_agent(define_agent(agent.name, "", None, loop=PydanticAILoop(agent)))
+    return DurableAgent(agent, runtime)
