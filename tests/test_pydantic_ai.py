@@ -15,7 +15,8 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from pydantic_ai import Agent
+from pydantic import BaseModel
+from pydantic_ai import Agent, ModelRetry
 from pydantic_ai.messages import (
     ModelMessage,
     ModelResponse,
@@ -328,3 +329,53 @@ def test_the_library_imports_without_pydantic_ai() -> None:
         [sys.executable, "-c", script], capture_output=True, text=True, check=True
     ).stdout
     assert "pip install 'kuralle_es[pydantic-ai]'" in out
+
+
+# --------------------------------------------------- retries and outputs
+class Quote(BaseModel):
+    cents: int
+
+
+async def test_a_tools_model_retry_is_journaled_and_a_structured_output_returned(
+    open_store: Any,
+) -> None:
+    """A tool's ``ModelRetry`` is recorded as the step's result, so a resume
+    (here after a crash just before the final answer was saved) retries the
+    same way without running the tool again; the output keeps its type."""
+    ran: list[int] = []
+
+    def answer(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        last = messages[-1].parts[-1]
+        if isinstance(last, ToolReturnPart) and last.outcome == "retried":  # the ModelRetry
+            return ModelResponse(parts=[ToolCallPart("price", {"qty": 2}, tool_call_id="p2")])
+        if isinstance(last, ToolReturnPart) and last.tool_name == "price":
+            final = {"cents": last.content}
+            return ModelResponse(parts=[ToolCallPart(info.output_tools[0].name, final)])
+        return ModelResponse(parts=[ToolCallPart("price", {"qty": 0}, tool_call_id="p1")])
+
+    agent = Agent(FunctionModel(answer), name="quoter", output_type=Quote)
+
+    @agent.tool_plain
+    def price(qty: int) -> int:
+        """Price a quantity."""
+        ran.append(qty)
+        if qty < 1:
+            raise ModelRetry("order at least one")
+        return 1200 * qty
+
+    dying, reopen = crashing(open_store)
+    dying.plan = CrashPlan("before_intent", nth=5)  # model, price, model, price, the final model
+    with pytest.raises(Crash):
+        await durable(agent, Runtime([], store=dying, holder=HOLDER)).run(
+            "2 please", session_id="q"
+        )
+    dying.plan = None
+    runtime = Runtime([], store=reopen(), holder=HOLDER)
+    run_id = (await runtime.views.list_runs(session_id="q"))[0].run_id
+
+    done = await durable(agent, runtime).run("2 please", session_id="q", run_id=run_id)
+
+    assert done.status == "finished" and done.output == Quote(cents=2400)
+    assert ran == [0, 2]
+    retried = next(s for s in await runtime.get_steps(run_id, "q") if s.name == "price")
+    assert retried.result == {"__pydantic_ai_model_retry": "order at least one"}

@@ -30,6 +30,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 from pydantic_core import to_json, to_jsonable_python
 
+from kuralle_es import Agent as KuralleAgent
 from kuralle_es import (
     InvalidArgumentError,
     LoopTurn,
@@ -74,7 +75,7 @@ except ImportError as missing:  # pragma: no cover - the extra is installed in C
     )
     raise ImportError(msg) from missing
 
-__all__ = ["DurableAgent", "DurableRunResult", "durable", "tool_call"]
+__all__ = ["DurableAgent", "DurableRunResult", "definition", "durable", "tool_call"]
 
 #: The key of a model step's recorded Pydantic AI response in ``ModelResponse.data``.
 RESPONSE_KEY = "pydantic_ai"
@@ -464,26 +465,39 @@ class DurableAgent:
         return runtime.run(session_id, run_id=run_id, input=prompt)
 
 
-def durable(agent: Agent[Any, Any], runtime: Runtime) -> DurableAgent:
-    """Make a Pydantic AI agent durable on ``runtime``'s journal (docs/pydantic-ai.md).
+def definition(agent: Agent[Any, Any]) -> KuralleAgent:
+    """The kuralle_es agent that runs the Pydantic AI ``agent`` (``define_agent(loop=)``).
 
-    The agent needs a ``name``: the runtime knows it by that name, so another
-    process that calls ``durable`` on its own runtime (with the same agent)
-    resumes, recovers and approves its runs. It needs a model too
-    (``Agent(model, ...)``). Calling ``durable`` again with the same agent is
-    harmless; another agent under a taken name is ``InvalidArgumentError``.
+    ``durable`` adds it to a runtime. List it in the app that the command line,
+    the dashboard or the HTTP server load (``--app``/``KURALLE_APP``, a list of
+    agents), so that they too approve, deny and resume the agent's runs.
+    Refused with ``InvalidArgumentError``: an agent without a ``name`` (the
+    runtime knows it by that name, so that another process resumes its runs)
+    or without a model.
     """
     if not isinstance(agent, Agent):
-        msg = f"durable() takes a pydantic_ai.Agent, got {agent!r}"
+        msg = f"expected a pydantic_ai.Agent, got {agent!r}"
         raise InvalidArgumentError(msg)
     if not agent.name:
         msg = (
-            "durable() needs the agent's name: give it one, Agent(..., name='support'); "
+            "a durable Pydantic AI agent needs a name: give it one, Agent(..., name='support'); "
             "the runtime knows the agent by it, so that another process resumes its runs"
         )
         raise InvalidArgumentError(msg)
     if agent.model is None:
-        msg = f"durable(): agent {agent.name!r} has no model; give it one, Agent(model, ...)"
+        msg = f"Pydantic AI agent {agent.name!r} has no model; give it one, Agent(model, ...)"
         raise InvalidArgumentError(msg)
-    runtime.add_agent(define_agent(agent.name, "", None, loop=PydanticAILoop(agent)))
+    return define_agent(agent.name, "", None, loop=PydanticAILoop(agent))
+
+
+def durable(agent: Agent[Any, Any], runtime: Runtime) -> DurableAgent:
+    """Make a Pydantic AI agent durable on ``runtime``'s journal (docs/pydantic-ai.md).
+
+    The agent needs a ``name`` and a model (``definition`` says why). Another
+    process that calls ``durable`` on its own runtime with the same agent
+    resumes, recovers and approves its runs. Calling ``durable`` again with the
+    same agent is harmless; another agent under a taken name is
+    ``InvalidArgumentError``.
+    """
+    runtime.add_agent(definition(agent))
     return DurableAgent(agent, runtime)
