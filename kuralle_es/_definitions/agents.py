@@ -59,7 +59,7 @@ def define_agent(
     """
     if loop is not None and not isinstance(loop, ConversationLoop):
         msg = f"agent {id!r}: loop must have `async def drive(self, turn)`, got {loop!r}"
-        raise TypeError(msg)
+        raise InvalidDefinitionError(msg)
     if budget is not None and not isinstance(budget, Budget):
         msg = f"agent {id!r}: budget must be a kuralle_es.Budget, got {budget!r}"
         raise InvalidArgumentError(msg)
