@@ -50,3 +50,33 @@ def test_workers_starting_together_on_a_fresh_database_all_come_up(pg_dsn: str) 
     assert [p.exitcode for p in procs] == [0] * WORKERS
     with RunStore.postgres(pg_dsn) as store:
         assert store.session_run_ids("nobody") == []
+
+
+def test_stores_opened_at_the_same_instant_on_a_new_database_all_open(pg_dsn: str) -> None:
+    """Found in CI: on a brand-new database, the record of its partitions was
+    created by every store at once, and all but one failed on a duplicate
+    catalog key. Threads make the race likely: eight stores opened after one
+    barrier, five times, the record dropped before each."""
+    import threading
+
+    import psycopg
+
+    errors: list[str] = []
+
+    def open_one(barrier: threading.Barrier) -> None:
+        barrier.wait(timeout=30)
+        try:
+            RunStore.postgres(pg_dsn).close()
+        except Exception as e:
+            errors.append(f"{type(e).__name__}: {e}")
+
+    for _ in range(5):
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute("DROP TABLE IF EXISTS kuralle_partitions")
+        barrier = threading.Barrier(8)
+        threads = [threading.Thread(target=open_one, args=(barrier,)) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    assert errors == []

@@ -265,12 +265,15 @@ def _agree_partitions(env: Mapping[str, str], wanted: int | None) -> int:
     )
     table = Identifier(PARTITIONS_TABLE)
     with connect() as conn, conn.transaction():
+        # The lock first: two stores opened at the same instant on a new database
+        # would otherwise both create the table, and one fail on a duplicate
+        # catalog key (CREATE TABLE IF NOT EXISTS is not safe against a race).
+        conn.execute("SELECT pg_advisory_xact_lock(hashtext('kuralle_partitions'))")
         conn.execute(
             SQL(
                 "CREATE TABLE IF NOT EXISTS {} (store text PRIMARY KEY, count int NOT NULL)"
             ).format(table)
         )
-        conn.execute("SELECT pg_advisory_xact_lock(hashtext('kuralle_partitions'))")
         row = conn.execute(
             SQL("SELECT count FROM {} WHERE store = 'RunStore'").format(table)
         ).fetchone()
