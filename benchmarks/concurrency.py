@@ -78,8 +78,13 @@ def open_store(dsns: list[str], partitions: int) -> RunStore:
     return RunStore.postgres(dsns[0])
 
 
+#: This process's CPU seconds and the wall seconds of each journaled phase, by C.
+CPU: dict[int, list[tuple[float, float]]] = {}
+
+
 async def journaled(store: RunStore, concurrency: int, seconds: float) -> float:
-    """Tool steps per second of ``concurrency`` runs driven at once."""
+    """Tool steps per second of ``concurrency`` runs driven at once (and, in
+    ``CPU``, what this process's own CPU was while they ran)."""
     runtime = Runtime([AGENT], store=store)
     await runtime.run(f"warm-{uuid.uuid4().hex}", kind="flow", flow_name="loop").result()
     done = 0
@@ -94,9 +99,11 @@ async def journaled(store: RunStore, concurrency: int, seconds: float) -> float:
             assert result.status == "finished", result
             done += STEPS["n"]
 
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     await asyncio.gather(*(driver() for _ in range(concurrency)))
-    return done / (time.perf_counter() - started)
+    wall = time.perf_counter() - started
+    CPU.setdefault(concurrency, []).append((time.process_time() - cpu, done))
+    return done / wall
 
 
 def raw_commits(dsn: str, concurrency: int, seconds: float) -> float:
@@ -157,10 +164,17 @@ def main() -> int:
         for admin, name in zip(admins, names, strict=True):
             drop_database(admin, str(name))
     header = f"{'runs at once':>12} | {'raw commits/s':>13} | {'steps/s':>8}"
-    print(f"{header} | of raw (2 commits a step)")
+    print(f"{header} | of raw (2 commits a step) | client CPU per step | client CPU busy")
     for c in levels:
         raw, ours = statistics.median(commits[c]), statistics.median(steps[c])
-        print(f"{c:>12} | {raw:>13,.0f} | {ours:>8,.0f} | {2 * ours / raw:.2f}")
+        # The client's own CPU (the event loop's Python, psycopg, threads) per step,
+        # and the share of one core it kept busy: near 100 %, the loop is the limit.
+        per_step = statistics.median(cpu / done * 1e6 for cpu, done in CPU[c] if done)
+        busy = per_step * ours / 1e6
+        print(
+            f"{c:>12} | {raw:>13,.0f} | {ours:>8,.0f} | {2 * ours / raw:>25.2f} | "
+            f"{per_step:>15,.0f} us | {busy:>14.0%}"
+        )
     return 0
 
 
