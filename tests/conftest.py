@@ -249,6 +249,15 @@ class StoreFactory:
         self.stores.clear()
 
 
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A store URL another process can open: a SQLite file, or a fresh PostgreSQL
+    database (the tests that run ``kuralle-es`` or a server in a subprocess)."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'runs.db'}"
+    return str(request.getfixturevalue("pg_dsn"))
+
+
 BACKENDS = ["memory", "sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
 
 

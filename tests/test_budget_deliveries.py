@@ -16,7 +16,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-import pytest
 from http_kit import StoreHead, start_server
 from procs import budget_app
 from test_cli_operator import _ok, kuralle
@@ -26,13 +25,6 @@ from kuralle_es._journal.store_url import open_store_url
 
 SESSION = "s-budget-doors"
 TESTS = str(Path(__file__).resolve().parent)
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'runs.db'}"
-    return str(request.getfixturevalue("pg_dsn"))
 
 
 async def paused_on_budget(store_url: str) -> str:

@@ -110,13 +110,6 @@ def test_runs_list_json_after_the_demo_shows_the_demo_run_finished(tmp_path: Pat
 
 
 # -------------------------------------------------------- sqlite and pg
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'runs.db'}"
-    return str(request.getfixturevalue("pg_dsn"))
-
-
 def _open(url: str) -> RunStore:
     if url.startswith("sqlite:"):
         return RunStore.sqlite(url.removeprefix("sqlite:///"))

@@ -23,13 +23,6 @@ SESSION = "customer-pai"
 TESTS = str(Path(__file__).resolve().parent)
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'runs.db'}"
-    return str(request.getfixturevalue("pg_dsn"))
-
-
 @pytest.fixture
 def ledger_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     path = tmp_path / "refunds.jsonl"

@@ -17,7 +17,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 from views_kit import SESSION, agent
@@ -25,13 +24,6 @@ from views_kit import SESSION, agent
 from kuralle_es import RunStore, Runtime, RunViews
 
 pytestmark = pytest.mark.timeout(240)
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'runs.db'}"
-    return str(request.getfixturevalue("pg_dsn"))
 
 
 def _open(url: str) -> RunStore:
