@@ -64,10 +64,24 @@ async def loop_node(state: dict[str, Any], ctx: RunContext) -> Any:
     return end("done")
 
 
-AGENT = define_agent(
-    "bench", "", None, [define_tool("noop", "", Step, lambda a: {"x": a.x})],
-    [define_flow("loop", "", "n", [action("n", loop_node)])],
-)  # fmt: skip
+def sync_noop(args: Step) -> dict[str, int]:
+    return {"x": args.x}
+
+
+async def async_noop(args: Step) -> dict[str, int]:
+    return {"x": args.x}
+
+
+#: The tool's two kinds: a sync tool runs on a worker thread (so a blocking one
+#: never stops the event loop: docs/node-code.md), an async one on the loop.
+TOOLS = {"sync": sync_noop, "async": async_noop}
+
+
+def agent(tool: str) -> Any:
+    return define_agent(
+        "bench", "", None, [define_tool("noop", "", Step, TOOLS[tool])],
+        [define_flow("loop", "", "n", [action("n", loop_node)])],
+    )  # fmt: skip
 
 
 def open_store(dsns: list[str], partitions: int) -> RunStore:
@@ -82,10 +96,10 @@ def open_store(dsns: list[str], partitions: int) -> RunStore:
 CPU: dict[int, list[tuple[float, float]]] = {}
 
 
-async def journaled(store: RunStore, concurrency: int, seconds: float) -> float:
+async def journaled(store: RunStore, concurrency: int, seconds: float, tool: str) -> float:
     """Tool steps per second of ``concurrency`` runs driven at once (and, in
     ``CPU``, what this process's own CPU was while they ran)."""
-    runtime = Runtime([AGENT], store=store)
+    runtime = Runtime([agent(tool)], store=store)
     await runtime.run(f"warm-{uuid.uuid4().hex}", kind="flow", flow_name="loop").result()
     done = 0
     stop = time.perf_counter() + seconds
@@ -136,6 +150,10 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--partitions", type=int, default=1)
     parser.add_argument("--servers", default="", help="admin DSNs, comma-separated (sharded)")
+    parser.add_argument(
+        "--tool", choices=sorted(TOOLS), default="sync",
+        help="the no-op tool: sync (on a worker thread) or async (on the loop)",
+    )  # fmt: skip
     args = parser.parse_args()
     STEPS["n"] = args.steps
     admins = [d for d in args.servers.split(",") if d] or [os.environ.get(DSN_ENV, DEFAULT_DSN)]
@@ -147,7 +165,7 @@ def main() -> int:
         f"{len(dsns)} servers (sharded)" if len(dsns) > 1 else f"{args.partitions} partition(s)"
     )
     print(f"kuralle_es concurrency: python {sys.version.split()[0]}, {os.cpu_count()} cpus, "
-          f"{layout}, runs of {args.steps} tool steps")  # fmt: skip
+          f"{layout}, runs of {args.steps} {args.tool} tool steps")  # fmt: skip
     levels = [int(c) for c in args.concurrency.split(",")]
     steps: dict[int, list[float]] = {c: [] for c in levels}
     commits: dict[int, list[float]] = {c: [] for c in levels}
@@ -157,7 +175,7 @@ def main() -> int:
             for _ in range(args.rounds):
                 for c in levels:
                     commits[c].append(raw_commits(dsns[0], c, args.seconds))
-                    steps[c].append(asyncio.run(journaled(store, c, args.seconds)))
+                    steps[c].append(asyncio.run(journaled(store, c, args.seconds, args.tool)))
         finally:
             store.close()
     finally:
