@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import random
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar, TypeVar
 from urllib.parse import unquote, urlparse
 from uuid import UUID
@@ -54,7 +54,7 @@ from .recorders import (
     OneTripPostgresRecorder,
 )
 from .run import Run
-from .sessions import SessionRuns, new_session_runs, session_runs_id
+from .sessions import SavedIndexes, SessionRuns, new_session_runs, session_runs_id
 from .transcoding import EscapingJSONTranscoder
 
 __all__ = [
@@ -256,6 +256,7 @@ class RunLog(SavingApplication):
             self.name = f"RunStore_p{partition}"
             self.views_name = f"RunViews_p{partition}"
         self.partition = partition
+        self._saved_indexes = SavedIndexes()
         super().__init__(env=env)
 
     #: The loop-side sender of saves: on the one-trip PostgreSQL recorder only.
@@ -388,23 +389,64 @@ class RunLog(SavingApplication):
 
     def create_run(self, run: Run, lease: LeaseOp | None = None) -> None:
         """Save a new run together with its entry in its session's index (and the
-        ``lease`` op, in the same transaction).
+        ``lease`` op, in the same transaction)."""
+        self._saved_indexes.take(run.session_id)  # read afresh below
+        self._create_reading_index(run, run.collect_events(), lease)
+
+    def _create_reading_index(self, run: Run, events: Sequence[Any], lease: LeaseOp | None) -> None:
+        """Save the new run's ``events`` with its session's index as stored now.
 
         A clash can only be on the session index (a concurrent creation in the
         same session), since a new run's id is fresh: reload it and try again.
         """
-        events = run.collect_events()
         for _ in range(20):
             index = self.session_runs(run.session_id) or new_session_runs(run.session_id)
             index.add_run(run.run_id)
             try:
                 with _lease_errors(run):
                     self.save(*events, index, **_lease_kwargs(lease))
-                return
             except IntegrityError:
                 if RunLog.load(self, run.run_id) is not None:
                     raise StaleWriteError(run.run_id, "the run already exists") from None
+                continue
+            self._saved_indexes.keep(index)
+            return
         raise StaleWriteError(run.run_id, "its session index kept changing")
+
+    async def create_run_async(self, run: Run, lease: LeaseOp | None = None) -> None:
+        """``create_run`` for async code, without blocking the event loop.
+
+        On PostgreSQL the run goes with the session's index as this process last
+        saved it (a new index for a session it has not saved), sent from the
+        loop like any save; a clash (another process added a run to the session
+        meanwhile, or its index is older than this process) writes nothing, and
+        the save is made again with the index read afresh, on a worker thread.
+        A thread hop per new run held the loop back more than anything else in a
+        busy process (benchmarks/RESULTS.md).
+        """
+        saver = self._saver
+        if saver is None:
+            if self.saves_block:
+                await asyncio.to_thread(RunLog.create_run, self, run, lease)
+            else:
+                RunLog.create_run(self, run, lease)
+            return
+        events = run.collect_events()
+        index = self._saved_indexes.take(run.session_id) or new_session_runs(run.session_id)
+        index.add_run(run.run_id)
+        processing_event = AggregatesFirst()
+        processing_event.collect_events(*events, index)
+        try:
+            with _lease_errors(run):
+                stored = [self.mapper.to_stored_event(e) for e in processing_event.events]
+                await saver.insert(stored, lease)
+        except IntegrityError:
+            await asyncio.to_thread(self._create_reading_index, run, events, lease)
+            return
+        self._saved_indexes.keep(index)
+        due = self.due_snapshots(processing_event)
+        if due:
+            await asyncio.to_thread(self.put_snapshots, due)
 
     def session_run_ids(self, session_id: str) -> list[str]:
         """Ids of the session's runs, oldest first."""

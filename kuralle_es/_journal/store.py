@@ -152,12 +152,16 @@ class RunStore(RunLog):
         with self._routing:
             self._runs[run_id] = log
 
-    def _log_of_session(self, session_id: str) -> RunLog:
-        """The log of the session's runs: where its index is, else where its id hashes."""
+    def _session_log_known(self, session_id: str) -> RunLog | None:
+        """The log of the session's runs if it is known without asking a database."""
         if len(self.partitions) == 1:
             return self
         with self._routing:
-            known = self._sessions.get(session_id)
+            return self._sessions.get(session_id)
+
+    def _log_of_session(self, session_id: str) -> RunLog:
+        """The log of the session's runs: where its index is, else where its id hashes."""
+        known = self._session_log_known(session_id)
         if known is not None:
             return known
         for log in self.partitions:
@@ -207,6 +211,17 @@ class RunStore(RunLog):
         """Save a new run in its session's log, with its entry in the session's index."""
         log = self._log_of_session(run.session_id)
         RunLog.create_run(log, run, lease)
+        if log is not self:
+            self._remember(run.id, log)
+            with self._routing:
+                self._sessions[run.session_id] = log
+
+    async def create_run_async(self, run: Run, lease: LeaseOp | None = None) -> None:
+        """``create_run`` for async code, without blocking the event loop."""
+        log = self._session_log_known(run.session_id)
+        if log is None:
+            log = await asyncio.to_thread(self._log_of_session, run.session_id)
+        await RunLog.create_run_async(log, run, lease)
         if log is not self:
             self._remember(run.id, log)
             with self._routing:

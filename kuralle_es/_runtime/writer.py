@@ -339,7 +339,7 @@ class RunWriter:
     async def create(self) -> None:
         """Save a new run (with its session's index, and the lease taken)."""
         op, self._lease_op = self._lease_op, None
-        await asyncio.to_thread(self._store.create_run, self._run, op)
+        await self._store.create_run_async(self._run, op)
         self._hold(op)
 
     async def close_turn(self, idempotency_key: str | None, paused_output: Any) -> TurnResult:
