@@ -363,9 +363,14 @@ class RunLog(SavingApplication):
         load is pure CPU and cheaper than a thread hop; on a worker thread where
         it waits on a database."""
         load = RunLog.load_history if history else RunLog.load
+        return await self._off_loop(load, self, run_id)
+
+    async def _off_loop(self, call: Callable[..., _T], *args: Any) -> _T:
+        """``call(*args)`` from async code: on a worker thread where it waits on a
+        database, inline in memory (pure CPU, cheaper than a thread hop)."""
         if self.saves_block:
-            return await asyncio.to_thread(load, self, run_id)
-        return load(self, run_id)
+            return await asyncio.to_thread(call, *args)
+        return call(*args)
 
     def load_history(self, run_id: str) -> Run | None:
         """The run folded from all its events, every step it ever journaled kept
@@ -426,10 +431,7 @@ class RunLog(SavingApplication):
         """
         saver = self._saver
         if saver is None:
-            if self.saves_block:
-                await asyncio.to_thread(RunLog.create_run, self, run, lease)
-            else:
-                RunLog.create_run(self, run, lease)
+            await self._off_loop(RunLog.create_run, self, run, lease)
             return
         events = run.collect_events()
         index = self._saved_indexes.take(run.session_id) or new_session_runs(run.session_id)
@@ -482,10 +484,7 @@ class RunLog(SavingApplication):
         """
         saver = self._saver
         if saver is None:
-            if self.saves_block:
-                await asyncio.to_thread(RunLog.save_run, self, run, lease)
-            else:
-                RunLog.save_run(self, run, lease)
+            await self._off_loop(RunLog.save_run, self, run, lease)
             return
         # ``save`` with the recorder's insert sent from the loop. The library's
         # post-save hooks (``_notify``, ``notify``) are not called: nothing here
@@ -533,9 +532,7 @@ class RunLog(SavingApplication):
             return None
         if self._saver is not None:
             return await self._saver.select_lease(aggregate_id)
-        if self.saves_block:
-            return await asyncio.to_thread(RunLog.lease, self, run_id)
-        return RunLog.lease(self, run_id)
+        return await self._off_loop(RunLog.lease, self, run_id)
 
     def close(self) -> None:
         if self._saver is not None:
