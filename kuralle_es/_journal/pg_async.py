@@ -4,9 +4,9 @@ A turn's saves are awaited on its event loop. Through ``eventsourcing``'s
 recorder a save is a blocking call, so it runs on a worker thread, and on
 this kind of machine the hop to that thread and back costs more than the
 save's own round trip (benchmarks/RESULTS.md). This module sends the very
-statement of ``OneTripPostgresRecorder`` (the lease op, the table lock, the
-``NOTIFY`` and the insert in one PL/pgSQL call, on an autocommit
-connection) over psycopg's asynchronous connection instead: the loop waits
+statement of ``OneTripPostgresRecorder`` (the lease op, the table lock and
+the insert in one PL/pgSQL call, on an autocommit connection) over
+psycopg's asynchronous connection instead: the loop waits
 on the socket, no thread is involved, and the other turns on the loop run
 meanwhile. A turn reads its run's lease record over the same connection.
 
@@ -22,6 +22,11 @@ fails that save alone and writes none of its events. Errors map to
 retried, as the recorder's own retry does: a version clash is
 ``IntegrityError``; ``OperationalError`` or ``InterfaceError`` after the
 last attempt.
+
+Once a statement that wrote events has committed, the followers are woken
+(the recorder's ``wake_statement``) on a second connection of the loop, so a
+wake-up never holds up the next group commit: at most one is in flight, and
+the statements that commit meanwhile make one more after it.
 """
 
 from __future__ import annotations
@@ -73,6 +78,16 @@ class _Lane:
     flusher: asyncio.Task[None] | None = None
 
 
+@dataclass
+class _Waker:
+    """One loop's wake-ups of the followers: the one in flight, whether another
+    is due after it, and the connection they go on."""
+
+    sending: asyncio.Task[None] | None = None
+    again: bool = False
+    connection: psycopg.AsyncConnection[Any] | None = None
+
+
 class AsyncOneTripSaver:
     """Inserts stored events with the one-trip statement, from any event loop."""
 
@@ -80,6 +95,7 @@ class AsyncOneTripSaver:
         self._recorder = recorder
         self._connections: dict[asyncio.AbstractEventLoop, psycopg.AsyncConnection[Any]] = {}
         self._lanes: dict[asyncio.AbstractEventLoop, _Lane] = {}
+        self._wakers: dict[asyncio.AbstractEventLoop, _Waker] = {}
         #: Statements sent, and the saves they carried (a group commit carries several).
         self.statements = 0
         self.saves = 0
@@ -103,6 +119,8 @@ class AsyncOneTripSaver:
             try:
                 parameters = recorder.parameters_of(rows, lease)
                 found = await self._execute(recorder.one_trip_statement, parameters, lease)
+                if rows:
+                    self._wake_followers()
                 return [int(row[0]) for row in found]
             finally:
                 self._after_statement(lane)
@@ -156,6 +174,8 @@ class AsyncOneTripSaver:
             if not isinstance(error, Exception):
                 raise
             return
+        if any(q.rows for q in batch):
+            self._wake_followers()
         if len(batch) == 1:
             batch[0].done.set_result([int(row[0]) for row in found])
             return
@@ -167,6 +187,43 @@ class AsyncOneTripSaver:
                 queued.done.set_exception(IntegrityError("another writer appended first"))
             else:
                 queued.done.set_exception(_refused(queued.lease, outcome, detail))
+
+    def _wake_followers(self) -> None:
+        """Wake the followers after a commit: now if no wake-up is in flight on this
+        loop, else once more after it."""
+        loop = asyncio.get_running_loop()
+        waker = self._wakers.setdefault(loop, _Waker())
+        if waker.sending is not None:
+            waker.again = True
+            return
+        waker.sending = loop.create_task(self._send_wake_ups(waker))
+
+    async def _send_wake_ups(self, waker: _Waker) -> None:
+        """Send wake-ups until none is due. A failed one is dropped with its
+        connection: the events are committed, and a follower also looks again
+        when it is next woken (``follow`` every second besides)."""
+        try:
+            while True:
+                waker.again = False
+                connection = waker.connection
+                try:
+                    if connection is None or connection.closed:
+                        connection = waker.connection = await self._connect()
+                    await connection.execute(self._recorder.wake_statement)
+                except (psycopg.Error, OperationalError):
+                    waker.connection = None
+                    if connection is not None:
+                        _finish(connection)
+                    return
+                except BaseException:
+                    waker.connection = None  # cancelled mid-statement: never used again
+                    if connection is not None:
+                        _finish(connection)
+                    raise
+                if not waker.again or self._closed:
+                    return
+        finally:
+            waker.sending = None
 
     async def select_lease(self, run_id: Any) -> Lease | None:
         """The run's lease record, read on this loop's connection."""
@@ -218,6 +275,7 @@ class AsyncOneTripSaver:
         with self._guard:
             self._closed = True
             connections = list(self._connections.values())
+            connections += [w.connection for w in self._wakers.values() if w.connection]
             self._connections.clear()
         for connection in connections:
             _finish(connection)
@@ -232,6 +290,10 @@ class AsyncOneTripSaver:
                 _finish(self._connections.pop(gone))
             for gone in [held for held in self._lanes if held.is_closed()]:
                 del self._lanes[gone]
+            for gone in [held for held in self._wakers if held.is_closed()]:
+                waker = self._wakers.pop(gone)
+                if waker.connection is not None:
+                    _finish(waker.connection)
             connection = self._connections.get(loop)
         if connection is not None and not connection.closed:
             return connection

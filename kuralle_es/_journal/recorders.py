@@ -12,9 +12,13 @@ nothing, events included.
 - PostgreSQL: one PL/pgSQL call per save (``OneTripPostgresRecorder``) that
   applies the lease op, takes the events table's ``EXCLUSIVE`` lock (so
   notification ids are issued in commit order and a follower never passes
-  a gap that fills in later), sends the ``NOTIFY`` and inserts the events, on
-  an autocommit connection: one round trip a save where the library's
-  default path takes two (benchmarks/RESULTS.md). A save that carries
+  a gap that fills in later) and inserts the events, on an autocommit
+  connection: one round trip a save where the library's default path takes
+  two (benchmarks/RESULTS.md). Followers are woken after the commit, in a
+  transaction of its own (``wake_statement``), not by a ``NOTIFY`` in the
+  save: PostgreSQL holds one server-wide lock from a notifying
+  transaction's commit until its flush is done, so notifying saves of every
+  partition and every process flushed one at a time. A save that carries
   tracking records takes the library's default path, so none is dropped.
 
 The SQLite one writes its lease op through ``eventsourcing_hooks``; the
@@ -23,6 +27,7 @@ others extend their recorders at their public methods.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -240,7 +245,6 @@ class OneTripPostgresRecorder(PostgresApplicationRecorder):
                 "IF cardinality(events) > 0 THEN "
                 "SET LOCAL lock_timeout = '{lock_timeout}s'; "
                 "LOCK TABLE {schema}.{table} IN EXCLUSIVE MODE; "
-                "NOTIFY {channel}; "
                 "END IF; " + _LEASE_OP + "IF cardinality(events) > 0 THEN "
                 "RETURN QUERY INSERT INTO {schema}.{table} AS t "
                 "(originator_id, originator_version, topic, state) "
@@ -268,7 +272,6 @@ class OneTripPostgresRecorder(PostgresApplicationRecorder):
                 "BEGIN "
                 "SET LOCAL lock_timeout = '{lock_timeout}s'; "
                 "LOCK TABLE {schema}.{table} IN EXCLUSIVE MODE; "
-                "NOTIFY {channel}; "
                 "FOR i IN 1 .. cardinality(starts) LOOP "
                 "op := ops[i]; run := runs[i]; holder_ := holders[i]; token_ := tokens[i]; "
                 "until := untils[i]; now_ := nows[i]; "
@@ -303,6 +306,14 @@ class OneTripPostgresRecorder(PostgresApplicationRecorder):
         self.one_trip_statement = SQL(
             "SELECT * FROM {schema}.{function}(%b, %s, %s, %s, %s, %s, %s)"
         ).format(schema=schema, function=function)
+        # A wake-up for the followers, sent once a save has committed: its own
+        # transaction, with no flush to wait for (a lost wake-up only delays a
+        # follower; the events are committed already), so the notification
+        # lock is held for a moment. Simple protocol: two statements, one
+        # transaction.
+        self.wake_statement = SQL(
+            "SELECT set_config('synchronous_commit', 'off', true); NOTIFY {channel}"
+        ).format(channel=Identifier(self.channel_name))
         self.select_lease_statement = SQL(
             "SELECT holder, token, expires_at FROM {leases} WHERE run_id = %s"
         ).format(leases=self.leases)
@@ -367,7 +378,16 @@ class OneTripPostgresRecorder(PostgresApplicationRecorder):
                 if refusal is not None:
                     raise refusal from None
                 raise
-            return [int(row[self.one_trip_function]) for row in curs.fetchall()]
+            ids = [int(row[self.one_trip_function]) for row in curs.fetchall()]
+            if stored_events:
+                self.wake_followers(curs)
+            return ids
+
+    def wake_followers(self, curs: psycopg.Cursor[Any]) -> None:
+        """Notify the followers after a committed save; a failure is not the save's
+        (it committed: trying it again would clash), and only delays them."""
+        with contextlib.suppress(psycopg.Error):
+            curs.execute(self.wake_statement)
 
     def select_lease(self, run_id: UUID) -> Lease | None:
         with self.datastore.get_connection() as conn, conn.cursor() as curs:

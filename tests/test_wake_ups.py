@@ -1,0 +1,102 @@
+"""Followers on PostgreSQL are woken after each save commits, outside the save.
+
+A save no longer sends ``NOTIFY`` in its own transaction (PostgreSQL would
+hold its server-wide notification lock through that transaction's flush);
+the writer sends the wake-up once the save has committed. These tests
+listen on a real server's channel: a save from async code and one from sync
+code each wake the listener, only after their events can be read, and a
+wake-up connection the server drops costs no save and is replaced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+from uuid import uuid4
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from kuralle_es import Message, RunStore
+from kuralle_es._journal.run import Run, new_run
+
+pytestmark = pytest.mark.postgres
+
+
+def listener(pg_dsn: str, store: RunStore) -> psycopg.Connection[Any]:
+    conn = psycopg.connect(pg_dsn, autocommit=True)
+    channel = store.recorder.channel_name  # type: ignore[attr-defined]
+    conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+    return conn
+
+
+def woken(conn: psycopg.Connection[Any], timeout: float = 5.0) -> bool:
+    return any(True for _ in conn.notifies(timeout=timeout, stop_after=1))
+
+
+def said(run: Run, text: str) -> Run:
+    run.append_message(Message(role="user", content=text))
+    return run
+
+
+def new(store: RunStore) -> Run:
+    run = new_run(uuid4(), "s-wake", "flow", "agent", "f", "d")
+    store.create_run(run)
+    loaded = store.load(run.run_id)
+    assert loaded is not None
+    return loaded
+
+
+async def test_an_async_save_wakes_a_follower_once_its_events_are_readable(
+    pg_dsn: str,
+) -> None:
+    with RunStore.postgres(pg_dsn) as store, listener(pg_dsn, store) as ear:
+        run = new(store)
+        woken(ear, timeout=0.2)  # the creation's own wake-up
+        head = store.recorder.max_notification_id()
+        await store.save_run_async(said(run, "hello"))
+        assert await asyncio.to_thread(woken, ear)
+        assert (store.recorder.max_notification_id() or 0) > (head or 0)
+
+
+def test_a_sync_save_wakes_a_follower(pg_dsn: str) -> None:
+    with RunStore.postgres(pg_dsn) as store, listener(pg_dsn, store) as ear:
+        run = new(store)
+        woken(ear, timeout=0.2)
+        store.save_run(said(run, "hello"))
+        assert woken(ear)
+
+
+async def test_saves_at_once_wake_followers_without_a_wake_up_each(pg_dsn: str) -> None:
+    with RunStore.postgres(pg_dsn) as store, listener(pg_dsn, store) as ear:
+        runs = [new(store) for _ in range(30)]
+        while woken(ear, timeout=0.2):
+            pass
+        await asyncio.gather(*(store.save_run_async(said(r, "hi")) for r in runs))
+        await asyncio.sleep(0.2)
+        count = sum(1 for _ in ear.notifies(timeout=0.5))
+        assert 1 <= count < 30
+
+
+async def test_a_dropped_wake_up_connection_costs_no_save_and_is_replaced(
+    pg_dsn: str,
+) -> None:
+    with RunStore.postgres(pg_dsn) as store, listener(pg_dsn, store) as ear:
+        run = new(store)
+        await store.save_run_async(said(run, "one"))
+        assert await asyncio.to_thread(woken, ear)
+        with psycopg.connect(pg_dsn, autocommit=True) as admin:
+            killed = admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND query LIKE '%NOTIFY%' "
+                "AND pid <> pg_backend_pid()"
+            ).fetchall()
+        assert killed, "the store had a wake-up connection"
+        for text in ("two", "three"):
+            await store.save_run_async(said(run, text))
+        loaded = store.load(run.run_id)
+        assert loaded is not None
+        assert [m["content"] for m in loaded.messages] == ["one", "two", "three"]
+        await store.save_run_async(said(run, "four"))
+        assert await asyncio.to_thread(woken, ear)
