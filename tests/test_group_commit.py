@@ -15,28 +15,14 @@ from __future__ import annotations
 import asyncio
 from datetime import UTC, datetime, timedelta
 from typing import Any
-from uuid import uuid4
 
 import pytest
+from runs_kit import stored_run, with_message
 
-from kuralle_es import LeaseHeldError, Message, RunStore, StaleWriteError
+from kuralle_es import LeaseHeldError, RunStore, StaleWriteError
 from kuralle_es._journal.leases import LeaseOp
-from kuralle_es._journal.run import Run, new_run
 
 pytestmark = pytest.mark.postgres
-
-
-def stored_run(store: RunStore) -> Run:
-    run = new_run(uuid4(), "s-group", "flow", "agent", "f", "d")
-    store.create_run(run)
-    loaded = store.load(run.run_id)
-    assert loaded is not None
-    return loaded
-
-
-def with_message(run: Run, text: str) -> Run:
-    run.append_message(Message(role="user", content=text))
-    return run
 
 
 async def test_saves_made_at_once_go_in_fewer_statements_and_all_land(pg_dsn: str) -> None:

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import asyncio
 from typing import Any
-from uuid import uuid4
 
 import psycopg
 import pytest
 from psycopg import sql
+from runs_kit import stored_run, with_message
 
-from kuralle_es import Message, RunStore
-from kuralle_es._journal.run import Run, new_run
+from kuralle_es import RunStore
 
 pytestmark = pytest.mark.postgres
 
@@ -35,45 +34,32 @@ def woken(conn: psycopg.Connection[Any], timeout: float = 5.0) -> bool:
     return any(True for _ in conn.notifies(timeout=timeout, stop_after=1))
 
 
-def said(run: Run, text: str) -> Run:
-    run.append_message(Message(role="user", content=text))
-    return run
-
-
-def new(store: RunStore) -> Run:
-    run = new_run(uuid4(), "s-wake", "flow", "agent", "f", "d")
-    store.create_run(run)
-    loaded = store.load(run.run_id)
-    assert loaded is not None
-    return loaded
-
-
 async def test_an_async_save_wakes_a_follower_once_its_events_are_readable(
     pg_dsn: str,
 ) -> None:
     with RunStore.postgres(pg_dsn) as store, listener(pg_dsn, store) as ear:
-        run = new(store)
+        run = stored_run(store)
         woken(ear, timeout=0.2)  # the creation's own wake-up
         head = store.recorder.max_notification_id()
-        await store.save_run_async(said(run, "hello"))
+        await store.save_run_async(with_message(run, "hello"))
         assert await asyncio.to_thread(woken, ear)
         assert (store.recorder.max_notification_id() or 0) > (head or 0)
 
 
 def test_a_sync_save_wakes_a_follower(pg_dsn: str) -> None:
     with RunStore.postgres(pg_dsn) as store, listener(pg_dsn, store) as ear:
-        run = new(store)
+        run = stored_run(store)
         woken(ear, timeout=0.2)
-        store.save_run(said(run, "hello"))
+        store.save_run(with_message(run, "hello"))
         assert woken(ear)
 
 
 async def test_saves_at_once_wake_followers_without_a_wake_up_each(pg_dsn: str) -> None:
     with RunStore.postgres(pg_dsn) as store, listener(pg_dsn, store) as ear:
-        runs = [new(store) for _ in range(30)]
+        runs = [stored_run(store) for _ in range(30)]
         while woken(ear, timeout=0.2):
             pass
-        await asyncio.gather(*(store.save_run_async(said(r, "hi")) for r in runs))
+        await asyncio.gather(*(store.save_run_async(with_message(r, "hi")) for r in runs))
         await asyncio.sleep(0.2)
         count = sum(1 for _ in ear.notifies(timeout=0.5))
         assert 1 <= count < 30
@@ -83,8 +69,8 @@ async def test_a_dropped_wake_up_connection_costs_no_save_and_is_replaced(
     pg_dsn: str,
 ) -> None:
     with RunStore.postgres(pg_dsn) as store, listener(pg_dsn, store) as ear:
-        run = new(store)
-        await store.save_run_async(said(run, "one"))
+        run = stored_run(store)
+        await store.save_run_async(with_message(run, "one"))
         assert await asyncio.to_thread(woken, ear)
         with psycopg.connect(pg_dsn, autocommit=True) as admin:
             killed = admin.execute(
@@ -94,9 +80,9 @@ async def test_a_dropped_wake_up_connection_costs_no_save_and_is_replaced(
             ).fetchall()
         assert killed, "the store had a wake-up connection"
         for text in ("two", "three"):
-            await store.save_run_async(said(run, text))
+            await store.save_run_async(with_message(run, text))
         loaded = store.load(run.run_id)
         assert loaded is not None
         assert [m["content"] for m in loaded.messages] == ["one", "two", "three"]
-        await store.save_run_async(said(run, "four"))
+        await store.save_run_async(with_message(run, "four"))
         assert await asyncio.to_thread(woken, ear)
