@@ -12,6 +12,7 @@ construction.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cached_property
 from enum import StrEnum
 from typing import Any
 
@@ -98,6 +99,7 @@ class Effect:
     args: Any = None
     override: str | None = None
 
-    @property
+    @cached_property
     def key(self) -> str:
+        """The effect's idempotency key (computed once: it hashes the args' JSON)."""
         return step_key(self.site, self.kind, self.name, self.args, self.override)
