@@ -55,30 +55,11 @@ class Wait:
     @classmethod
     def of(cls, waiting_for: WaitingFor, *, logical_run: str, **private: Any) -> Wait:
         """The wait behind a public ``WaitingFor``, with its private fields."""
-        return cls(
-            name=waiting_for.name,
-            callsite=waiting_for.callsite,
-            kind=waiting_for.kind,
-            request_id=waiting_for.request_id,
-            title=waiting_for.title,
-            description=waiting_for.description,
-            deadline=waiting_for.deadline,
-            operation=waiting_for.operation,
-            logical_run=logical_run,
-            **private,
-        )
+        return cls(**dict(waiting_for), logical_run=logical_run, **private)
 
     def public(self) -> WaitingFor:
-        return WaitingFor(
-            name=self.name,
-            callsite=self.callsite,
-            title=self.title,
-            description=self.description,
-            deadline=self.deadline,
-            request_id=self.request_id,
-            kind=self.kind,
-            operation=self.operation,
-        )
+        """The public fields, as the ``WaitingFor`` a caller sees."""
+        return WaitingFor(**{name: getattr(self, name) for name in WaitingFor.model_fields})
 
     def is_at(self, logical_run: str, callsite: int, name: str, lane: Lane) -> bool:
         """Whether this wait is the one a suspend at this place would make."""
