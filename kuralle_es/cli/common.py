@@ -218,10 +218,11 @@ async def act_on_run(args: argparse.Namespace, act: RunAct) -> int:
     such run (said on stderr)."""
     agents = load_agents(args.app)
     with open_store(args, must_exist=True) as store:
+        runtime = Runtime(agents, store=store)  # refuses a bad --app before the run is read
         run = await stored_run(store, args.run_id)
         if run is None:
             return 1
-        result = await act(Runtime(agents, store=store), run.session_id)
+        result = await act(runtime, run.session_id)
     print_result(result)
     return 0
 
