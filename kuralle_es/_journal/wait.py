@@ -72,5 +72,5 @@ class Wait(WaitingFor):
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Wait:
-        """A stored wait; one stored without a logical run (0.1.0) has the empty one."""
+        """A stored wait; one stored without ``logical_run`` reads with the empty one."""
         return cls.model_validate({"logical_run": "", **data})
