@@ -3,8 +3,9 @@
 Internal module (the ``dashboard`` extra: uvicorn). Two pieces, each with a
 reason to live once:
 
-- ``is_loopback(host)``: both servers refuse to bind beyond this machine
-  without their token (README, "The dashboard"; docs/http.md, "Security").
+- ``refuse_open_bind(...)``: both servers refuse to bind beyond this machine
+  without their token (README, "The dashboard"; docs/http.md, "Security"),
+  in the same words.
 - ``Server``: uvicorn, but a SIGINT/SIGTERM stop returns to the caller, so
   the command closes its store after the last request instead of being ended
   by the re-raised signal.
@@ -20,7 +21,9 @@ from collections.abc import Iterator
 
 import uvicorn
 
-__all__ = ["STOP_SIGNALS", "Server", "is_loopback"]
+from .errors import InvalidArgumentError
+
+__all__ = ["STOP_SIGNALS", "Server", "is_loopback", "refuse_open_bind"]
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -33,6 +36,20 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def refuse_open_bind(
+    host: str, token: str | None, *, server: str, data: str, token_env: str
+) -> None:
+    """Refuse to serve ``data`` beyond this machine without a token: ``server`` binds a
+    ``host`` other machines can reach only with ``token_env`` set."""
+    if not token and not is_loopback(host):
+        msg = (
+            f"refusing to serve {server} on {host!r} without {token_env}: {data} would be "
+            f"readable from other machines. Set {token_env} to a long random secret, or bind "
+            "to 127.0.0.1"
+        )
+        raise InvalidArgumentError(msg)
 
 
 class Server(uvicorn.Server):

@@ -7,6 +7,7 @@ says what happened and what to do. Driver errors (``eventsourcing``'s
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +17,22 @@ if TYPE_CHECKING:
 
 class KuralleError(Exception):
     """Base class of every error raised by kuralle_es."""
+
+
+@dataclass(eq=False, repr=False)
+class _FieldsError(KuralleError):
+    """An error whose fields are its constructor's arguments and whose message is
+    built from them, so each error declares its fields once and says its message once.
+
+    Subclasses are dataclasses too (``eq=False`` keeps an error equal only to
+    itself, ``repr=False`` keeps the exception's own repr of its message).
+    """
+
+    def __post_init__(self) -> None:
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        raise NotImplementedError
 
 
 class InvalidArgumentError(KuralleError, ValueError):
@@ -45,7 +62,8 @@ class SuspendError(KuralleError):
         )
 
 
-class NonDeterminismError(KuralleError):
+@dataclass(eq=False, repr=False)
+class NonDeterminismError(_FieldsError):
     """The code asked for a different effect at a callsite than the journal holds.
 
     Either another kind or name, or the same one under another idempotency
@@ -54,36 +72,27 @@ class NonDeterminismError(KuralleError):
     would execute the effect again under a new key (docs/node-code.md).
     """
 
-    def __init__(
-        self,
-        callsite: int,
-        expected: str,
-        actual: str,
-        *,
-        recorded_key: str | None = None,
-        requested_key: str | None = None,
-    ) -> None:
-        self.callsite = callsite
-        self.expected = expected
-        self.actual = actual
-        self.recorded_key = recorded_key
-        self.requested_key = requested_key
-        if recorded_key is not None and recorded_key != requested_key:
-            message = (
-                f"non-deterministic replay at callsite {callsite}: the journal recorded "
-                f"{expected} with key {recorded_key}, the code now requests it with key "
-                f"{requested_key} (other args); nothing was executed. Derive the args from "
-                "recorded values (ctx.now(), ctx.uuid(), earlier results), not from "
+    callsite: int
+    expected: str
+    actual: str
+    recorded_key: str | None = field(default=None, kw_only=True)
+    requested_key: str | None = field(default=None, kw_only=True)
+
+    def _message(self) -> str:
+        if self.recorded_key is not None and self.recorded_key != self.requested_key:
+            return (
+                f"non-deterministic replay at callsite {self.callsite}: the journal recorded "
+                f"{self.expected} with key {self.recorded_key}, the code now requests it with "
+                f"key {self.requested_key} (other args); nothing was executed. Derive the args "
+                "from recorded values (ctx.now(), ctx.uuid(), earlier results), not from "
                 "datetime.now() or random, or give the tool an idempotency_key override"
             )
-        else:
-            message = (
-                f"non-deterministic replay at callsite {callsite}: the journal recorded "
-                f"{expected}, the code now requests {actual}; nothing was executed. "
-                "Restore the previous code path, or run the flow under a new definition "
-                "(a changed flow digest starts fresh keys)"
-            )
-        super().__init__(message)
+        return (
+            f"non-deterministic replay at callsite {self.callsite}: the journal recorded "
+            f"{self.expected}, the code now requests {self.actual}; nothing was executed. "
+            "Restore the previous code path, or run the flow under a new definition "
+            "(a changed flow digest starts fresh keys)"
+        )
 
 
 class ToolExecutionError(KuralleError):
@@ -118,39 +127,46 @@ class ToolTimeoutError(ToolExecutionError):
     """A tool attempt ran longer than its ``timeout`` and was cancelled."""
 
 
-class ToolApprovalDeniedError(KuralleError):
+@dataclass(eq=False, repr=False)
+class ToolApprovalDeniedError(_FieldsError):
     """A tool call that needed approval was denied."""
 
-    def __init__(self, tool_name: str, denied_by: str | None, reason: str | None) -> None:
-        self.tool_name = tool_name
-        self.denied_by = denied_by
-        self.reason = reason
-        super().__init__(
-            f"tool {tool_name!r} was denied by {denied_by or 'an approver'}"
-            f"{': ' + reason if reason else ''}; it was not executed and must not be retried"
+    tool_name: str
+    denied_by: str | None
+    reason: str | None
+
+    def _message(self) -> str:
+        return (
+            f"tool {self.tool_name!r} was denied by {self.denied_by or 'an approver'}"
+            f"{': ' + self.reason if self.reason else ''}; it was not executed and must not "
+            "be retried"
         )
 
 
-class UnknownToolError(KuralleError, LookupError):
+@dataclass(eq=False, repr=False)
+class UnknownToolError(_FieldsError, LookupError):
     """A tool name that the active agent does not define."""
 
-    def __init__(self, tool_name: str, known: list[str]) -> None:
-        self.tool_name = tool_name
-        self.known = known
-        super().__init__(
-            f"unknown tool {tool_name!r}; the agent defines {sorted(known)!r}. "
+    tool_name: str
+    known: list[str]
+
+    def _message(self) -> str:
+        return (
+            f"unknown tool {self.tool_name!r}; the agent defines {sorted(self.known)!r}. "
             "Pass one of those names, or add the tool to the agent's tools"
         )
 
 
-class InvalidToolArgsError(KuralleError, ValueError):
+@dataclass(eq=False, repr=False)
+class InvalidToolArgsError(_FieldsError, ValueError):
     """Arguments that fail a tool's input model; nothing was journaled or executed."""
 
-    def __init__(self, tool_name: str, detail: str) -> None:
-        self.tool_name = tool_name
-        self.detail = detail
-        super().__init__(
-            f"invalid arguments for tool {tool_name!r}: {detail}. "
+    tool_name: str
+    detail: str
+
+    def _message(self) -> str:
+        return (
+            f"invalid arguments for tool {self.tool_name!r}: {self.detail}. "
             "Fix the arguments to match the tool's input model"
         )
 
@@ -171,132 +187,142 @@ class InvalidSignalError(KuralleError, ValueError):
         super().__init__(message)
 
 
-class RunNotFoundError(KuralleError, LookupError):
+@dataclass(eq=False, repr=False)
+class RunNotFoundError(_FieldsError, LookupError):
     """No run with that id in that session (the same error either way)."""
 
-    def __init__(self, run_id: str, session_id: str) -> None:
-        self.run_id = run_id
-        self.session_id = session_id
-        super().__init__(
-            f"no run {run_id!r} in session {session_id!r}; check the run id and the "
-            "session it was started in"
+    run_id: str
+    session_id: str
+
+    def _message(self) -> str:
+        return (
+            f"no run {self.run_id!r} in session {self.session_id!r}; check the run id and "
+            "the session it was started in"
         )
 
 
-class FlowDriftError(KuralleError):
+@dataclass(eq=False, repr=False)
+class FlowDriftError(_FieldsError):
     """The run was pinned to another definition of its flow."""
 
-    def __init__(
-        self,
-        run_id: str,
-        pinned: str | None,
-        current: str,
-        recovery: tuple[str, ...] = ("restart", "abandon"),
-    ) -> None:
-        self.run_id = run_id
-        self.pinned = pinned
-        self.current = current
-        self.recovery = recovery
-        super().__init__(
-            f"run {run_id!r} was started with flow digest {pinned} but the flow is now "
-            f"{current}; call runtime.resolve_drift(run_id, session_id, one of "
-            f"{list(recovery)!r})"
+    run_id: str
+    pinned: str | None
+    current: str
+    recovery: tuple[str, ...] = ("restart", "abandon")
+
+    def _message(self) -> str:
+        return (
+            f"run {self.run_id!r} was started with flow digest {self.pinned} but the flow is "
+            f"now {self.current}; call runtime.resolve_drift(run_id, session_id, one of "
+            f"{list(self.recovery)!r})"
         )
 
 
-class StaleWriteError(KuralleError):
+@dataclass(eq=False, repr=False)
+class StaleWriteError(_FieldsError):
     """This turn's copy of the run is behind the store; nothing of this write was stored.
 
     Either another writer appended first (``clash`` true), or an earlier save of
     this turn failed, so the turn's copy no longer matches what is stored.
     """
 
-    def __init__(self, run_id: str, detail: str = "", *, clash: bool = True) -> None:
-        self.run_id = run_id
-        self.detail = detail
-        self.clash = clash
+    run_id: str
+    detail: str = ""
+    clash: bool = field(default=True, kw_only=True)
+
+    def _message(self) -> str:
         what = (
             "was changed by another writer"
-            if clash
+            if self.clash
             else "could not be saved by this turn (an earlier save failed)"
         )
-        super().__init__(
-            f"run {run_id!r} {what}; nothing of this write was "
-            f"stored. Reload the run and try again{': ' + detail if detail else ''}"
+        return (
+            f"run {self.run_id!r} {what}; nothing of this write was stored. Reload the run "
+            f"and try again{': ' + self.detail if self.detail else ''}"
         )
 
 
-class LeaseHeldError(KuralleError):
+@dataclass(eq=False, repr=False)
+class LeaseHeldError(_FieldsError):
     """Another worker holds a live lease on the run."""
 
-    def __init__(self, run_id: str, holder: str, expires_at: datetime) -> None:
-        self.run_id = run_id
-        self.holder = holder
-        self.expires_at = expires_at
-        super().__init__(
-            f"run {run_id!r} is leased by {holder!r} until {expires_at.isoformat()}; "
-            "wait for that turn to end or for the lease to expire"
+    run_id: str
+    holder: str
+    expires_at: datetime
+
+    def _message(self) -> str:
+        return (
+            f"run {self.run_id!r} is leased by {self.holder!r} until "
+            f"{self.expires_at.isoformat()}; wait for that turn to end or for the lease to "
+            "expire"
         )
 
 
-class BudgetExceededError(KuralleError):
+@dataclass(eq=False, repr=False)
+class BudgetExceededError(_FieldsError):
     """A model call would start past the run's budget (``Budget(on_exceed="fail")``).
 
     ``usage`` is what the run spent so far and ``budget`` its limits, as
     plain mappings; ``reached`` names the limits at or past which it stands.
     """
 
-    def __init__(
-        self, run_id: str, reached: list[str], usage: dict[str, Any], budget: dict[str, Any]
-    ) -> None:
-        self.run_id = run_id
-        self.reached = reached
-        self.usage = usage
-        self.budget = budget
-        super().__init__(
-            f"run {run_id} reached its budget ({', '.join(reached)}: spent {usage}, "
-            f"budget {budget}), so no further model call was made; give the run a larger "
-            "Budget (runtime.run(..., budget=)), or on_exceed='ask' to let a human decide"
+    run_id: str
+    reached: list[str]
+    usage: dict[str, Any]
+    budget: dict[str, Any]
+
+    def _message(self) -> str:
+        return (
+            f"run {self.run_id} reached its budget ({', '.join(self.reached)}: spent "
+            f"{self.usage}, budget {self.budget}), so no further model call was made; give "
+            "the run a larger Budget (runtime.run(..., budget=)), or on_exceed='ask' to let "
+            "a human decide"
         )
 
 
-class TurnClosedError(KuralleError):
+@dataclass(eq=False, repr=False)
+class TurnClosedError(_FieldsError):
     """An effect was asked of a ``RunContext`` after its node visit or turn ended.
 
     A task the node left running (or a thread) cannot act for the run once
     the turn is over: nothing is executed or journaled (docs/node-code.md).
     """
 
-    def __init__(self, run_id: str, effect: str) -> None:
-        self.run_id = run_id
-        self.effect = effect
-        super().__init__(
-            f"run {run_id}: {effect} was asked after the node (or turn) that owned this "
-            "RunContext had ended, so nothing was executed; await every effect before the "
-            "node returns (a task the node starts must be awaited by it)"
+    run_id: str
+    effect: str
+
+    def _message(self) -> str:
+        return (
+            f"run {self.run_id}: {self.effect} was asked after the node (or turn) that owned "
+            "this RunContext had ended, so nothing was executed; await every effect before "
+            "the node returns (a task the node starts must be awaited by it)"
         )
 
 
-class FlowNotFoundError(KuralleError, LookupError):
+@dataclass(eq=False, repr=False)
+class FlowNotFoundError(_FieldsError, LookupError):
     """A flow name no agent of the runtime defines."""
 
-    def __init__(self, flow_name: str, known: list[str]) -> None:
-        self.flow_name = flow_name
-        self.known = known
-        super().__init__(
-            f"unknown flow {flow_name!r}; the runtime's agents define {sorted(known)!r}"
+    flow_name: str
+    known: list[str]
+
+    def _message(self) -> str:
+        return (
+            f"unknown flow {self.flow_name!r}; the runtime's agents define {sorted(self.known)!r}"
         )
 
 
-class ModelResponseError(KuralleError, ValueError):
+@dataclass(eq=False, repr=False)
+class ModelResponseError(_FieldsError, ValueError):
     """A model answered with something that is not a usable response."""
 
-    def __init__(self, model: str, detail: str) -> None:
-        self.model = model
-        self.detail = detail
-        super().__init__(
-            f"model {model!r} gave a malformed response: {detail}. Nothing was journaled "
-            "for this turn; re-address the run to ask the model again"
+    model: str
+    detail: str
+
+    def _message(self) -> str:
+        return (
+            f"model {self.model!r} gave a malformed response: {self.detail}. Nothing was "
+            "journaled for this turn; re-address the run to ask the model again"
         )
 
 
@@ -309,17 +335,19 @@ class StoreUnavailableError(KuralleError):
     """
 
 
-class PayloadTooLargeError(KuralleError, ValueError):
+@dataclass(eq=False, repr=False)
+class PayloadTooLargeError(_FieldsError, ValueError):
     """A result or payload over the configured size bound."""
 
-    def __init__(self, what: str, size: int, limit: int) -> None:
-        self.what = what
-        self.size = size
-        self.limit = limit
-        super().__init__(
-            f"{what} is {size} bytes of JSON, over the limit of {limit}; return a smaller "
-            "value (store large data elsewhere and journal a reference) or raise "
-            "KURALLE_MAX_PAYLOAD_BYTES"
+    what: str
+    size: int
+    limit: int
+
+    def _message(self) -> str:
+        return (
+            f"{self.what} is {self.size} bytes of JSON, over the limit of {self.limit}; "
+            "return a smaller value (store large data elsewhere and journal a reference) or "
+            "raise KURALLE_MAX_PAYLOAD_BYTES"
         )
 
 
@@ -334,20 +362,22 @@ def error_fields(exc: BaseException) -> dict[str, Any]:
     return out
 
 
-class ProjectionIntegrityError(KuralleError):
+@dataclass(eq=False, repr=False)
+class ProjectionIntegrityError(_FieldsError):
     """A run's events reached a view out of order: one was skipped or applied twice.
 
     The view stops rather than store a wrong row; rebuild it
     (``RunViews.rebuild()`` or ``kuralle-es views rebuild``) and report the bug.
     """
 
-    def __init__(self, run_id: str, expected: int, got: int) -> None:
-        self.run_id = run_id
-        self.expected = expected
-        self.got = got
-        super().__init__(
-            f"view of run {run_id} expected its event version {expected}, got {got}: "
-            "an event was skipped or applied twice; rebuild the views"
+    run_id: str
+    expected: int
+    got: int
+
+    def _message(self) -> str:
+        return (
+            f"view of run {self.run_id} expected its event version {self.expected}, got "
+            f"{self.got}: an event was skipped or applied twice; rebuild the views"
         )
 
 

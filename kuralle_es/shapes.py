@@ -92,13 +92,19 @@ def messages_from_json(messages: list[dict[str, Any]]) -> list[Message]:
     return _MESSAGE_LIST.validate_python(messages)
 
 
-class RunState(BaseModel):
-    """A run as a fold of its events: status, where it is, what it waits for, its lease."""
+class RunHeader(BaseModel):
+    """Which run (of which session and kind) and its status: the fields every shape
+    of a run starts with (its ``RunState``, the views' ``RunSummary``)."""
 
     run_id: str
     session_id: str
     kind: RunKind
     status: RunStatus
+
+
+class RunState(RunHeader):
+    """A run as a fold of its events: status, where it is, what it waits for, its lease."""
+
     active_agent: str | None = None
     active_flow: str | None = None
     active_node: str | None = None

@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import contextvars
 import inspect
-import math
 import queue
 import threading
 from collections.abc import Callable
@@ -21,6 +20,7 @@ from pydantic import BaseModel, ValidationError
 
 from .._callables import wants_call
 from .._journal.json_data import plain_json_problem
+from .._seconds import is_positive_seconds
 from ..errors import (
     InvalidArgumentError,
     InvalidDefinitionError,
@@ -322,12 +322,7 @@ def define_tool(
     if retry is not None and not isinstance(retry, RetryPolicy):
         msg = f"tool {name!r}: retry must be a RetryPolicy, got {retry!r}"
         raise InvalidArgumentError(msg)
-    if timeout is not None and (
-        not isinstance(timeout, int | float)
-        or isinstance(timeout, bool)
-        or not math.isfinite(timeout)
-        or timeout <= 0
-    ):
+    if timeout is not None and not is_positive_seconds(timeout):
         msg = f"tool {name!r}: timeout must be a positive number of seconds, got {timeout!r}"
         raise InvalidArgumentError(msg)
     return Tool(

@@ -72,8 +72,9 @@ __all__ = [
 ]
 
 
-class Event(Aggregate.Event):
-    """A stored event of a run. Its fold is the aggregate's (``Run.fold``)."""
+class _Stored(Aggregate.Event):
+    """A stored event, of a run or of a session's index: applied by its aggregate's
+    one ``fold``."""
 
     #: The stored topic: history, never changed (see the module's docstring).
     TOPIC: ClassVar[str]
@@ -82,13 +83,12 @@ class Event(Aggregate.Event):
         aggregate.fold(self)
 
 
-class SessionEvent(Aggregate.Event):
+class Event(_Stored):
+    """A stored event of a run. Its fold is the aggregate's (``Run.fold``)."""
+
+
+class SessionEvent(_Stored):
     """A stored event of a session's index of runs (``SessionRuns.fold``)."""
-
-    TOPIC: ClassVar[str]
-
-    def apply(self, aggregate: Any) -> None:
-        aggregate.fold(self)
 
 
 # ---------------------------------------------------------------- a run's life

@@ -19,6 +19,7 @@ from ..errors import InvalidArgumentError, PayloadTooLargeError
 
 __all__ = [
     "MAX_JSON_DEPTH",
+    "check_size",
     "encode_json",
     "max_payload_bytes",
     "plain_json_problem",
@@ -98,6 +99,15 @@ def max_payload_bytes() -> int:
     return value
 
 
+def check_size(text: str, what: str) -> None:
+    """``PayloadTooLargeError`` naming ``what`` when ``text`` is over the size bound
+    (counted in UTF-8 bytes, as it is stored)."""
+    size = len(text.encode("utf-8"))
+    limit = max_payload_bytes()
+    if size > limit:
+        raise PayloadTooLargeError(what, size, limit)
+
+
 def _dump_model(value: object) -> object:
     if isinstance(value, BaseModel):
         return value.model_dump(mode="json")
@@ -116,8 +126,5 @@ def encode_json(value: Any, what: str) -> str:
     except (TypeError, ValueError) as e:
         msg = f"{what} is not JSON-serialisable: {e}"
         raise TypeError(msg) from None
-    size = len(text.encode("utf-8"))
-    limit = max_payload_bytes()
-    if size > limit:
-        raise PayloadTooLargeError(what, size, limit)
+    check_size(text, what)
     return text

@@ -7,11 +7,11 @@ it; nobody reads a wait back by string key.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from datetime import datetime
 from typing import Any
 
-from ..shapes import FrozenOperation, WaitingFor, WaitKind
+from pydantic import ConfigDict
+
+from ..shapes import WaitingFor
 from .sites import Lane
 
 __all__ = ["APPROVAL", "BUDGET", "INPUT", "IN_DOUBT", "TIMER", "Wait"]
@@ -28,26 +28,20 @@ INPUT = "__input"
 TIMER = "__timer"
 
 
-@dataclass(frozen=True)
-class Wait:
+class Wait(WaitingFor):
     """What a paused run waits for: the public ``WaitingFor`` fields, and what
     resuming needs besides (the logical run and lane of the wait's step, an
     in-doubt step's index, the topic of a signal's payload schema).
 
     Stored in ``stored.Paused`` as one flat JSON object (the public fields, with
     the private ones beside them), so readers of stored events see a
-    ``WaitingFor`` there.
+    ``WaitingFor`` there. Callers see only ``public()``: a ``Wait`` is never
+    handed out where a ``WaitingFor`` is shown.
     """
 
-    name: str
-    callsite: int
-    kind: WaitKind
-    request_id: str
+    model_config = ConfigDict(frozen=True)
+
     logical_run: str
-    title: str | None = None
-    description: str | None = None
-    deadline: datetime | None = None
-    operation: FrozenOperation | None = None
     lane: Lane = Lane.MAIN
     step_index: int | None = None
     schema_topic: str | None = None
@@ -55,30 +49,11 @@ class Wait:
     @classmethod
     def of(cls, waiting_for: WaitingFor, *, logical_run: str, **private: Any) -> Wait:
         """The wait behind a public ``WaitingFor``, with its private fields."""
-        return cls(
-            name=waiting_for.name,
-            callsite=waiting_for.callsite,
-            kind=waiting_for.kind,
-            request_id=waiting_for.request_id,
-            title=waiting_for.title,
-            description=waiting_for.description,
-            deadline=waiting_for.deadline,
-            operation=waiting_for.operation,
-            logical_run=logical_run,
-            **private,
-        )
+        return cls(**dict(waiting_for), logical_run=logical_run, **private)
 
     def public(self) -> WaitingFor:
-        return WaitingFor(
-            name=self.name,
-            callsite=self.callsite,
-            title=self.title,
-            description=self.description,
-            deadline=self.deadline,
-            request_id=self.request_id,
-            kind=self.kind,
-            operation=self.operation,
-        )
+        """The public fields, as the ``WaitingFor`` a caller sees."""
+        return WaitingFor(**{name: getattr(self, name) for name in WaitingFor.model_fields})
 
     def is_at(self, logical_run: str, callsite: int, name: str, lane: Lane) -> bool:
         """Whether this wait is the one a suspend at this place would make."""
@@ -90,25 +65,12 @@ class Wait:
         )
 
     def to_json(self) -> dict[str, Any]:
-        data: dict[str, Any] = {
-            **self.public().model_dump(mode="json"),
-            "logical_run": self.logical_run,
-            "lane": self.lane.value,
-        }
-        if self.step_index is not None:
-            data["step_index"] = self.step_index
-        if self.schema_topic is not None:
-            data["schema_topic"] = self.schema_topic
-        return data
+        """The stored JSON: every field, but ``step_index`` and ``schema_topic`` only
+        where set (a wait without them is stored as releases before them stored it)."""
+        unset = {name for name in ("step_index", "schema_topic") if getattr(self, name) is None}
+        return self.model_dump(mode="json", exclude=unset)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Wait:
-        step_index = data.get("step_index")
-        schema_topic = data.get("schema_topic")
-        return cls.of(
-            WaitingFor.model_validate(data),
-            logical_run=str(data.get("logical_run", "")),
-            lane=Lane(str(data.get("lane", ""))),
-            step_index=None if step_index is None else int(step_index),
-            schema_topic=None if schema_topic is None else str(schema_topic),
-        )
+        """A stored wait; one stored without ``logical_run`` reads with the empty one."""
+        return cls.model_validate({"logical_run": "", **data})

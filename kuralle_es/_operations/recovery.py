@@ -33,7 +33,6 @@ import asyncio
 import contextlib
 import inspect
 import logging
-import math
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -46,6 +45,7 @@ from .._runtime.suspensions import DEADLINE_DENY
 from .._runtime.turn import drive_turn
 from .._runtime.turn_calls import Command, Deliver, Recover, Wake
 from .._runtime.writer import utcnow
+from .._seconds import is_positive_seconds
 from ..errors import InvalidArgumentError
 from ..shapes import SignalDelivery, StreamPart
 from ..views import RunSummary
@@ -337,12 +337,7 @@ def start_run_sweeper(
     by ``create_sweep_job_runner`` (any async callable). Call it from async
     code. ``InvalidArgumentError`` for a bad interval or a missing runtime.
     """
-    if (
-        not isinstance(interval, int | float)
-        or isinstance(interval, bool)
-        or not math.isfinite(interval)
-        or interval <= 0
-    ):
+    if not is_positive_seconds(interval):
         msg = f"interval must be a positive number of seconds, got {interval!r}"
         raise InvalidArgumentError(msg)
     runner: Scheduler | None = None

@@ -193,7 +193,7 @@ def _paused(w: _Walk, e: stored.Paused) -> None:
         return
     # The same wait, in the fork's logical run (with a fresh request id).
     _, fork = w.logical_runs()
-    w.pending_input = dataclasses.replace(wait, logical_run=fork, request_id=uuid4().hex)
+    w.pending_input = wait.model_copy(update={"logical_run": fork, "request_id": uuid4().hex})
 
 
 def _delivered(w: _Walk, e: stored.DeliveryAccepted) -> None:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import unicodedata
 from typing import Any
 
-from .._journal.json_data import max_payload_bytes, unicode_problem
-from ..errors import InvalidArgumentError, InvalidSignalError, PayloadTooLargeError
+from .._journal.json_data import check_size, unicode_problem
+from ..errors import InvalidArgumentError, InvalidSignalError
 from ..shapes import SignalDelivery
 
 __all__ = [
@@ -66,10 +66,7 @@ def check_text(value: Any, what: str) -> str:
     if problem is not None:
         msg = f"{what} {problem}; pass valid Unicode text"
         raise InvalidArgumentError(msg)
-    size = len(value.encode("utf-8"))
-    limit = max_payload_bytes()
-    if size > limit:
-        raise PayloadTooLargeError(what, size, limit)
+    check_size(value, what)
     return value
 
 

@@ -408,16 +408,22 @@ class Converse(Command):
 
 
 @dataclass(frozen=True)
-class Input(Command):
-    """Input to an addressed run: for a ``collect`` wait, or a conversation's next turn."""
+class _ForStoredRun(Command):
+    """A command for a run already stored: addressed by its id, in its session."""
 
     session_id: str
     run_id: str
-    input: str
-    idempotency_key: str | None
 
     async def address(self, env: TurnEnv) -> tuple[Run, bool]:
         return await _addressed(env, self.run_id, self.session_id), False
+
+
+@dataclass(frozen=True)
+class Input(_ForStoredRun):
+    """Input to an addressed run: for a ``collect`` wait, or a conversation's next turn."""
+
+    input: str
+    idempotency_key: str | None
 
     def prepare(self, run: Run, fresh: bool, env: TurnEnv, held: Lease | None) -> Opening | None:
         opening = _input_opening(run, self.input, env)
@@ -488,22 +494,17 @@ class Deliver(Command):
 
 
 @dataclass(frozen=True)
-class Resume(Command):
+class Resume(_ForStoredRun):
     """A plain call with ``run_id``: drive a running or errored run again."""
 
-    session_id: str
-    run_id: str
     idempotency_key: str | None
-
-    async def address(self, env: TurnEnv) -> tuple[Run, bool]:
-        return await _addressed(env, self.run_id, self.session_id), False
 
     def prepare(self, run: Run, fresh: bool, env: TurnEnv, held: Lease | None) -> Opening | None:
         return _resume_opening(run, env)
 
 
 @dataclass(frozen=True)
-class Recover(Command):
+class Recover(_ForStoredRun):
     """A sweeper drives a ``running`` run whose worker's lease expired (an orphan).
 
     A run that is no longer an orphan when it is loaded (it finished, paused,
@@ -511,12 +512,7 @@ class Recover(Command):
     holder is ``LeaseHeldError``, raised by the turn before anything is written.
     """
 
-    session_id: str
-    run_id: str
     idempotency_key: str | None = None
-
-    async def address(self, env: TurnEnv) -> tuple[Run, bool]:
-        return await _addressed(env, self.run_id, self.session_id), False
 
     def prepare(self, run: Run, fresh: bool, env: TurnEnv, held: Lease | None) -> Opening | None:
         if run.status != "running":
@@ -532,20 +528,15 @@ class Recover(Command):
 
 
 @dataclass(frozen=True)
-class Wake(Command):
+class Wake(_ForStoredRun):
     """A sweeper wakes a run paused on a due durable sleep (the wait ``request_id``).
 
     Compare-and-set like every opening: of two sweepers waking one timer, one
     saves the wake and the other finds the wait gone, a no-op.
     """
 
-    session_id: str
-    run_id: str
     request_id: str
     idempotency_key: str | None = None
-
-    async def address(self, env: TurnEnv) -> tuple[Run, bool]:
-        return await _addressed(env, self.run_id, self.session_id), False
 
     def prepare(self, run: Run, fresh: bool, env: TurnEnv, held: Lease | None) -> Opening | None:
         if not self._sleeping(run):

@@ -20,6 +20,7 @@ from .._journal.run import Run
 from .._journal.store import RunStore
 from .._journal.store_url import STORE_ENV, open_store_from_env, open_store_url
 from .._runtime.handle import TurnHandle
+from .._runtime.runtime import Runtime
 from ..errors import KuralleError
 from ..shapes import TurnResult
 
@@ -206,6 +207,26 @@ def print_result(result: TurnResult) -> None:
     print(json.dumps(result.model_dump(mode="json"), indent=2))
 
 
+#: What an operator command does to a run, given the runtime and the run's session.
+RunAct = Callable[[Runtime, str], Coroutine[Any, Any, TurnResult]]
+
+
+async def act_on_run(args: argparse.Namespace, act: RunAct) -> int:
+    """The operator commands that drive a run (approve, deny, signal, fork, migrate):
+    ``act`` on run ``args.run_id`` with the agents of ``--app``, on behalf of the
+    run's session, read from the store; its result is printed. 1 when there is no
+    such run (said on stderr)."""
+    agents = load_agents(args.app)
+    with open_store(args, must_exist=True) as store:
+        runtime = Runtime(agents, store=store)  # refuses a bad --app before the run is read
+        run = await stored_run(store, args.run_id)
+        if run is None:
+            return 1
+        result = await act(runtime, run.session_id)
+    print_result(result)
+    return 0
+
+
 def add_common_options(
     parser: argparse.ArgumentParser, *, top: bool, store: bool = True, app: bool = True
 ) -> None:
@@ -260,3 +281,10 @@ def add_command(
     add_common_options(parser, top=False, store=store, app=app)
     parser.set_defaults(handler=handler, opens_store=store, uses_app=app)
     return parser
+
+
+def add_fork_point(parser: argparse.ArgumentParser, run_help: str, at_help: str) -> None:
+    """The run and ``--at N``, the first of its steps a fork executes afresh: what
+    ``runs fork`` and ``deploy migrate`` (which forks) both take."""
+    parser.add_argument("run_id", metavar="RUN_ID", help=run_help)
+    parser.add_argument("--at", dest="at_step", type=int, required=True, metavar="N", help=at_help)

@@ -8,7 +8,6 @@ import argparse
 import asyncio
 import json
 import sys
-from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -17,19 +16,26 @@ from ..errors import KuralleError
 from ..shapes import TurnResult
 from .common import (
     CliError,
+    Handler,
+    RunAct,
     SubParsers,
     TurnFailed,
+    act_on_run,
     add_command,
-    load_agents,
-    open_store,
-    print_result,
-    stored_run,
 )
 
 
+def _delivery_command(
+    sub: SubParsers, name: str, help: str, handler: Handler
+) -> argparse.ArgumentParser:
+    """A command that delivers to a paused run, named by its first argument."""
+    parser = add_command(sub, name, help, handler)
+    parser.add_argument("run_id", metavar="RUN_ID", help="the paused run's id")
+    return parser
+
+
 def add_deliveries(sub: SubParsers) -> None:
-    approve = add_command(sub, "approve", "approve what a run waits for", _approve)
-    approve.add_argument("run_id", metavar="RUN_ID", help="the paused run's id")
+    approve = _delivery_command(sub, "approve", "approve what a run waits for", _approve)
     approve.add_argument("--by", required=True, metavar="NAME", help="who approves (the actor)")
     approve.add_argument("--reason", help="why (kept in the journal)")
     approve.add_argument("--signal-id", help="makes a retry of this command a no-op")
@@ -40,14 +46,12 @@ def add_deliveries(sub: SubParsers) -> None:
         "20000}' (docs/usage.md)",
     )
 
-    deny = add_command(sub, "deny", "deny what a run waits for", _deny)
-    deny.add_argument("run_id", metavar="RUN_ID", help="the paused run's id")
+    deny = _delivery_command(sub, "deny", "deny what a run waits for", _deny)
     deny.add_argument("--by", required=True, metavar="NAME", help="who denies (the actor)")
     deny.add_argument("--reason", required=True, help="why (the model or node sees it)")
     deny.add_argument("--signal-id", help="makes a retry of this command a no-op")
 
-    signal = add_command(sub, "signal", "deliver a named signal to a waiting run", _signal)
-    signal.add_argument("run_id", metavar="RUN_ID", help="the paused run's id")
+    signal = _delivery_command(sub, "signal", "deliver a named signal to a waiting run", _signal)
     signal.add_argument("name", metavar="NAME", help="the signal the run waits for")
     signal.add_argument(
         "--payload",
@@ -59,20 +63,13 @@ def add_deliveries(sub: SubParsers) -> None:
     signal.add_argument("--actor", metavar="NAME", help="who sends it (kept in the journal)")
 
 
-#: What an operator command does to a run, given the runtime and the run's session.
-_Act = Callable[[Runtime, str], Coroutine[Any, Any, TurnResult]]
+async def _deliver(args: argparse.Namespace, act: RunAct) -> int:
+    """A delivery resumes the run here: a node that raises fails the command with
+    what the turn ended in, where a refusal or frozen error raises as itself."""
 
-
-async def _deliver(args: argparse.Namespace, act: _Act) -> int:
-    agents = load_agents(args.app)
-    with open_store(args, must_exist=True) as store:
-        runtime = Runtime(agents, store=store)
-        # An operator acts on behalf of the run's session, read from the store.
-        run = await stored_run(store, args.run_id)
-        if run is None:
-            return 1
+    async def delivered(runtime: Runtime, session_id: str) -> TurnResult:
         try:
-            result = await act(runtime, run.session_id)
+            return await act(runtime, session_id)
         except KuralleError:
             raise  # a refusal, or a frozen error: its class and message say it
         except Exception as e:  # the resumed node raised: the run is saved as error
@@ -80,8 +77,8 @@ async def _deliver(args: argparse.Namespace, act: _Act) -> int:
                 f"run {args.run_id}: the turn ended in error: {type(e).__name__}: {e} "
                 f"(kuralle-es runs show {args.run_id})"
             ) from None
-        print_result(result)
-    return 0
+
+    return await act_on_run(args, delivered)
 
 
 async def _approve(args: argparse.Namespace) -> int:

@@ -9,8 +9,14 @@ import json
 import sys
 
 from .._operations.replay_check import RunCheck, check_runs
-from .._runtime.runtime import Runtime
-from .common import SubParsers, add_command, load_agents, open_store, print_result, stored_run
+from .common import (
+    SubParsers,
+    act_on_run,
+    add_command,
+    add_fork_point,
+    load_agents,
+    open_store,
+)
 
 
 def add_deploy(sub: SubParsers) -> None:
@@ -29,14 +35,10 @@ def add_deploy(sub: SubParsers) -> None:
         "then stop the original (outcome 'migrated: FORK_ID')",
         _migrate,
     )
-    migrate.add_argument("run_id", metavar="RUN_ID", help="the live flow run to move")
-    migrate.add_argument(
-        "--at",
-        dest="at_step",
-        type=int,
-        required=True,
-        metavar="N",
-        help="the first step to execute afresh under the new definition: 0 to the step count",
+    add_fork_point(
+        migrate,
+        "the live flow run to move",
+        "the first step to execute afresh under the new definition: 0 to the step count",
     )
 
 
@@ -68,14 +70,6 @@ async def _check(args: argparse.Namespace) -> int:
 
 
 async def _migrate(args: argparse.Namespace) -> int:
-    agents = load_agents(args.app)
-    with open_store(args, must_exist=True) as store:
-        # The run's session is read from the store: the operator acts on its behalf.
-        run = await stored_run(store, args.run_id)
-        if run is None:
-            return 1
-        result = await Runtime(agents, store=store).migrate(
-            args.run_id, run.session_id, args.at_step
-        )
-    print_result(result)
-    return 0
+    return await act_on_run(
+        args, lambda runtime, session_id: runtime.migrate(args.run_id, session_id, args.at_step)
+    )

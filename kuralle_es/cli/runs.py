@@ -22,7 +22,9 @@ from ..views.timeline import format_timeline, read_deliveries
 from .common import (
     CliError,
     SubParsers,
+    act_on_run,
     add_command,
+    add_fork_point,
     load_agents,
     open_store,
     print_result,
@@ -74,14 +76,10 @@ def add_runs(sub: SubParsers) -> None:
         "a new run replaying a flow run's steps before N, executing afresh from N (loads --app)",
         _runs_fork,
     )
-    fork.add_argument("run_id", metavar="RUN_ID", help="the flow run to fork (only read)")
-    fork.add_argument(
-        "--at",
-        dest="at_step",
-        type=int,
-        required=True,
-        metavar="N",
-        help="the first step to execute afresh: 0 to the run's step count",
+    add_fork_point(
+        fork,
+        "the flow run to fork (only read)",
+        "the first step to execute afresh: 0 to the run's step count",
     )
     fork.add_argument(
         "--into-session", metavar="ID", help="the fork's session (default: the run's)"
@@ -149,17 +147,12 @@ async def _runs_show(args: argparse.Namespace) -> int:
 
 
 async def _runs_fork(args: argparse.Namespace) -> int:
-    agents = load_agents(args.app)
-    with open_store(args, must_exist=True) as store:
-        # The run's session is read from the store: the operator acts on its behalf.
-        run = await stored_run(store, args.run_id)
-        if run is None:
-            return 1
-        result = await Runtime(agents, store=store).fork(
-            args.run_id, run.session_id, args.at_step, into_session=args.into_session
-        )
-    print_result(result)
-    return 0
+    return await act_on_run(
+        args,
+        lambda runtime, session_id: runtime.fork(
+            args.run_id, session_id, args.at_step, into_session=args.into_session
+        ),
+    )
 
 
 def _add_runs_start(runs_sub: SubParsers) -> None:

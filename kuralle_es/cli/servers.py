@@ -11,17 +11,23 @@ from .._runtime.runtime import Runtime
 from .common import CliError, SubParsers, add_command, load_agents, open_store, store_label
 
 
+def _add_bind(parser: argparse.ArgumentParser, token_env: str, port: int) -> None:
+    """``--host`` and ``--port``: both servers bind the loopback interface by default,
+    and any other only with a token in ``token_env`` (checked before anything opens)."""
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help=f"the interface to bind (default 127.0.0.1; another needs {token_env})",
+    )
+    parser.add_argument("--port", type=int, default=port, help=f"the port (default {port})")
+
+
 # --------------------------------------------------------------- dashboard
 def add_dashboard(sub: SubParsers) -> None:
     dash = add_command(
         sub, "dashboard", "web pages over the runs; approve or deny from a browser", _dashboard
     )
-    dash.add_argument(
-        "--host",
-        default="127.0.0.1",
-        help="the interface to bind (default 127.0.0.1; another needs KURALLE_DASHBOARD_TOKEN)",
-    )
-    dash.add_argument("--port", type=int, default=8765, help="the port (default 8765)")
+    _add_bind(dash, "KURALLE_DASHBOARD_TOKEN", 8765)
 
 
 async def _dashboard(args: argparse.Namespace) -> int:
@@ -50,12 +56,7 @@ def add_serve(sub: SubParsers) -> None:
     serve = add_command(
         sub, "serve", "the HTTP API over the runs, JSON in and out (docs/http.md)", _serve
     )
-    serve.add_argument(
-        "--host",
-        default="127.0.0.1",
-        help="the interface to bind (default 127.0.0.1; another needs KURALLE_API_TOKEN)",
-    )
-    serve.add_argument("--port", type=int, default=8000, help="the port (default 8000)")
+    _add_bind(serve, "KURALLE_API_TOKEN", 8000)
 
 
 async def _serve(args: argparse.Namespace) -> int:

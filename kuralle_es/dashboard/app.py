@@ -34,8 +34,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from .._journal.spending import PRICES_ENV, Prices, prices_from_json, validate_prices
 from .._journal.store import RunStore
 from .._runtime.runtime import Runtime
-from .._serving import Server, is_loopback
-from ..errors import InvalidArgumentError, KuralleError
+from .._serving import Server, is_loopback, refuse_open_bind
+from ..errors import KuralleError
 from ..shapes import RunState
 from ..views import RunViews
 from ..views.timeline import read_deliveries
@@ -74,13 +74,7 @@ _SECURITY_HEADERS = {
 
 def check_bind(host: str, token: str | None) -> None:
     """Refuse to expose run data beyond this machine without a token."""
-    if not token and not is_loopback(host):
-        msg = (
-            f"refusing to serve the dashboard on {host!r} without {TOKEN_ENV}: run data "
-            f"would be readable from other machines. Set {TOKEN_ENV} to a long random "
-            "secret, or bind to 127.0.0.1"
-        )
-        raise InvalidArgumentError(msg)
+    refuse_open_bind(host, token, server="the dashboard", data="run data", token_env=TOKEN_ENV)
 
 
 def _when(value: datetime | None) -> str:

@@ -21,8 +21,7 @@ import hmac
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .._serving import is_loopback
-from ..errors import InvalidArgumentError
+from .._serving import refuse_open_bind
 from .errors import ReadOnlyServerError, UnauthorizedError, error_response
 
 __all__ = ["READ_METHODS", "TOKEN_ENV", "BearerGate", "check_bind"]
@@ -33,13 +32,7 @@ READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 def check_bind(host: str, token: str | None) -> None:
     """Refuse to serve run data beyond this machine without a token."""
-    if not token and not is_loopback(host):
-        msg = (
-            f"refusing to serve the HTTP API on {host!r} without {TOKEN_ENV}: runs would be "
-            f"readable from other machines. Set {TOKEN_ENV} to a long random secret, or bind "
-            "to 127.0.0.1"
-        )
-        raise InvalidArgumentError(msg)
+    refuse_open_bind(host, token, server="the HTTP API", data="runs", token_env=TOKEN_ENV)
 
 
 class BearerGate:

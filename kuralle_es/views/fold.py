@@ -243,29 +243,30 @@ def _step_intended(run: RunRow, e: stored.StepIntended, step: StepLookup) -> tup
     return replace(run, step_count=run.step_count + 1), row
 
 
-def _step_errored(
-    run: RunRow, e: stored.StepErrored, step: StepLookup
-) -> tuple[RunRow, StepRow | None]:
-    current = step(e.index)
-    if current is None:
-        return run, None
-    return run, replace(
+def _on_step(change: Callable[[StepRow, Any], StepRow]) -> _Handler:
+    """A handler of an event of one step (named by its ``index``): ``change`` makes the
+    step's new row from its current one; a step the lookup does not find is left alone."""
+
+    def handler(run: RunRow, event: Any, step: StepLookup) -> tuple[RunRow, StepRow | None]:
+        current = step(event.index)
+        return run, None if current is None else change(current, event)
+
+    return handler
+
+
+def _step_errored(current: StepRow, e: stored.StepErrored) -> StepRow:
+    return replace(
         current, status="error", finished_at=as_utc(e.timestamp), error_type=_type_of(e.error)
     )
 
 
-def _step_succeeded(
-    run: RunRow, e: stored.StepSucceeded, step: StepLookup
-) -> tuple[RunRow, StepRow | None]:
+def _step_succeeded(current: StepRow, e: stored.StepSucceeded) -> StepRow:
     """A step's result; a model step's reported tokens add to what it spent."""
-    current = step(e.index)
-    if current is None:
-        return run, None
     row = replace(current, status="finished", finished_at=as_utc(e.timestamp), error_type=None)
     reported = reported_usage(e.result_json) if row.kind == "model" else None
     if reported is None:
-        return run, row
-    return run, replace(
+        return row
+    return replace(
         row,
         input_tokens=_plus(row.input_tokens, reported["input_tokens"]),
         output_tokens=_plus(row.output_tokens, reported["output_tokens"]),
@@ -295,24 +296,14 @@ def _plus(total: int | None, more: int | None) -> int | None:
     return more if total is None else total + more
 
 
-def _attempt_started(
-    run: RunRow, e: stored.AttemptStarted, step: StepLookup
-) -> tuple[RunRow, StepRow | None]:
+def _attempt_started(current: StepRow, e: stored.AttemptStarted) -> StepRow:
     """Another attempt of the step: running again (as the aggregate folds it)."""
-    current = step(e.index)
-    if current is None:
-        return run, None
-    return run, replace(current, attempts=current.attempts + 1, status="running", finished_at=None)
+    return replace(current, attempts=current.attempts + 1, status="running", finished_at=None)
 
 
-def _attempt_failed(
-    run: RunRow, e: stored.AttemptFailed, step: StepLookup
-) -> tuple[RunRow, StepRow | None]:
+def _attempt_failed(current: StepRow, e: stored.AttemptFailed) -> StepRow:
     """A failed attempt that will be retried: the step runs on, with its last error."""
-    current = step(e.index)
-    if current is None:
-        return run, None
-    return run, replace(current, error_type=_type_of(e.error))
+    return replace(current, error_type=_type_of(e.error))
 
 
 _HANDLERS: Mapping[type[stored.Event], _Handler | None] = stored.dispatch(
@@ -322,10 +313,10 @@ _HANDLERS: Mapping[type[stored.Event], _Handler | None] = stored.dispatch(
         stored.NodeEntered: _node_entered,
         stored.FlowPinned: _flow_pinned,
         stored.StepIntended: _step_intended,
-        stored.StepSucceeded: _step_succeeded,
-        stored.StepErrored: _step_errored,
-        stored.AttemptStarted: _attempt_started,
-        stored.AttemptFailed: _attempt_failed,
+        stored.StepSucceeded: _on_step(_step_succeeded),
+        stored.StepErrored: _on_step(_step_errored),
+        stored.AttemptStarted: _on_step(_attempt_started),
+        stored.AttemptFailed: _on_step(_attempt_failed),
         stored.Paused: _paused,
         stored.InputAccepted: _set(status="running", waiting_for=None),
         stored.DeliveryAccepted: _set(status="running", waiting_for=None),

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from .._journal.leases import Lease
 from .._journal.spending import ModelUsage, Prices, total
@@ -235,28 +235,33 @@ def step_values(row: StepRow, time: Callable[[datetime], Any]) -> tuple[Any, ...
     )  # fmt: skip
 
 
+_Row = TypeVar("_Row", RunRow, StepRow)
+
+
+#: The field names of each row class: most are read from the columns of those names.
+_FIELDS: dict[type[RunRow | StepRow], tuple[str, ...]] = {
+    cls: tuple(f.name for f in fields(cls)) for cls in (RunRow, StepRow)
+}
+
+
+def _from_columns(cls: type[_Row], r: Any, **read: Any) -> _Row:
+    """A row of ``cls`` from a database row: the fields in ``read`` as given (times,
+    JSON, a renamed column), every other field from the column of its name."""
+    return cls(**{name: r[name] for name in _FIELDS[cls] if name not in read}, **read)
+
+
 def run_row(r: Any, time: Callable[[Any], datetime | None]) -> RunRow:
     """A run row from a database row (``r[column]``), ``time`` reading its times."""
     created, updated = time(r["created_at"]), time(r["updated_at"])
     assert created is not None and updated is not None
-    return RunRow(
-        run_id=r["run_id"],
-        session_id=r["session_id"],
-        kind=r["kind"],
-        status=r["status"],
-        flow=r["flow"],
-        active_flow=r["active_flow"],
-        active_node=r["active_node"],
-        waiting_for=json.loads(r["waiting_for"]) if r["waiting_for"] is not None else None,
-        lease_holder=r["lease_holder"],
+    waiting_for = r["waiting_for"]
+    return _from_columns(
+        RunRow,
+        r,
+        waiting_for=json.loads(waiting_for) if waiting_for is not None else None,
         lease_expires_at=time(r["lease_expires_at"]),
-        step_count=r["step_count"],
         created_at=created,
         updated_at=updated,
-        version=r["version"],
-        event_count=r["event_count"],
-        agent=r["agent"],
-        flow_version=r["flow_version"],
     )
 
 
@@ -264,20 +269,8 @@ def step_row(r: Any, time: Callable[[Any], datetime | None]) -> StepRow:
     """A step row from a database row (``r[column]``), ``time`` reading its times."""
     started = time(r["started_at"])
     assert started is not None
-    return StepRow(
-        run_id=r["run_id"],
-        index=r["idx"],
-        kind=r["kind"],
-        name=r["name"],
-        status=r["status"],
-        started_at=started,
-        finished_at=time(r["finished_at"]),
-        attempts=r["attempts"],
-        error_type=r["error_type"],
-        agent=r["agent"],
-        input_tokens=r["input_tokens"],
-        output_tokens=r["output_tokens"],
-        total_tokens=r["total_tokens"],
+    return _from_columns(
+        StepRow, r, index=r["idx"], started_at=started, finished_at=time(r["finished_at"])
     )
 
 

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ValidationError
 
-from ..shapes import RunKind, RunStatus, WaitingFor
+from ..shapes import RunHeader, WaitingFor
 
 if TYPE_CHECKING:
     from .fold import RunRow
@@ -15,13 +15,9 @@ if TYPE_CHECKING:
 __all__ = ["RunSummary", "ToolStats", "summary"]
 
 
-class RunSummary(BaseModel):
+class RunSummary(RunHeader):
     """One run as the views show it: a ``RunState`` without its journal and messages."""
 
-    run_id: str
-    session_id: str
-    kind: RunKind
-    status: RunStatus
     active_flow: str | None = None
     active_node: str | None = None
     waiting_for: WaitingFor | None = None
