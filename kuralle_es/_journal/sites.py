@@ -12,8 +12,8 @@ construction.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from functools import cached_property
 from enum import StrEnum
+from functools import cached_property
 from typing import Any
 
 from ..shapes import StepKind
