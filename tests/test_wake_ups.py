@@ -19,6 +19,7 @@ from psycopg import sql
 from runs_kit import stored_run, with_message
 
 from kuralle_es import RunStore
+from kuralle_es._journal import pg_async
 
 pytestmark = pytest.mark.postgres
 
@@ -86,3 +87,25 @@ async def test_a_dropped_wake_up_connection_costs_no_save_and_is_replaced(
         assert [m["content"] for m in loaded.messages] == ["one", "two", "three"]
         await store.save_run_async(with_message(run, "four"))
         assert await asyncio.to_thread(woken, ear)
+
+
+def test_a_wake_up_still_due_when_the_store_closes_is_sent_then(
+    pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A long spacing: the second save's wake-up is still due when the loop ends.
+    monkeypatch.setattr(pg_async, "WAKE_SPACING", 30.0)
+    store = RunStore.postgres(pg_dsn)
+    with listener(pg_dsn, store) as ear:
+        run = stored_run(store)
+        while woken(ear, timeout=0.2):
+            pass
+
+        async def two_saves() -> None:
+            await store.save_run_async(with_message(run, "one"))
+            await asyncio.sleep(0.3)  # its wake-up has gone; the next waits 30 s
+            await store.save_run_async(with_message(run, "two"))
+
+        asyncio.run(two_saves())
+        assert sum(1 for _ in ear.notifies(timeout=0.5)) == 1
+        store.close()
+        assert woken(ear, timeout=2.0), "the wake-up due at close was not sent"
