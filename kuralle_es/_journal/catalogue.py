@@ -1,13 +1,16 @@
 """Every event a run store holds: the one catalogue of stored events (internal).
 
-Each class is declared once, here, with its stored ``TOPIC`` and its
-``class_version``. The topics are history: they are what every store
-written by an earlier release holds, so a class may be renamed or moved but
-its topic never changes, and a topic is never reused. A change to a stored
-shape raises ``class_version`` and adds an upcaster (``upcast_vN_vN+1``,
-a static method that rewrites the older stored state in place), so runs
-stored by earlier releases keep loading (docs/concepts.md, "Stored runs
-survive upgrades").
+Each class is declared once, here. Its stored ``TOPIC`` is its family's
+prefix and its name (``kuralle_es:Run.Paused``), set by ``_Stored`` unless
+the class declares another: the topics are history, what every store written
+by an earlier release holds, so a class keeps its topic when renamed or moved
+(it then declares the old one) and a topic is never reused. Every class
+stores ``class_version`` 1, inherited, until its stored shape changes: then
+it declares its own higher version and an upcaster (``upcast_vN_vN+1``, a
+static method that rewrites the older stored state in place), so runs stored
+by earlier releases keep loading (docs/concepts.md, "Stored runs survive
+upgrades"). ``tests/test_catalogue.py`` pins every topic and version stored
+so far.
 
 The classes hold data only. Every reader of the journal is an exhaustive
 dispatch over ``RUN_EVENTS``: the aggregate's fold (``run``), the views
@@ -78,6 +81,17 @@ class _Stored(Aggregate.Event):
 
     #: The stored topic: history, never changed (see the module's docstring).
     TOPIC: ClassVar[str]
+    #: The stored shape's version; a class whose shape changed declares its own.
+    class_version: ClassVar[int] = 1
+    #: What the topic of each event of a family (a subclass that sets it) begins with.
+    _TOPIC_PREFIX: ClassVar[str]
+
+    def __init_subclass__(cls) -> None:
+        """An event of a family stores, unless it declares its own ``TOPIC``, its
+        family's prefix and its class name."""
+        super().__init_subclass__()
+        if "_TOPIC_PREFIX" not in vars(cls) and "TOPIC" not in vars(cls):
+            cls.TOPIC = cls._TOPIC_PREFIX + cls.__name__
 
     def apply(self, aggregate: Any) -> None:
         aggregate.fold(self)
@@ -86,9 +100,13 @@ class _Stored(Aggregate.Event):
 class Event(_Stored):
     """A stored event of a run. Its fold is the aggregate's (``Run.fold``)."""
 
+    _TOPIC_PREFIX = "kuralle_es:Run."
+
 
 class SessionEvent(_Stored):
     """A stored event of a session's index of runs (``SessionRuns.fold``)."""
+
+    _TOPIC_PREFIX = "kuralle_es:SessionRuns."
 
 
 # ---------------------------------------------------------------- a run's life
@@ -116,8 +134,6 @@ class RunCreated(Event, Aggregate.Created):
 class Forked(Event):
     """This run is a fork of ``from_run_id`` at step ``at_step`` (docs/howto/fork.md)."""
 
-    TOPIC = "kuralle_es:Run.Forked"
-    class_version = 1
     from_run_id: str
     at_step: int
 
@@ -125,8 +141,6 @@ class Forked(Event):
 class TurnStarted(Event):
     """A turn began: a fresh epoch for a conversation's new user input."""
 
-    TOPIC = "kuralle_es:Run.TurnStarted"
-    class_version = 1
     epoch: int
     message: dict[str, Any] | None
     idempotency_key: str | None
@@ -135,8 +149,6 @@ class TurnStarted(Event):
 class NodeEntered(Event):
     """The flow moved to ``node`` with ``state``; its effects count from ``callsite_base``."""
 
-    TOPIC = "kuralle_es:Run.NodeEntered"
-    class_version = 1
     flow: str | None
     node: str | None
     state: dict[str, Any]
@@ -149,7 +161,6 @@ class FlowPinned(Event):
     v2: ``flow_version``.
     """
 
-    TOPIC = "kuralle_es:Run.FlowPinned"
     class_version = 2
     flow: str
     flow_digest: str
@@ -163,8 +174,6 @@ class FlowPinned(Event):
 
 
 class MessageAppended(Event):
-    TOPIC = "kuralle_es:Run.MessageAppended"
-    class_version = 1
     message: dict[str, Any]
 
 
@@ -205,7 +214,6 @@ class StepSucceeded(Event):
     """Result: the effect at step ``index`` returned ``result_json``."""
 
     TOPIC = "kuralle_es:Run.StepFinished"
-    class_version = 1
     index: int
     result_json: str
 
@@ -214,7 +222,6 @@ class StepErrored(Event):
     """The effect at step ``index`` failed for good: its error is frozen."""
 
     TOPIC = "kuralle_es:Run.StepFailed"
-    class_version = 1
     index: int
     error: dict[str, Any]
 
@@ -228,7 +235,6 @@ class AttemptFailed(Event):
     """
 
     TOPIC = "kuralle_es:Run.StepAttemptFailed"
-    class_version = 1
     index: int
     error: dict[str, Any]
     retry_at: datetime
@@ -238,7 +244,6 @@ class RetryAllowed(Event):
     """A human answered an in-doubt step with "retry": execute it again, same key."""
 
     TOPIC = "kuralle_es:Run.StepRetryAllowed"
-    class_version = 1
     index: int
 
 
@@ -251,7 +256,6 @@ class AttemptStarted(Event):
     """
 
     TOPIC = "kuralle_es:Run.StepRetried"
-    class_version = 1
     index: int
 
 
@@ -259,16 +263,12 @@ class AttemptStarted(Event):
 class Paused(Event):
     """The run waits for ``waiting_for`` (a ``Wait``'s JSON)."""
 
-    TOPIC = "kuralle_es:Run.Paused"
-    class_version = 1
     waiting_for: dict[str, Any]
 
 
 class InputAccepted(Event):
     """New user input for a run that waited for it (a ``collect`` node)."""
 
-    TOPIC = "kuralle_es:Run.InputAccepted"
-    class_version = 1
     message: dict[str, Any]
 
 
@@ -276,7 +276,6 @@ class DeliveryAccepted(Event):
     """A delivered signal (an approval too) passed every check; the run may re-execute."""
 
     TOPIC = "kuralle_es:Run.SignalAccepted"
-    class_version = 1
     signal_id: str
     name: str
     payload: Any
@@ -286,16 +285,11 @@ class DeliveryAccepted(Event):
 class TimerFired(Event):
     """A durable sleep's wake time came: a sweeper wakes the run paused on it."""
 
-    TOPIC = "kuralle_es:Run.TimerFired"
-    class_version = 1
     request_id: str
 
 
 class Resumed(Event):
     """A run that had failed is driven again (after a fix or a transient fault)."""
-
-    TOPIC = "kuralle_es:Run.Resumed"
-    class_version = 1
 
 
 class Recovered(Event):
@@ -303,14 +297,10 @@ class Recovered(Event):
     expired mid-turn: saved in the compare-and-set opening of the new turn, so
     a stale writer's next save fails."""
 
-    TOPIC = "kuralle_es:Run.Recovered"
-    class_version = 1
     previous_holder: str | None
 
 
 class Finished(Event):
-    TOPIC = "kuralle_es:Run.Finished"
-    class_version = 1
     outcome: str | None
     output: Any
     agent: str | None
@@ -318,14 +308,10 @@ class Finished(Event):
 
 
 class Errored(Event):
-    TOPIC = "kuralle_es:Run.Errored"
-    class_version = 1
     error: dict[str, Any]
 
 
 class Aborted(Event):
-    TOPIC = "kuralle_es:Run.Aborted"
-    class_version = 1
     reason: str
 
 
@@ -333,8 +319,6 @@ class Migrated(Event):
     """The run was forked at ``at_step`` onto the flow's newest definition as run
     ``to_run_id`` (``runtime.migrate``); saved with its ``Aborted``."""
 
-    TOPIC = "kuralle_es:Run.Migrated"
-    class_version = 1
     to_run_id: str
     at_step: int
 
@@ -342,8 +326,6 @@ class Migrated(Event):
 class TurnRecorded(Event):
     """The result of a turn started with an inbound idempotency key."""
 
-    TOPIC = "kuralle_es:Run.TurnRecorded"
-    class_version = 1
     idempotency_key: str
     result: dict[str, Any]
 
@@ -351,16 +333,12 @@ class TurnRecorded(Event):
 class BudgetSet(Event):
     """The budget a caller gave this run (``runtime.run(..., budget=)``)."""
 
-    TOPIC = "kuralle_es:Run.BudgetSet"
-    class_version = 1
     budget: dict[str, Any] | None
 
 
 class BudgetRaised(Event):
     """A human approved spending past the budget and raised these limits."""
 
-    TOPIC = "kuralle_es:Run.BudgetRaised"
-    class_version = 1
     raise_to: dict[str, Any]
 
 
@@ -371,8 +349,6 @@ class LeaseTaken(Event):
     earlier still hold these, and the fold still reads them.
     """
 
-    TOPIC = "kuralle_es:Run.LeaseTaken"
-    class_version = 1
     holder: str
     expires_at: datetime
 
@@ -380,23 +356,27 @@ class LeaseTaken(Event):
 class LeaseReleased(Event):
     """Stored by releases before 0.2 (see ``LeaseTaken``); no longer written."""
 
-    TOPIC = "kuralle_es:Run.LeaseReleased"
-    class_version = 1
-
 
 # ----------------------------------------------------------- session index
 class SessionIndexCreated(SessionEvent, Aggregate.Created):
     TOPIC = "kuralle_es:SessionRuns.Created"
-    class_version = 1
     session_id: str
 
 
 class RunIndexed(SessionEvent):
     TOPIC = "kuralle_es:SessionRuns.RunAdded"
-    class_version = 1
     run_id: str
 
 
+#: The events of one step (each names it by ``index``).
+STEP_EVENTS = (
+    StepIntended,
+    StepSucceeded,
+    StepErrored,
+    AttemptFailed,
+    RetryAllowed,
+    AttemptStarted,
+)
 #: Every stored event class of a run, in the order a run first meets them.
 RUN_EVENTS: tuple[type[Event], ...] = (
     RunCreated,
@@ -405,12 +385,7 @@ RUN_EVENTS: tuple[type[Event], ...] = (
     NodeEntered,
     FlowPinned,
     MessageAppended,
-    StepIntended,
-    StepSucceeded,
-    StepErrored,
-    AttemptFailed,
-    RetryAllowed,
-    AttemptStarted,
+    *STEP_EVENTS,
     Paused,
     InputAccepted,
     DeliveryAccepted,
@@ -435,15 +410,6 @@ _ALL: tuple[type[Event] | type[SessionEvent], ...] = (*RUN_EVENTS, *SESSION_EVEN
 for _event_class in _ALL:
     register_topic(_event_class.TOPIC, _event_class)
 
-#: The events of one step (each names it by ``index``).
-STEP_EVENTS = (
-    StepIntended,
-    StepSucceeded,
-    StepErrored,
-    AttemptFailed,
-    RetryAllowed,
-    AttemptStarted,
-)
 #: The events that start an execution of a step (an intent boundary).
 STARTS: tuple[type[Event], ...] = (StepIntended, AttemptStarted)
 #: The events that settle a step (a result or a frozen error).

@@ -35,7 +35,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, Generic, Never, NoReturn, TypeVar, overload
 from uuid import uuid4
 
 from .._definitions.budget import Budget
@@ -105,6 +105,8 @@ _UNRECORDABLE = "unrecordable_result"
 #: ``StepError.data`` marker of an attempt cancelled by the tool's timeout.
 _TIMEOUT = "timeout"
 
+_T = TypeVar("_T")
+
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
@@ -163,6 +165,30 @@ def _settled(step: StepData) -> tuple[bool, Any]:
     return False, None
 
 
+class _OfRun(Generic[_T]):
+    """A read-only attribute of a ``RunWriter``: its run's attribute of the same
+    name, read through (the run changes as the turn goes, so it is never copied)."""
+
+    def __set_name__(self, owner: type[RunWriter], name: str) -> None:
+        self._name = name
+
+    @overload
+    def __get__(self, writer: None, owner: type[RunWriter]) -> _OfRun[_T]: ...
+
+    @overload
+    def __get__(self, writer: RunWriter, owner: type[RunWriter]) -> _T: ...
+
+    def __get__(self, writer: RunWriter | None, owner: type[RunWriter]) -> _OfRun[_T] | _T:
+        if writer is None:
+            return self
+        value: _T = getattr(writer._run, self._name)
+        return value
+
+    def __set__(self, writer: RunWriter, value: Never) -> NoReturn:
+        msg = f"{self._name} is the run's: the writer changes it only by its verbs"
+        raise AttributeError(msg)
+
+
 class RunWriter:
     """A run's journal during one turn: lookups, appends, saves, the lease."""
 
@@ -201,30 +227,18 @@ class RunWriter:
         self._heartbeat = Heartbeat(self._beat, lease_ttl / 3)
 
     # ---------------------------------------------------------------- reads
-    @property
-    def run_id(self) -> str:
-        return self._run.run_id
-
-    @property
-    def session_id(self) -> str:
-        return self._run.session_id
-
-    @property
-    def epoch(self) -> int:
-        return self._run.epoch
-
-    @property
-    def flow_digest(self) -> str | None:
-        return self._run.flow_digest
-
-    @property
-    def active_node(self) -> str | None:
-        return self._run.active_node
-
-    @property
-    def callsite_base(self) -> int:
-        """Where the active node's (or epoch's) callsites start."""
-        return self._run.callsite_base
+    run_id = _OfRun[str]()
+    session_id = _OfRun[str]()
+    epoch = _OfRun[int]()
+    flow_digest = _OfRun[str | None]()
+    active_node = _OfRun[str | None]()
+    #: Where the active node's (or epoch's) callsites start.
+    callsite_base = _OfRun[int]()
+    waiting = _OfRun[Wait | None]()
+    active_flow = _OfRun[str | None]()
+    flow_version = _OfRun[str | None]()
+    status = _OfRun[RunStatus]()
+    outcome = _OfRun[str | None]()
 
     def state(self) -> dict[str, Any]:
         """A copy of the flow state bag, for a node to change."""
@@ -232,26 +246,6 @@ class RunWriter:
 
     def messages(self) -> list[Message]:
         return messages_from_json(self._run.messages)
-
-    @property
-    def waiting(self) -> Wait | None:
-        return self._run.waiting
-
-    @property
-    def active_flow(self) -> str | None:
-        return self._run.active_flow
-
-    @property
-    def flow_version(self) -> str | None:
-        return self._run.flow_version
-
-    @property
-    def status(self) -> RunStatus:
-        return self._run.status
-
-    @property
-    def outcome(self) -> str | None:
-        return self._run.outcome
 
     @property
     def error_type(self) -> str | None:
