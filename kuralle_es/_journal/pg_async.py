@@ -62,8 +62,11 @@ ATTEMPTS = 10
 RETRY_WAIT = 0.2
 #: The most saves one group commit carries.
 MAX_BATCH = 256
-#: Seconds the commits after a wake-up wait to share the next one.
-WAKE_SPACING = 0.005
+#: Seconds the commits after a wake-up wait to share the next one: a follower
+#: hears of a busy writer at most this late, and reads all it committed
+#: meanwhile at once (4 worker processes: 1.53x one at 5 ms, 1.64x at 50 ms;
+#: each wake-up is a transaction of its own on the server).
+WAKE_SPACING = 0.05
 
 
 @dataclass
