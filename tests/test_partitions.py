@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import signal
@@ -129,6 +130,12 @@ def store_views(store: RunStore) -> Any:
     return Runtime([refund.build_agent()], store=store).views
 
 
+def hashed_partition(session_id: str, count: int) -> int:
+    """Where a new session with this id goes among ``count`` partitions."""
+    digest = hashlib.sha256(session_id.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") % count
+
+
 async def test_partitions_only_grow_and_a_run_never_moves(pg_dsn: str, ledger: Path) -> None:
     store = RunStore.postgres(pg_dsn, partitions=2)
     try:
@@ -153,12 +160,22 @@ async def test_partitions_only_grow_and_a_run_never_moves(pg_dsn: str, ledger: P
         assert {run_id: grown.partition_of(run_id) for run_id in old} == where
         new = await refund_runs(grown, [f"late-{i}" for i in range(24)])
         assert {grown.partition_of(run_id) for run_id in new} == {0, 1, 2, 3}
-        # An old run's session keeps its partition for a new run of the session.
-        session = next(iter(old.values()))
-        runtime = Runtime([refund.build_agent()], store=grown)
-        rerun = await refund_run(runtime, session, approve=True)
-        first = next(run_id for run_id, s in old.items() if s == session)
-        assert grown.partition_of(rerun) == where[first]
+        # An old run's session keeps its partition for a new run of the session,
+        # even where its id now hashes to another (asked of a store that has not
+        # seen the session).
+        moved = [
+            (run_id, s) for run_id, s in old.items() if hashed_partition(s, 4) != where[run_id]
+        ]
+        assert moved, "every early session hashes to its partition at 4 as well"
+        first, session = moved[0]
+        fresh = RunStore.postgres(pg_dsn)
+        try:
+            runtime = Runtime([refund.build_agent()], store=fresh)
+            rerun = await refund_run(runtime, session, approve=True)
+            assert fresh.partition_of(rerun) == where[first]
+            assert fresh.session_run_ids(session) == [first, rerun]
+        finally:
+            fresh.close()
         listed = await store_views(grown).list_runs(limit=100)
         assert len(listed) == len(old) + len(new) + 1
     finally:

@@ -524,6 +524,16 @@ class RunLog(SavingApplication):
         recorder: LeasingRecorder = self.recorder  # type: ignore[assignment]
         return recorder.select_lease(aggregate_id)
 
+    def holds(self, aggregate_id: UUID) -> bool:
+        """Whether this log holds any event of ``aggregate_id`` (a run, an index)."""
+        return bool(self.recorder.select_events(aggregate_id, limit=1))
+
+    async def holds_async(self, aggregate_id: UUID) -> bool:
+        """``holds`` for async code: on the loop's connection on PostgreSQL."""
+        if self._saver is not None:
+            return await self._saver.holds(aggregate_id)
+        return await self._off_loop(self.holds, aggregate_id)
+
     async def lease_async(self, run_id: str) -> Lease | None:
         """``lease`` for async code: inline in memory, on the loop's connection on
         PostgreSQL, on a worker thread elsewhere."""

@@ -237,6 +237,10 @@ class AsyncOneTripSaver:
         finally:
             waker.sending = None
 
+    async def holds(self, originator_id: Any) -> bool:
+        """Whether the events table holds any event of ``originator_id``."""
+        return bool(await self._execute(self._recorder.holds_statement, (originator_id,), None))
+
     async def select_lease(self, run_id: Any) -> Lease | None:
         """The run's lease record, read on this loop's connection."""
         rows = await self._execute(self._recorder.select_lease_statement, (run_id,), None)

@@ -314,6 +314,9 @@ class OneTripPostgresRecorder(PostgresApplicationRecorder):
         self.wake_statement = SQL(
             "SELECT set_config('synchronous_commit', 'off', true); NOTIFY {channel}"
         ).format(channel=Identifier(self.channel_name))
+        self.holds_statement = SQL(
+            "SELECT 1 FROM {schema}.{table} WHERE originator_id = %s LIMIT 1"
+        ).format(schema=schema, table=Identifier(self.events_table_name))
         self.select_lease_statement = SQL(
             "SELECT holder, token, expires_at FROM {leases} WHERE run_id = %s"
         ).format(leases=self.leases)

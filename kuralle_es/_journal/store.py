@@ -40,6 +40,7 @@ from ..errors import InvalidArgumentError
 from .leases import Lease, LeaseOp
 from .log import RunLog, parse_run_id, postgres_env
 from .run import Run
+from .sessions import session_runs_id
 from .urls import locate
 
 __all__ = ["RunStore"]
@@ -142,11 +143,26 @@ class RunStore(RunLog):
         aggregate_id = parse_run_id(run_id)
         if known is not None or aggregate_id is None:
             return known
-        for log in self.partitions:
-            if log.recorder.select_events(aggregate_id, limit=1):
-                self._remember(aggregate_id, log)
-                return log
-        return None
+        found = next((log for log in self.partitions if log.holds(aggregate_id)), None)
+        return self._run_found(aggregate_id, found)
+
+    async def _log_of_run_async(self, run_id: str) -> RunLog | None:
+        """``_log_of_run`` for async code: every log asked at once, from the loop."""
+        known = self._known(run_id)
+        aggregate_id = parse_run_id(run_id)
+        if known is not None or aggregate_id is None:
+            return known
+        return self._run_found(aggregate_id, await self._holder_async(aggregate_id))
+
+    def _run_found(self, run_id: UUID, log: RunLog | None) -> RunLog | None:
+        if log is not None:
+            self._remember(run_id, log)
+        return log
+
+    async def _holder_async(self, aggregate_id: UUID) -> RunLog | None:
+        """The first log that holds an event of ``aggregate_id``, or None."""
+        held = await asyncio.gather(*(log.holds_async(aggregate_id) for log in self.partitions))
+        return next((log for log, holds in zip(self.partitions, held, strict=True) if holds), None)
 
     def _remember(self, run_id: UUID, log: RunLog) -> None:
         with self._routing:
@@ -164,11 +180,25 @@ class RunStore(RunLog):
         known = self._session_log_known(session_id)
         if known is not None:
             return known
-        for log in self.partitions:
-            if log.session_runs(session_id) is not None:
-                with self._routing:
-                    self._sessions[session_id] = log
-                return log
+        index_id = session_runs_id(session_id)
+        found = next((log for log in self.partitions if log.holds(index_id)), None)
+        return self._session_found(session_id, found)
+
+    async def _log_of_session_async(self, session_id: str) -> RunLog:
+        """``_log_of_session`` for async code: every log asked at once, from the loop."""
+        known = self._session_log_known(session_id)
+        if known is not None:
+            return known
+        found = await self._holder_async(session_runs_id(session_id))
+        return self._session_found(session_id, found)
+
+    def _session_found(self, session_id: str, log: RunLog | None) -> RunLog:
+        """Where a session's runs go: the log that holds its index, else (a new
+        session) the log its id hashes to."""
+        if log is not None:
+            with self._routing:
+                self._sessions[session_id] = log
+            return log
         digest = hashlib.sha256(session_id.encode("utf-8")).digest()
         return self.partitions[int.from_bytes(digest[:8], "big") % len(self.partitions)]
 
@@ -181,12 +211,6 @@ class RunStore(RunLog):
             return None
         with self._routing:
             return self._runs.get(aggregate_id)
-
-    async def _log_of_run_async(self, run_id: str) -> RunLog | None:
-        known = self._known(run_id)
-        if known is not None:
-            return known
-        return await asyncio.to_thread(self._log_of_run, run_id)
 
     def _log_of(self, run: Run) -> RunLog:
         log = self._log_of_run(run.run_id)
@@ -218,9 +242,7 @@ class RunStore(RunLog):
 
     async def create_run_async(self, run: Run, lease: LeaseOp | None = None) -> None:
         """``create_run`` for async code, without blocking the event loop."""
-        log = self._session_log_known(run.session_id)
-        if log is None:
-            log = await asyncio.to_thread(self._log_of_session, run.session_id)
+        log = await self._log_of_session_async(run.session_id)
         await RunLog.create_run_async(log, run, lease)
         if log is not self:
             self._remember(run.id, log)
@@ -234,9 +256,9 @@ class RunStore(RunLog):
         RunLog.save_run(self._log_of(run), run, lease)
 
     async def save_run_async(self, run: Run, lease: LeaseOp | None = None) -> None:
-        log = self._known(run.run_id)
+        log = await self._log_of_run_async(run.run_id)
         if log is None:
-            log = await asyncio.to_thread(self._log_of, run)
+            log = await self._log_of_session_async(run.session_id)
         await RunLog.save_run_async(log, run, lease)
 
     def stored_events(self, run_id: str) -> list[Any]:
