@@ -149,9 +149,11 @@ class RunStore(RunLog):
     async def _log_of_run_async(self, run_id: str) -> RunLog | None:
         """``_log_of_run`` for async code: every log asked at once, from the loop."""
         known = self._known(run_id)
-        aggregate_id = parse_run_id(run_id)
-        if known is not None or aggregate_id is None:
+        if known is not None:
             return known
+        aggregate_id = parse_run_id(run_id)
+        if aggregate_id is None:
+            return None
         return self._run_found(aggregate_id, await self._holder_async(aggregate_id))
 
     def _run_found(self, run_id: UUID, log: RunLog | None) -> RunLog | None:

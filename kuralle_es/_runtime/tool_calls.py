@@ -32,12 +32,17 @@ def tool_effect(site: Site, tool: Tool[Any], args: BaseModel) -> Effect:
 
 def tool_call(writer: RunWriter, site: Site, tool: Tool[Any], args: BaseModel) -> ToolCall:
     """What the tool (and its policy) learn about this call, its key included."""
+    return _call_of(writer, tool_effect(site, tool, args))
+
+
+def _call_of(writer: RunWriter, effect: Effect) -> ToolCall:
+    """What the tool learns about the call the journal files as ``effect``."""
     return ToolCall(
-        idempotency_key=tool_effect(site, tool, args).key,
+        idempotency_key=effect.key,
         run_id=writer.run_id,
         session_id=writer.session_id,
-        tool_name=tool.name,
-        callsite=site.callsite,
+        tool_name=effect.name,
+        callsite=effect.site.callsite,
     )
 
 
@@ -110,7 +115,8 @@ async def run_tool(
     if tool.policy is not None or tool.needs_approval:
         args = await _approved_args(writer, site, tool, args)
     args_json = args.model_dump(mode="json")
-    call = tool_call(writer, site, tool, args)
+    effect = tool_effect(site, tool, args)  # made once: its key hashes the args
+    call = _call_of(writer, effect)
 
     async def ask_in_doubt(step: StepData) -> None:
         if tool.on_in_doubt == "ask":
@@ -153,7 +159,7 @@ async def run_tool(
             )
 
     return await writer.effect(
-        tool_effect(site, tool, args),
+        effect,
         execute=execute,
         replay=tool.replay,
         on_running=ask_in_doubt,
