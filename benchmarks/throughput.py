@@ -42,6 +42,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 import psycopg
+from concurrency import TOOLS
 from journal_overhead import (
     DEFAULT_DSN,
     DSN_ENV,
@@ -69,18 +70,23 @@ async def loop_node(state: dict[str, Any], ctx: RunContext) -> Any:
     return end("done")
 
 
-NOOP = define_tool("noop", "does nothing", NoopArgs, lambda a: {"x": a.x})
 LOOP = define_flow("bench_loop", "N no-op tool steps", "n", [action("n", loop_node)])
-AGENT = define_agent("bench", "benchmark agent", None, [NOOP], [LOOP])
+
+
+def agent(tool: str) -> Any:
+    """The benchmark's agent with the no-op tool of kind ``tool`` (sync: on a worker
+    thread; async: on the loop; ``concurrency.TOOLS``)."""
+    noop = define_tool("noop", "does nothing", NoopArgs, TOOLS[tool])
+    return define_agent("bench", "benchmark agent", None, [noop], [LOOP])
 
 
 async def work(
-    dsn: str, steps: int, ready: Any, seconds: float, per_worker: int
+    dsn: str, steps: int, ready: Any, seconds: float, per_worker: int, tool: str
 ) -> tuple[int, int]:
     STEPS["n"] = steps
     runs = 0
     with RunStore.postgres(dsn) as store:  # every partition the database has
-        runtime = Runtime([AGENT], store=store)
+        runtime = Runtime([agent(tool)], store=store)
         await runtime.run(f"w-{uuid.uuid4().hex}", kind="flow", flow_name=LOOP.name).result()
         ready.wait()  # every worker warmed up: start together
         stop = time.time() + seconds
@@ -99,9 +105,11 @@ async def work(
     return runs, runs * steps
 
 
-def worker(dsn: str, steps: int, ready: Any, seconds: float, per_worker: int, out: Any) -> None:
+def worker(
+    dsn: str, steps: int, ready: Any, seconds: float, per_worker: int, tool: str, out: Any
+) -> None:
     try:
-        out.put(asyncio.run(work(dsn, steps, ready, seconds, per_worker)))
+        out.put(asyncio.run(work(dsn, steps, ready, seconds, per_worker, tool)))
     except BaseException as e:  # reported by the parent, which would otherwise wait forever
         out.put(f"{type(e).__name__}: {e}")
         raise
@@ -145,13 +153,14 @@ def one_round(
     seconds: float,
     per_worker: int = 1,
     sampler: WaitSampler | None = None,
+    tool: str = "sync",
 ) -> tuple[float, float]:
     """(runs/s, steps/s) of ``workers`` processes together."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     ready = ctx.Barrier(workers)
     procs = [
-        ctx.Process(target=worker, args=(dsn, steps, ready, seconds, per_worker, out))
+        ctx.Process(target=worker, args=(dsn, steps, ready, seconds, per_worker, tool, out))
         for _ in range(workers)
     ]
     for p in procs:
@@ -184,6 +193,10 @@ def main() -> int:
     parser.add_argument(
         "--partitions", type=int, default=1, help="event logs in the database (default 1)"
     )
+    parser.add_argument(
+        "--tool", choices=sorted(TOOLS), default="sync",
+        help="the no-op tool: sync (on a worker thread) or async (on the loop)",
+    )  # fmt: skip
     parser.add_argument("--json", help="write the medians to this file (for chart.py)")
     parser.add_argument(
         "--sample-waits",
@@ -205,18 +218,22 @@ def main() -> int:
         RunStore.postgres(dsn, partitions=args.partitions).close()
         for r in range(args.rounds):
             for n in counts:
-                samples[n].append(one_round(dsn, n, args.steps, args.seconds, args.per_worker))
+                samples[n].append(
+                    one_round(dsn, n, args.steps, args.seconds, args.per_worker, tool=args.tool)
+                )
             print(f"round {r + 1}/{args.rounds} done", flush=True)
         if args.sample_waits:
             sampler = WaitSampler(dsn, counts[-1])
-            one_round(dsn, counts[-1], args.steps, args.seconds, args.per_worker, sampler)
+            one_round(
+                dsn, counts[-1], args.steps, args.seconds, args.per_worker, sampler, args.tool
+            )
             print(sampler.report(), flush=True)
     finally:
         drop_database(admin_dsn, name)
     base_steps = statistics.median(s[1] for s in samples[counts[0]])
     print()
     print(
-        f"runs of {args.steps} tool steps, {args.per_worker} at once per worker, "
+        f"runs of {args.steps} {args.tool} tool steps, {args.per_worker} at once per worker, "
         f"{args.partitions} partition(s), {args.seconds:.0f} s a round, "
         f"median of {args.rounds} interleaved rounds"
     )
