@@ -109,3 +109,32 @@ def test_a_wake_up_still_due_when_the_store_closes_is_sent_then(
         assert sum(1 for _ in ear.notifies(timeout=0.5)) == 1
         store.close()
         assert woken(ear, timeout=2.0), "the wake-up due at close was not sent"
+
+
+async def test_a_store_closed_while_its_wake_up_is_in_flight_closes_cleanly(
+    pg_dsn: str,
+) -> None:
+    # Closing frees the connections; one a wake-up (or a save) is on must be left
+    # to it until its statement is done: freeing it mid-statement crashed the
+    # process (a segmentation fault in libpq).
+    stores = []
+    try:
+        for _ in range(10):
+            store = RunStore.postgres(pg_dsn)
+            stores.append(store)
+            run = stored_run(store)
+            await store.save_run_async(with_message(run, "one"))
+            await asyncio.sleep(0.2)  # its wake-up sent: the wake-up connection is open
+            await store.save_run_async(with_message(run, "two"))
+            await asyncio.sleep(0)  # the next wake-up is now on that connection
+            store.close()
+            # New connections reuse the closed ones' file descriptors, so a wake-up
+            # left waiting on a freed connection would be woken, and crash.
+            stores.append(RunStore.postgres(pg_dsn))
+            await stores[-1].save_run_async(with_message(stored_run(stores[-1]), "x"))
+            await asyncio.sleep(0.1)
+    finally:
+        for store in stores:
+            store.close()
+    with RunStore.postgres(pg_dsn) as reopened:
+        assert len(reopened.session_run_ids("s-group")) == 20

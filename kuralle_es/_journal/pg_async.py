@@ -37,7 +37,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -110,6 +110,10 @@ class AsyncOneTripSaver:
         self.saves = 0
         self._guard = threading.Lock()  # loops of several threads may share one store
         self._closed = False
+        #: Connections a statement is on: ``close`` leaves them to their user, which
+        #: closes each once its statement is done (freeing one mid-statement
+        #: would crash the process).
+        self._in_use: set[psycopg.AsyncConnection[Any]] = set()
 
     async def insert(
         self, stored_events: Sequence[StoredEvent], lease: LeaseOp | None = None
@@ -219,8 +223,9 @@ class AsyncOneTripSaver:
                 try:
                     if connection is None or connection.closed:
                         connection = waker.connection = await self._connect()
-                    await connection.execute(self._recorder.wake_statement)
-                except (psycopg.Error, OperationalError):
+                    with self._using(connection):
+                        await connection.execute(self._recorder.wake_statement)
+                except (psycopg.Error, OperationalError, InterfaceError):
                     waker.connection = None
                     if connection is not None:
                         _finish(connection)
@@ -263,9 +268,10 @@ class AsyncOneTripSaver:
                 await asyncio.sleep(RETRY_WAIT)
                 continue
             try:
-                cursor = connection.cursor()
-                await cursor.execute(statement, parameters, prepare=True)
-                return await cursor.fetchall()
+                with self._using(connection):
+                    cursor = connection.cursor()
+                    await cursor.execute(statement, parameters, prepare=True)
+                    return await cursor.fetchall()
             except psycopg.IntegrityError as clash:
                 raise IntegrityError(str(clash)) from clash
             except (psycopg.OperationalError, psycopg.InterfaceError) as lost:
@@ -286,12 +292,31 @@ class AsyncOneTripSaver:
                 raise
         raise AssertionError("unreachable")
 
+    @contextlib.contextmanager
+    def _using(self, connection: psycopg.AsyncConnection[Any]) -> Iterator[None]:
+        """Run a statement on ``connection``: ``close`` meanwhile leaves it to this
+        user, which closes it when the statement is done."""
+        with self._guard:
+            if self._closed:
+                raise InterfaceError("the run store is closed")
+            self._in_use.add(connection)
+        try:
+            yield
+        finally:
+            with self._guard:
+                self._in_use.discard(connection)
+                orphaned = self._closed
+            if orphaned:
+                _finish(connection)
+
     def close(self) -> None:
-        """Close every loop's connection (from any thread, loop running or not)."""
+        """Close every loop's connection (from any thread, loop running or not);
+        one a statement is on is closed by its user when the statement is done."""
         with self._guard:
             self._closed = True
             connections = list(self._connections.values())
             connections += [w.connection for w in self._wakers.values() if w.connection]
+            connections = [c for c in connections if c not in self._in_use]
             self._connections.clear()
             due = any(w.again for w in self._wakers.values())
         for connection in connections:
