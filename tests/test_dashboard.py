@@ -602,7 +602,19 @@ def until_text(driver: webdriver.Chrome, element_id: str, text: str, seconds: fl
         seconds,
         poll_frequency=0.3,
         ignored_exceptions=(NoSuchElementException, StaleElementReferenceException),
-    ).until(lambda d: d.find_element(By.ID, element_id).text == text)
+    ).until(lambda d: shown_text(d, element_id) == text)
+
+
+def shown_text(driver: webdriver.Chrome, element_id: str) -> str | None:
+    """The element's text, or None when a reload took the element away between
+    finding it and reading it (Chromium may say so as an inspector error rather
+    than as a stale element)."""
+    try:
+        return str(driver.find_element(By.ID, element_id).text)
+    except WebDriverException as gone:
+        if "does not belong to the document" in str(gone):
+            return None
+        raise
 
 
 def test_state_changes_need_the_token_and_a_valid_csrf_token(
