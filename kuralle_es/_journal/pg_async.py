@@ -24,9 +24,9 @@ retried, as the recorder's own retry does: a version clash is
 last attempt.
 
 Once a statement that wrote events has committed, the followers are woken
-(the recorder's ``wake_statement``) on a second connection of the loop, so a
-wake-up never holds up the next group commit. The first commit after a
-quiet spell wakes them at once; the commits of the next ``WAKE_SPACING``
+(the recorder's ``wake_statement``, a transaction of its own on the loop's
+connection, from a task of its own). The first commit after a quiet spell
+wakes them at once; the commits of the next ``WAKE_SPACING``
 seconds share one more wake-up at its end (one wake-up a save doubled the
 statements of a lone run). A wake-up still due when the store is closed is
 sent then.
@@ -89,12 +89,11 @@ class _Lane:
 
 @dataclass
 class _Waker:
-    """One loop's wake-ups of the followers: the one in flight, whether another
-    is due after it, and the connection they go on."""
+    """One loop's wake-ups of the followers: the one in flight, and whether
+    another is due after it."""
 
     sending: asyncio.Task[None] | None = None
     again: bool = False
-    connection: psycopg.AsyncConnection[Any] | None = None
 
 
 class AsyncOneTripSaver:
@@ -213,28 +212,18 @@ class AsyncOneTripSaver:
 
     async def _send_wake_ups(self, waker: _Waker) -> None:
         """Send a wake-up, then one more after each ``WAKE_SPACING`` in which a
-        commit asked for one. A failed one is dropped with its connection: the
-        events are committed, and a follower also looks again when it is next
-        woken (``follow`` every second besides)."""
+        commit asked for one. A failed one is dropped: the events are committed,
+        and a follower also looks again when it is next woken (``follow`` every
+        second besides)."""
         try:
             while True:
                 waker.again = False
-                connection = waker.connection
                 try:
-                    if connection is None or connection.closed:
-                        connection = waker.connection = await self._connect()
-                    with self._using(connection):
-                        await connection.execute(self._recorder.wake_statement)
+                    await self._execute(self._recorder.wake_statement, (), None)
                 except (psycopg.Error, OperationalError, InterfaceError):
-                    waker.connection = None
-                    if connection is not None:
-                        _finish(connection)
                     return
                 except BaseException:
                     waker.again = True  # cancelled: still due, ``close`` sends it
-                    waker.connection = None  # mid-statement: never used again
-                    if connection is not None:
-                        _finish(connection)
                     raise
                 await asyncio.sleep(WAKE_SPACING)
                 if not waker.again or self._closed:
@@ -314,9 +303,7 @@ class AsyncOneTripSaver:
         one a statement is on is closed by its user when the statement is done."""
         with self._guard:
             self._closed = True
-            connections = list(self._connections.values())
-            connections += [w.connection for w in self._wakers.values() if w.connection]
-            connections = [c for c in connections if c not in self._in_use]
+            connections = [c for c in self._connections.values() if c not in self._in_use]
             self._connections.clear()
             due = any(w.again for w in self._wakers.values())
         for connection in connections:
@@ -336,9 +323,7 @@ class AsyncOneTripSaver:
             for gone in [held for held in self._lanes if held.is_closed()]:
                 del self._lanes[gone]
             for gone in [held for held in self._wakers if held.is_closed()]:
-                waker = self._wakers.pop(gone)
-                if waker.connection is not None:
-                    _finish(waker.connection)
+                del self._wakers[gone]
             connection = self._connections.get(loop)
         if connection is not None and not connection.closed:
             return connection

@@ -40,7 +40,7 @@ from eventsourcing.popo import POPOApplicationRecorder
 from eventsourcing.postgres import PostgresApplicationRecorder, PostgresDatastore
 from eventsourcing.sqlite import SQLiteCursor, SQLiteDatastore
 from eventsourcing.utils import retry
-from psycopg.sql import SQL, Composed, Identifier
+from psycopg.sql import SQL, Composed, Identifier, Literal
 
 from .eventsourcing_hooks import SQLiteInsertHook
 from .leases import Lease, LeaseOp, LeaseRefused
@@ -309,11 +309,10 @@ class OneTripPostgresRecorder(PostgresApplicationRecorder):
         # A wake-up for the followers, sent once a save has committed: its own
         # transaction, with no flush to wait for (a lost wake-up only delays a
         # follower; the events are committed already), so the notification
-        # lock is held for a moment. Simple protocol: two statements, one
-        # transaction.
+        # lock is held for a moment. One statement, so it can be prepared.
         self.wake_statement = SQL(
-            "SELECT set_config('synchronous_commit', 'off', true); NOTIFY {channel}"
-        ).format(channel=Identifier(self.channel_name))
+            "SELECT set_config('synchronous_commit', 'off', true), pg_notify({channel}, '')"
+        ).format(channel=Literal(self.channel_name))
         self.holds_statement = SQL(
             "SELECT 1 FROM {schema}.{table} WHERE originator_id = %s LIMIT 1"
         ).format(schema=schema, table=Identifier(self.events_table_name))
@@ -390,7 +389,7 @@ class OneTripPostgresRecorder(PostgresApplicationRecorder):
         """Notify the followers after a committed save; a failure is not the save's
         (it committed: trying it again would clash), and only delays them."""
         with contextlib.suppress(psycopg.Error):
-            curs.execute(self.wake_statement)
+            curs.execute(self.wake_statement, prepare=True)
 
     def select_lease(self, run_id: UUID) -> Lease | None:
         with self.datastore.get_connection() as conn, conn.cursor() as curs:
