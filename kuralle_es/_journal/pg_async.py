@@ -276,8 +276,11 @@ class AsyncOneTripSaver:
                 raise
             except BaseException:
                 # Cancelled (or worse) mid-statement: the connection's state is
-                # unknown, so it is never used again.
-                self._discard(connection)
+                # unknown, so it is never used again; and psycopg may still hold
+                # the statement's generator, so it is not freed here either
+                # (freeing a connection under a live generator crashes the
+                # process): it goes when nothing refers to it any more.
+                self._discard(connection, free=False)
                 raise
         raise AssertionError("unreachable")
 
@@ -289,13 +292,18 @@ class AsyncOneTripSaver:
             if self._closed:
                 raise InterfaceError("the run store is closed")
             self._in_use.add(connection)
+        done = False  # the statement ended (returned or raised), not interrupted
         try:
             yield
+            done = True
+        except Exception:
+            done = True
+            raise
         finally:
             with self._guard:
                 self._in_use.discard(connection)
                 orphaned = self._closed
-            if orphaned:
+            if orphaned and done:
                 _finish(connection)
 
     def close(self) -> None:
@@ -319,7 +327,11 @@ class AsyncOneTripSaver:
             if self._closed:
                 raise InterfaceError("the run store is closed")
             for gone in [held for held in self._connections if held.is_closed()]:
-                _finish(self._connections.pop(gone))
+                # A statement its loop left unfinished keeps its connection (see
+                # ``_using``): it goes when nothing refers to it any more.
+                left = self._connections.pop(gone)
+                if left not in self._in_use:
+                    _finish(left)
             for gone in [held for held in self._lanes if held.is_closed()]:
                 del self._lanes[gone]
             for gone in [held for held in self._wakers if held.is_closed()]:
@@ -361,12 +373,14 @@ class AsyncOneTripSaver:
             register_composite(info, connection, factory=datastore.psycopg_python_types[name])
         return connection
 
-    def _discard(self, connection: psycopg.AsyncConnection[Any]) -> None:
+    def _discard(self, connection: psycopg.AsyncConnection[Any], *, free: bool = True) -> None:
+        """Never use ``connection`` again; with ``free``, close it now."""
         with self._guard:
             for loop, held in list(self._connections.items()):
                 if held is connection:
                     del self._connections[loop]
-        _finish(connection)
+        if free:
+            _finish(connection)
 
 
 def _finish(connection: psycopg.AsyncConnection[Any]) -> None:
