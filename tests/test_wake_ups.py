@@ -139,3 +139,37 @@ async def test_a_store_closed_while_its_wake_up_is_in_flight_closes_cleanly(
             store.close()
     with RunStore.postgres(pg_dsn) as reopened:
         assert len(reopened.session_run_ids("s-group")) == 20
+
+
+class Dead(BaseException):
+    """A turn killed by its process dying (as the crash kit's ``Crash``)."""
+
+
+async def dying_turn(store: RunStore, run: Any, passes: int) -> None:
+    """Two saves, ``passes`` passes of the loop, then the turn dies."""
+    await store.save_run_async(with_message(run, "a"))
+    await store.save_run_async(with_message(run, "b"))
+    for _ in range(passes):
+        await asyncio.sleep(0)  # the wake-up takes the connection, sends
+    raise Dead
+
+
+def test_a_store_closed_between_turns_of_one_loop_leaves_a_shared_connection_alone(
+    pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A save and a wake-up share the loop's connection. The save ended, the turn
+    # died, and the loop stopped with the wake-up's statement under way; the store
+    # was then closed, and the loop ran again. Closing freed the connection under
+    # the statement, which crashed the process (a segmentation fault) before the
+    # saver counted every user of a connection, not just whether it had one.
+    monkeypatch.setattr(pg_async, "WAKE_SPACING", 0.0)
+    with asyncio.Runner() as runner:
+        for turn_number in range(40):
+            store = RunStore.postgres(pg_dsn)
+            run = stored_run(store)
+
+            with pytest.raises(Dead):
+                runner.run(dying_turn(store, run, turn_number % 4))
+            store.close()  # the loop is stopped: a wake-up may be under way
+    with RunStore.postgres(pg_dsn) as reopened:
+        assert len(reopened.session_run_ids("s-group")) == 40

@@ -35,6 +35,7 @@ sent then.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import threading
 from collections.abc import Iterator, Sequence
@@ -112,7 +113,7 @@ class AsyncOneTripSaver:
         #: Connections a statement is on: ``close`` leaves them to their user, which
         #: closes each once its statement is done (freeing one mid-statement
         #: would crash the process).
-        self._in_use: set[psycopg.AsyncConnection[Any]] = set()
+        self._in_use: collections.Counter[psycopg.AsyncConnection[Any]] = collections.Counter()
 
     async def insert(
         self, stored_events: Sequence[StoredEvent], lease: LeaseOp | None = None
@@ -291,7 +292,7 @@ class AsyncOneTripSaver:
         with self._guard:
             if self._closed:
                 raise InterfaceError("the run store is closed")
-            self._in_use.add(connection)
+            self._in_use[connection] += 1  # a save and a wake-up may share it
         done = False  # the statement ended (returned or raised), not interrupted
         try:
             yield
@@ -301,8 +302,10 @@ class AsyncOneTripSaver:
             raise
         finally:
             with self._guard:
-                self._in_use.discard(connection)
-                orphaned = self._closed
+                self._in_use[connection] -= 1
+                if self._in_use[connection] <= 0:
+                    del self._in_use[connection]
+                orphaned = self._closed and connection not in self._in_use
             if orphaned and done:
                 _finish(connection)
 
