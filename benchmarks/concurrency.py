@@ -21,6 +21,11 @@ created and dropped. Usage::
 
     python benchmarks/concurrency.py [--concurrency 1,8,32] [--steps 10]
         [--seconds 5] [--rounds 3] [--partitions 1] [--servers DSN,DSN]
+        [--tool sync|async]
+
+``--tool`` picks the no-op tool: ``sync`` (the default) runs on a worker
+thread, as every sync tool does, ``async`` on the event loop; the difference
+is the hop's cost, not the journal's.
 """
 
 from __future__ import annotations

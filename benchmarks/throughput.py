@@ -22,7 +22,9 @@ commits: group commit), ``--partitions K`` spreads the runs over K event logs
 of the database (docs/scaling.md).
 
 Usage: ``python benchmarks/throughput.py [--workers 1,2,4] [--steps 20] [--seconds 10]
-[--rounds 3] [--per-worker 1] [--partitions 1] [--sample-waits] [--json FILE]``.
+[--rounds 3] [--per-worker 1] [--partitions 1] [--tool sync|async] [--sample-waits]
+[--json FILE]``. ``--tool`` picks the no-op tool: ``sync`` (the default) runs on a
+worker thread, as every sync tool does, ``async`` on the event loop.
 """
 
 from __future__ import annotations
