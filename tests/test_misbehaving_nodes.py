@@ -45,6 +45,7 @@ from kuralle_es import (
     end,
     recover_orphaned_runs,
 )
+from kuralle_es._definitions import tools as tools_module
 from kuralle_es.testing import ScriptedModel, replay_check
 
 SESSION = "s-misbehaving"
@@ -247,6 +248,16 @@ async def test_a_blocking_sync_tool_longer_than_the_lease_is_never_run_twice_at_
     assert [(s.name, s.attempts) for s in steps] == [("blocking", 1)]
 
 
+def one_tool_runtime(store: Any, tool: Any) -> Runtime:
+    """A runtime whose flow ``f`` calls ``tool`` once and ends."""
+
+    async def node(state: dict[str, Any], ctx: RunContext) -> Any:
+        await ctx.tool(tool.name)
+        return end("ok")
+
+    return runtime_with(store, [define_flow("f", "f", "n", [action("n", node)])], [tool])
+
+
 async def test_a_sync_tool_runs_off_the_event_loop(open_store: Any) -> None:
     threads: list[str] = []
 
@@ -254,17 +265,39 @@ async def test_a_sync_tool_runs_off_the_event_loop(open_store: Any) -> None:
         threads.append(threading.current_thread().name)
         return {}
 
-    async def node(state: dict[str, Any], ctx: RunContext) -> Any:
-        await ctx.tool("where")
-        return end("ok")
-
-    runtime = runtime_with(
-        open_store(),
-        [define_flow("f", "f", "n", [action("n", node)])],
-        [define_tool("where", "says where it runs", NoArgs, where)],
-    )
+    runtime = one_tool_runtime(open_store(), define_tool("where", "says where", NoArgs, where))
     assert (await start(runtime, "f")).status == "finished"
     assert threads and threads[0] != threading.current_thread().name
+
+
+async def test_sync_tools_blocked_at_once_each_have_a_thread_which_ends_when_idle(
+    open_store: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tool threads take calls from one queue, and a call is queued only when an
+    idle thread is left to take it: calls that block together never wait for
+    each other (each waits here for all the others to be running)."""
+    monkeypatch.setattr(tools_module, "IDLE_SECONDS", 0.2)
+    together = 6
+    all_running = threading.Barrier(together, timeout=10)
+
+    def meet(args: NoArgs) -> dict[str, Any]:
+        all_running.wait()  # BrokenBarrierError if any call were kept waiting
+        return {"met": True}
+
+    runtime = one_tool_runtime(open_store(), define_tool("meet", "meets", NoArgs, meet))
+    # Threads an earlier test left idle wait out their own (longer) idle time.
+    earlier = {t for t in threading.enumerate() if t.name == "kuralle-tool"}
+    results = await asyncio.gather(*(start(runtime, "f") for _ in range(together)))
+    assert [r.status for r in results] == ["finished"] * together
+
+    def tool_threads() -> int:
+        return sum(t.name == "kuralle-tool" and t not in earlier for t in threading.enumerate())
+
+    for _ in range(200):  # up to 10 s
+        if not tool_threads():
+            break
+        await asyncio.sleep(0.05)
+    assert tool_threads() == 0, "idle tool threads never ended"
 
 
 # ------------------------------------------------- args from unrecorded values

@@ -187,56 +187,51 @@ IDLE_SECONDS = 30.0
 
 
 class _ToolThreads:
-    """Daemon threads for sync tools, each kept for the next call once it is done.
+    """Daemon threads for sync tools, taking calls from one queue.
 
-    Starting a thread costs more than a short tool call (it was most of a
-    journaled no-op step under load): a thread that finished a call waits up
-    to ``IDLE_SECONDS`` for the next one instead. A call that outlives its
-    timeout keeps its thread to itself; the next call gets another.
+    Starting a thread costs more than a short tool call, and so does waking a
+    sleeping one: a thread that finished a call takes the next queued one
+    without sleeping, and an idle thread waits up to ``IDLE_SECONDS`` for
+    more. A blocking call never delays another: a call is queued only when an
+    idle thread is left to take it, otherwise a new thread starts for it (so a
+    call that outlives its timeout keeps its thread to itself).
+
+    Invariant, whenever ``_guard`` is free: ``_unclaimed <= _idle`` (every
+    queued call has an idle thread to take it).
     """
 
     def __init__(self) -> None:
         self._guard = threading.Lock()
-        self._idle: list[_ToolThread] = []
+        self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._idle = 0  # threads not running a call
+        self._unclaimed = 0  # calls queued that no thread has taken yet
 
     def submit(self, work: Callable[[], None]) -> None:
         with self._guard:
-            thread = self._idle.pop() if self._idle else None
-        if thread is None:
-            thread = _ToolThread(self)
-            thread.start()
-        thread.inbox.put(work)
+            self._unclaimed += 1
+            start = self._unclaimed > self._idle
+            if start:
+                self._idle += 1  # the new thread, idle until it takes a call
+        self._calls.put(work)
+        if start:
+            threading.Thread(target=self._serve, name="kuralle-tool", daemon=True).start()
 
-    def done(self, thread: _ToolThread) -> None:
-        """``thread`` finished its call and may take another."""
-        with self._guard:
-            self._idle.append(thread)
-
-    def retire(self, thread: _ToolThread) -> bool:
-        """Whether idle ``thread`` may end (no call was handed to it meanwhile)."""
-        with self._guard:
-            if thread in self._idle:
-                self._idle.remove(thread)
-                return True
-            return False
-
-
-class _ToolThread(threading.Thread):
-    def __init__(self, pool: _ToolThreads) -> None:
-        super().__init__(name="kuralle-tool", daemon=True)
-        self.pool = pool
-        self.inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-
-    def run(self) -> None:
+    def _serve(self) -> None:
         while True:
             try:
-                work = self.inbox.get(timeout=IDLE_SECONDS)
+                work = self._calls.get(timeout=IDLE_SECONDS)
             except queue.Empty:
-                if self.pool.retire(self):
-                    return
-                continue  # a call was handed over as the wait ran out
+                with self._guard:
+                    if self._unclaimed < self._idle:  # the others cover every queued call
+                        self._idle -= 1
+                        return
+                continue  # a queued call may count on this thread
+            with self._guard:
+                self._idle -= 1
+                self._unclaimed -= 1
             work()
-            self.pool.done(self)
+            with self._guard:
+                self._idle += 1
 
 
 _TOOL_THREADS = _ToolThreads()
