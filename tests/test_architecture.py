@@ -136,7 +136,13 @@ def runtime_imports(tree: ast.Module) -> ast.Module:
 #: The layers of the package, lowest first (README.md, "Architecture"): a module
 #: imports only modules of its own layer or of a layer below it.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("kuralle_es.errors", "kuralle_es.shapes", "kuralle_es._callables", "kuralle_es._seconds"),
+    (
+        "kuralle_es.errors",
+        "kuralle_es.shapes",
+        "kuralle_es._callables",
+        "kuralle_es._seconds",
+        "kuralle_es._lookup",
+    ),
     ("kuralle_es._journal",),
     ("kuralle_es.views", "kuralle_es.events"),
     ("kuralle_es._definitions",),

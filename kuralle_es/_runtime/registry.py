@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from .._definitions.agents import Agent
 from .._definitions.flows import Flow, pinned_version, version_key
+from .._lookup import known_entry
 from ..errors import FlowNotFoundError, InvalidArgumentError
 from .suspensions import Schemas
 
@@ -83,13 +84,11 @@ class Registry:
         return next(iter(self.agents.values()))
 
     def agent(self, agent_id: str | None) -> Agent:
-        if agent_id is None or agent_id not in self.agents:
-            msg = (
-                f"unknown agent {agent_id!r}; the runtime has {sorted(self.agents)!r}. "
-                "Pass every agent a run may hand off to in Runtime(agents=[...])"
-            )
-            raise InvalidArgumentError(msg)
-        return self.agents[agent_id]
+        unknown = (
+            f"unknown agent {agent_id!r}; the runtime has {sorted(self.agents)!r}. "
+            "Pass every agent a run may hand off to in Runtime(agents=[...])"
+        )
+        return known_entry(self.agents, agent_id, unknown)
 
     def flow(self, name: str) -> tuple[Agent, Flow]:
         """The newest flow called ``name`` and its agent, or ``FlowNotFoundError``."""

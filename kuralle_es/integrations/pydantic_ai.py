@@ -44,6 +44,7 @@ from kuralle_es import (
     define_agent,
     define_tool,
 )
+from kuralle_es._lookup import known_entry
 from kuralle_es.shapes import Message
 
 try:
@@ -135,13 +136,11 @@ class _Callsites:
             self.by_call[call.tool_call_id] = callsite
 
     def of(self, tool_call_id: str | None) -> int:
-        if tool_call_id is None or tool_call_id not in self.by_call:
-            msg = (
-                f"tool call {tool_call_id!r} came from no model response of this turn; "
-                "kuralle_es journals the tool calls a model asks for (docs/pydantic-ai.md)"
-            )
-            raise InvalidArgumentError(msg)
-        return self.by_call[tool_call_id]
+        unknown = (
+            f"tool call {tool_call_id!r} came from no model response of this turn; "
+            "kuralle_es journals the tool calls a model asks for (docs/pydantic-ai.md)"
+        )
+        return known_entry(self.by_call, tool_call_id, unknown)
 
 
 # -------------------------------------------------------------------- model
