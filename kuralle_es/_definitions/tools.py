@@ -14,7 +14,7 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Generic, Literal, TypeVar, overload
+from typing import Any, Generic, Literal, TypedDict, TypeVar, Unpack, overload
 
 from pydantic import BaseModel, ValidationError
 
@@ -243,6 +243,20 @@ def _is_async(fn: Callable[..., Any]) -> bool:
     )
 
 
+class _ToolOptions(TypedDict, Generic[ArgsT], total=False):
+    """The keyword options of ``define_tool``, declared once for both overloads
+    (the implementation declares them with their defaults)."""
+
+    needs_approval: bool
+    policy: Policy[ArgsT] | None
+    idempotency_key: Callable[[ArgsT], str] | None
+    parallel_safe: bool | Callable[[ArgsT], bool]
+    replay: bool
+    on_in_doubt: InDoubt
+    retry: RetryPolicy | None
+    timeout: float | None
+
+
 # One overload per shape of ``execute``, so a type checker types a lambda's
 # ``args`` as the input model (a union of the two shapes would leave it Any).
 @overload
@@ -251,15 +265,7 @@ def define_tool(
     description: str,
     input: type[ArgsT],
     execute: Callable[[ArgsT], Any],
-    *,
-    needs_approval: bool = False,
-    policy: Policy[ArgsT] | None = None,
-    idempotency_key: Callable[[ArgsT], str] | None = None,
-    parallel_safe: bool | Callable[[ArgsT], bool] = False,
-    replay: bool = True,
-    on_in_doubt: InDoubt = "retry",
-    retry: RetryPolicy | None = None,
-    timeout: float | None = None,
+    **options: Unpack[_ToolOptions[ArgsT]],
 ) -> Tool[ArgsT]: ...
 
 
@@ -269,15 +275,7 @@ def define_tool(
     description: str,
     input: type[ArgsT],
     execute: Callable[[ArgsT, ToolCall], Any],
-    *,
-    needs_approval: bool = False,
-    policy: Policy[ArgsT] | None = None,
-    idempotency_key: Callable[[ArgsT], str] | None = None,
-    parallel_safe: bool | Callable[[ArgsT], bool] = False,
-    replay: bool = True,
-    on_in_doubt: InDoubt = "retry",
-    retry: RetryPolicy | None = None,
-    timeout: float | None = None,
+    **options: Unpack[_ToolOptions[ArgsT]],
 ) -> Tool[ArgsT]: ...
 
 
