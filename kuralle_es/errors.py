@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar, dataclass_transform
 
 if TYPE_CHECKING:
     from ._journal.wait import Wait
@@ -19,20 +19,31 @@ class KuralleError(Exception):
     """Base class of every error raised by kuralle_es."""
 
 
-@dataclass(eq=False, repr=False)
+@dataclass_transform(eq_default=False, field_specifiers=(field,))
 class _FieldsError(KuralleError):
     """An error whose fields are its constructor's arguments and whose message is
     built from them, so each error declares its fields once and says its message once.
 
-    Subclasses are dataclasses too (``eq=False`` keeps an error equal only to
-    itself, ``repr=False`` keeps the exception's own repr of its message).
+    Every subclass is made a dataclass where it is defined (``__init_subclass__``;
+    ``dataclass_transform`` tells type checkers so), so none can forget to be one:
+    ``eq=False`` keeps an error equal only to itself, ``repr=False`` keeps the
+    exception's own repr of its message. Most messages are a ``_template`` with
+    the fields in their places; one that needs more than the fields' values (a
+    choice, a date's form) overrides ``_message``.
     """
+
+    #: The message, ``str.format``-ted with the error's fields by name (``{run_id!r}``).
+    _template: ClassVar[str]
+
+    def __init_subclass__(cls) -> None:
+        super().__init_subclass__()
+        dataclass(eq=False, repr=False)(cls)
 
     def __post_init__(self) -> None:
         super().__init__(self._message())
 
     def _message(self) -> str:
-        raise NotImplementedError
+        return self._template.format_map(vars(self))
 
 
 class InvalidArgumentError(KuralleError, ValueError):
@@ -62,7 +73,6 @@ class SuspendError(KuralleError):
         )
 
 
-@dataclass(eq=False, repr=False)
 class NonDeterminismError(_FieldsError):
     """The code asked for a different effect at a callsite than the journal holds.
 
@@ -127,7 +137,6 @@ class ToolTimeoutError(ToolExecutionError):
     """A tool attempt ran longer than its ``timeout`` and was cancelled."""
 
 
-@dataclass(eq=False, repr=False)
 class ToolApprovalDeniedError(_FieldsError):
     """A tool call that needed approval was denied."""
 
@@ -143,32 +152,37 @@ class ToolApprovalDeniedError(_FieldsError):
         )
 
 
-@dataclass(eq=False, repr=False)
-class UnknownToolError(_FieldsError, LookupError):
+class _UnknownNameError(_FieldsError, LookupError):
+    """A name looked up among ``known`` names and not found (a tool, a flow): its
+    message lists the known names sorted, whatever order they were given in."""
+
+    def _message(self) -> str:
+        fields = vars(self)
+        return self._template.format_map({**fields, "known": sorted(fields["known"])})
+
+
+class UnknownToolError(_UnknownNameError):
     """A tool name that the active agent does not define."""
 
     tool_name: str
     known: list[str]
 
-    def _message(self) -> str:
-        return (
-            f"unknown tool {self.tool_name!r}; the agent defines {sorted(self.known)!r}. "
-            "Pass one of those names, or add the tool to the agent's tools"
-        )
+    _template = (
+        "unknown tool {tool_name!r}; the agent defines {known!r}. "
+        "Pass one of those names, or add the tool to the agent's tools"
+    )
 
 
-@dataclass(eq=False, repr=False)
 class InvalidToolArgsError(_FieldsError, ValueError):
     """Arguments that fail a tool's input model; nothing was journaled or executed."""
 
     tool_name: str
     detail: str
 
-    def _message(self) -> str:
-        return (
-            f"invalid arguments for tool {self.tool_name!r}: {self.detail}. "
-            "Fix the arguments to match the tool's input model"
-        )
+    _template = (
+        "invalid arguments for tool {tool_name!r}: {detail}. "
+        "Fix the arguments to match the tool's input model"
+    )
 
 
 class SignalMismatchError(KuralleError):
@@ -187,21 +201,18 @@ class InvalidSignalError(KuralleError, ValueError):
         super().__init__(message)
 
 
-@dataclass(eq=False, repr=False)
 class RunNotFoundError(_FieldsError, LookupError):
     """No run with that id in that session (the same error either way)."""
 
     run_id: str
     session_id: str
 
-    def _message(self) -> str:
-        return (
-            f"no run {self.run_id!r} in session {self.session_id!r}; check the run id and "
-            "the session it was started in"
-        )
+    _template = (
+        "no run {run_id!r} in session {session_id!r}; check the run id and "
+        "the session it was started in"
+    )
 
 
-@dataclass(eq=False, repr=False)
 class FlowDriftError(_FieldsError):
     """The run was pinned to another definition of its flow."""
 
@@ -218,7 +229,6 @@ class FlowDriftError(_FieldsError):
         )
 
 
-@dataclass(eq=False, repr=False)
 class StaleWriteError(_FieldsError):
     """This turn's copy of the run is behind the store; nothing of this write was stored.
 
@@ -242,7 +252,6 @@ class StaleWriteError(_FieldsError):
         )
 
 
-@dataclass(eq=False, repr=False)
 class LeaseHeldError(_FieldsError):
     """Another worker holds a live lease on the run."""
 
@@ -258,7 +267,6 @@ class LeaseHeldError(_FieldsError):
         )
 
 
-@dataclass(eq=False, repr=False)
 class BudgetExceededError(_FieldsError):
     """A model call would start past the run's budget (``Budget(on_exceed="fail")``).
 
@@ -280,7 +288,6 @@ class BudgetExceededError(_FieldsError):
         )
 
 
-@dataclass(eq=False, repr=False)
 class TurnClosedError(_FieldsError):
     """An effect was asked of a ``RunContext`` after its node visit or turn ended.
 
@@ -291,39 +298,32 @@ class TurnClosedError(_FieldsError):
     run_id: str
     effect: str
 
-    def _message(self) -> str:
-        return (
-            f"run {self.run_id}: {self.effect} was asked after the node (or turn) that owned "
-            "this RunContext had ended, so nothing was executed; await every effect before "
-            "the node returns (a task the node starts must be awaited by it)"
-        )
+    _template = (
+        "run {run_id}: {effect} was asked after the node (or turn) that owned "
+        "this RunContext had ended, so nothing was executed; await every effect before "
+        "the node returns (a task the node starts must be awaited by it)"
+    )
 
 
-@dataclass(eq=False, repr=False)
-class FlowNotFoundError(_FieldsError, LookupError):
+class FlowNotFoundError(_UnknownNameError):
     """A flow name no agent of the runtime defines."""
 
     flow_name: str
     known: list[str]
 
-    def _message(self) -> str:
-        return (
-            f"unknown flow {self.flow_name!r}; the runtime's agents define {sorted(self.known)!r}"
-        )
+    _template = "unknown flow {flow_name!r}; the runtime's agents define {known!r}"
 
 
-@dataclass(eq=False, repr=False)
 class ModelResponseError(_FieldsError, ValueError):
     """A model answered with something that is not a usable response."""
 
     model: str
     detail: str
 
-    def _message(self) -> str:
-        return (
-            f"model {self.model!r} gave a malformed response: {self.detail}. Nothing was "
-            "journaled for this turn; re-address the run to ask the model again"
-        )
+    _template = (
+        "model {model!r} gave a malformed response: {detail}. Nothing was "
+        "journaled for this turn; re-address the run to ask the model again"
+    )
 
 
 class StoreUnavailableError(KuralleError):
@@ -335,7 +335,6 @@ class StoreUnavailableError(KuralleError):
     """
 
 
-@dataclass(eq=False, repr=False)
 class PayloadTooLargeError(_FieldsError, ValueError):
     """A result or payload over the configured size bound."""
 
@@ -343,12 +342,11 @@ class PayloadTooLargeError(_FieldsError, ValueError):
     size: int
     limit: int
 
-    def _message(self) -> str:
-        return (
-            f"{self.what} is {self.size} bytes of JSON, over the limit of {self.limit}; "
-            "return a smaller value (store large data elsewhere and journal a reference) or "
-            "raise KURALLE_MAX_PAYLOAD_BYTES"
-        )
+    _template = (
+        "{what} is {size} bytes of JSON, over the limit of {limit}; "
+        "return a smaller value (store large data elsewhere and journal a reference) or "
+        "raise KURALLE_MAX_PAYLOAD_BYTES"
+    )
 
 
 def error_fields(exc: BaseException) -> dict[str, Any]:
@@ -362,7 +360,6 @@ def error_fields(exc: BaseException) -> dict[str, Any]:
     return out
 
 
-@dataclass(eq=False, repr=False)
 class ProjectionIntegrityError(_FieldsError):
     """A run's events reached a view out of order: one was skipped or applied twice.
 
@@ -374,11 +371,10 @@ class ProjectionIntegrityError(_FieldsError):
     expected: int
     got: int
 
-    def _message(self) -> str:
-        return (
-            f"view of run {self.run_id} expected its event version {self.expected}, got "
-            f"{self.got}: an event was skipped or applied twice; rebuild the views"
-        )
+    _template = (
+        "view of run {run_id} expected its event version {expected}, got "
+        "{got}: an event was skipped or applied twice; rebuild the views"
+    )
 
 
 class AlreadyApplied(Exception):
