@@ -60,7 +60,7 @@ from kuralle_es import (
     define_tool,
     end,
 )
-from kuralle_es._journal.run import new_run
+from kuralle_es._journal.run import Run
 from kuralle_es._journal.store_url import open_store_url
 from kuralle_es._journal.wait import Wait
 from kuralle_es.shapes import Message
@@ -164,7 +164,7 @@ def death_grid(url: str, reps: int, tmp: Path) -> list[tuple[float, float, list[
 def store_idle_runs(store: RunStore, count: int) -> None:
     """``count`` runs straight through the domain: 90 % finished, 10 % paused without deadline."""
     for i in range(count):
-        run = new_run(uuid.uuid4(), f"idle-{i}", "flow", "cashier", "charge", "digest")
+        run = Run(uuid.uuid4(), f"idle-{i}", "flow", "cashier", "charge", "digest")
         run.start_turn(0, Message(role="user", content="hi"), None)
         if i % 10 == 0:
             request = uuid.uuid4().hex

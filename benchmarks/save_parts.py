@@ -48,7 +48,7 @@ from psycopg.types.composite import register_composite
 
 from kuralle_es import RunStore
 from kuralle_es._journal.recorders import OneTripPostgresRecorder
-from kuralle_es._journal.run import new_run
+from kuralle_es._journal.run import Run
 
 
 def parts(dsn: str, calls: int) -> dict[str, float]:
@@ -63,7 +63,7 @@ def parts(dsn: str, calls: int) -> dict[str, float]:
         )
 
         def stored() -> list[Any]:
-            run = new_run(uuid.uuid4(), "bench", "flow", "agent", "flow", "d" * 64)
+            run = Run(uuid.uuid4(), "bench", "flow", "agent", "flow", "d" * 64)
             return [store.mapper.to_stored_event(event) for event in run.collect_events()]
 
         conn = psycopg.connect(dsn, autocommit=True)

@@ -39,7 +39,7 @@ from kuralle_es import (
 from kuralle_es._journal import catalogue as stored
 from kuralle_es._journal.leases import LeaseOp
 from kuralle_es._journal.log import snapshot_due
-from kuralle_es._journal.run import Run, new_run
+from kuralle_es._journal.run import Run
 from kuralle_es._journal.sites import Lane
 from kuralle_es._journal.wait import Wait
 
@@ -287,7 +287,7 @@ def check_roundtrip(store: RunStore, run: Run) -> None:
 
 
 def fresh_run() -> Run:
-    return new_run(uuid4(), "session-1", "flow", "agent", "refund", "d" * 64)
+    return Run(uuid4(), "session-1", "flow", "agent", "refund", "d" * 64)
 
 
 @contextmanager

@@ -32,7 +32,7 @@ from kuralle_es import (
     define_tool,
     end,
 )
-from kuralle_es._journal.run import new_run
+from kuralle_es._journal.run import Run
 from kuralle_es.events import (
     RunEvent,
     RunFinished,
@@ -260,7 +260,7 @@ async def test_a_re_executed_step_is_a_new_attempt_even_for_a_follower_started_a
     with the key and name of the first start, read back from the store by a follower
     that never saw that first start."""
     store = open_store()
-    run = new_run(uuid4(), "s-retry", "flow", "agent", "ship", "digest")
+    run = Run(uuid4(), "s-retry", "flow", "agent", "ship", "digest")
     run.start_turn(0, None, None)
     index = run.start_step(
         key="k" * 64, kind="tool", name="ship", callsite=0, logical_run="r#0", args={}

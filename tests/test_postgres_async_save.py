@@ -22,7 +22,7 @@ import pytest
 from log_tail import tail_while
 
 from kuralle_es import Message, RunStore, StaleWriteError
-from kuralle_es._journal.run import Run, new_run
+from kuralle_es._journal.run import Run
 
 pytestmark = pytest.mark.postgres
 
@@ -34,7 +34,7 @@ def store(pg_dsn: str) -> Iterator[RunStore]:
 
 
 def fresh_run(store: RunStore, session: str) -> Run:
-    run = new_run(uuid4(), session, "flow", "agent", "flow", "digest")
+    run = Run(uuid4(), session, "flow", "agent", "flow", "digest")
     store.create_run(run)
     return run
 

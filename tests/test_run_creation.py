@@ -19,11 +19,11 @@ from conftest import StoreFactory
 
 from kuralle_es import RunStore, StaleWriteError
 from kuralle_es._journal.leases import LeaseOp
-from kuralle_es._journal.run import Run, new_run
+from kuralle_es._journal.run import Run
 
 
 def a_run(session_id: str) -> Run:
-    return new_run(uuid4(), session_id, "flow", "agent", "f", "d")
+    return Run(uuid4(), session_id, "flow", "agent", "f", "d")
 
 
 def take(run: Run, holder: str) -> LeaseOp:
@@ -74,7 +74,7 @@ async def test_a_run_that_exists_is_refused_and_nothing_is_written(
     run = a_run("s-once")
     await store.create_run_async(run)
     events = store.stored_events(run.run_id)
-    again = new_run(run.id, "s-once", "flow", "agent", "f", "d")
+    again = Run(run.id, "s-once", "flow", "agent", "f", "d")
     with pytest.raises(StaleWriteError, match="already exists"):
         await store.create_run_async(again)
     assert store.session_run_ids("s-once") == [run.run_id]

@@ -20,7 +20,7 @@ from conftest import StoreFactory
 
 from kuralle_es import RunStore
 from kuralle_es._journal.log import snapshot_due, snapshot_spacing
-from kuralle_es._journal.run import Run, new_run
+from kuralle_es._journal.run import Run
 
 
 def test_the_spacing_is_the_first_of_100_200_400_at_least_the_weight() -> None:
@@ -51,7 +51,7 @@ def test_a_long_runs_snapshots_add_up_to_under_twice_its_latest_one(
     open_store: StoreFactory,
 ) -> None:
     store = open_store()
-    run = new_run(uuid4(), "session-1", "flow", "agent", "refund", "d" * 64)
+    run = Run(uuid4(), "session-1", "flow", "agent", "refund", "d" * 64)
     store.create_run(run)
     for i in range(450):  # two events a save, as a tool step's intent and result
         index = run.start_step(
@@ -82,7 +82,7 @@ def test_a_conversation_of_many_turns_keeps_small_snapshots_and_a_short_load(
     snapshot and the events after it) stays about the same at turn 300 as at
     turn 30, while the history still has every step."""
     store = open_store()
-    run = new_run(uuid4(), "session-1", "conversation", "agent", None, None)
+    run = Run(uuid4(), "session-1", "conversation", "agent", None, None)
     store.create_run(run)
     for turn in range(1, 301):
         run.start_turn(turn, None, None)

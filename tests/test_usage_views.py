@@ -37,7 +37,7 @@ from kuralle_es import (
     define_agent,
     define_tool,
 )
-from kuralle_es._journal.run import new_run
+from kuralle_es._journal.run import Run
 from kuralle_es._journal.spending import ModelUsage, normalise_usage, total
 from kuralle_es.shapes import StepRecord, Usage
 from kuralle_es.views.query import ADDED_COLUMNS, VIEWS_GENERATION
@@ -126,7 +126,7 @@ def crafted_run(store: RunStore) -> tuple[str, str]:
     retried (two attempts), OpenAI-style usage, then a handoff to another agent and
     a step under it. Returns (run id, session)."""
     session = f"crafted-{uuid4().hex[:8]}"
-    run = new_run(uuid4(), session, "conversation", "gamma", None, None)
+    run = Run(uuid4(), session, "conversation", "gamma", None, None)
     first = run.start_step(
         key="k0", kind="model", name="m-old", callsite=0, logical_run="lr", args={}
     )

@@ -35,7 +35,7 @@ from kuralle_es import (
 from kuralle_es._definitions.agents import Agent
 from kuralle_es._journal import catalogue as stored
 from kuralle_es._journal.leases import LeaseOp
-from kuralle_es._journal.run import new_run
+from kuralle_es._journal.run import Run
 from kuralle_es.examples.refund import refund_flow
 from kuralle_es.testing import ScriptedModel
 
@@ -195,7 +195,7 @@ def leave_run(
     session: str = SESSION,
 ) -> str:
     """A flow run left by a worker: holding a lease, or asleep on a durable timer."""
-    run = new_run(uuid4(), session, "flow", "views", "quick", "digest")
+    run = Run(uuid4(), session, "flow", "views", "quick", "digest")
     lease = None
     if lease_until is not None:
         # The lease record a worker took before it died.

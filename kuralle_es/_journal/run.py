@@ -42,7 +42,7 @@ from .sites import Lane, Site
 from .spending import normalise_usage
 from .wait import Wait
 
-__all__ = ["CANCELLED", "MIGRATED", "Run", "StepData", "new_run", "step_record"]
+__all__ = ["CANCELLED", "MIGRATED", "Run", "StepData", "step_record"]
 
 
 class StepData(TypedDict):
@@ -101,6 +101,7 @@ class Run(Aggregate):
 
     def __init__(
         self,
+        id: UUID,
         session_id: str,
         kind: RunKind,
         agent: str | None,
@@ -108,6 +109,9 @@ class Run(Aggregate):
         flow_digest: str | None,
         flow_version: str | None = None,
     ) -> None:
+        """A new run is made by calling ``Run(id, ...)`` with these fields: ``eventsourcing``
+        triggers its ``RunCreated`` (with ``id``, which ``Aggregate`` keeps) and calls
+        this with the event's fields, as it does when the run is loaded again."""
         self.session_id = session_id
         self.kind: RunKind = kind
         self.status: RunStatus = "running"
@@ -519,27 +523,6 @@ def step_record(step: StepData) -> StepRecord:
         started_at=step["started_at"],
         finished_at=step["finished_at"],
         attempts=step["attempts"],
-    )
-
-
-def new_run(
-    run_id: UUID,
-    session_id: str,
-    kind: RunKind,
-    agent: str | None,
-    flow: str | None,
-    flow_digest: str | None,
-    flow_version: str | None = None,
-) -> Run:
-    return Run._create(
-        stored.RunCreated,
-        id=run_id,
-        session_id=session_id,
-        kind=kind,
-        agent=agent,
-        flow=flow,
-        flow_digest=flow_digest,
-        flow_version=flow_version,
     )
 
 

@@ -20,7 +20,7 @@ from .._definitions.agents import Agent
 from .._definitions.flows import Flow
 from .._journal.keys import canonical_json
 from .._journal.leases import Lease
-from .._journal.run import Run, new_run
+from .._journal.run import Run
 from .._journal.spending import Prices
 from .._journal.store import RunStore
 from ..errors import (
@@ -339,9 +339,7 @@ class StartFlow(Command):
             existing = await load_run(env.store, str(minted), self.session_id)
             if existing is not None:
                 return existing, False
-        run = new_run(
-            minted, self.session_id, "flow", agent.id, flow.name, flow.digest, flow.version
-        )
+        run = Run(minted, self.session_id, "flow", agent.id, flow.name, flow.digest, flow.version)
         return run, True
 
     def prepare(self, run: Run, fresh: bool, env: TurnEnv, held: Lease | None) -> Opening | None:
@@ -379,7 +377,7 @@ class Converse(Command):
             agent = env.registry.agent(self.agent_id)
         else:
             agent = env.registry.default_agent()
-        return new_run(run_id, self.session_id, "conversation", agent.id, None, None), True
+        return Run(run_id, self.session_id, "conversation", agent.id, None, None), True
 
     def _check_agent(self, run: Run) -> None:
         """Refuse to talk to the session's conversation as another agent than its own."""
@@ -624,7 +622,7 @@ class Fork(Command):
             )
             raise InvalidArgumentError(msg)
         session = self.into_session if self.into_session is not None else self.session_id
-        fork = new_run(fork_id, session, "flow", agent.id, flow.name, flow.digest, flow.version)
+        fork = Run(fork_id, session, "flow", agent.id, flow.name, flow.digest, flow.version)
         return fork, True
 
     def prepare(self, run: Run, fresh: bool, env: TurnEnv, held: Lease | None) -> Opening | None:
