@@ -40,7 +40,7 @@ from kuralle_es._journal import catalogue as stored
 from kuralle_es._journal.leases import LeaseOp
 from kuralle_es._journal.log import snapshot_due
 from kuralle_es._journal.run import Run
-from kuralle_es._journal.sites import Lane
+from kuralle_es._journal.sites import Effect, Lane, Site
 from kuralle_es._journal.wait import Wait
 
 # ------------------------------------------------------------------ strategies
@@ -157,21 +157,13 @@ def apply(run: Run, store: RunStore, command: tuple[Any, ...]) -> None:
     if op == "start_step":
         _, kind, name, callsite, logical, lane, args = command
         key = f"{run.step_count:064x}"
-        kwargs = {
-            "key": key,
-            "kind": kind,
-            "name": name,
-            "callsite": callsite,
-            "logical_run": logical,
-            "lane": lane,
-            "args": args,
-        }
+        effect = Effect(Site(logical, callsite, Lane(lane)), kind, name, args, override=key)
         if run.status == "running":
-            index = run.start_step(**kwargs)
+            index = run.start_step(effect)
             assert index == run.step_count - 1
             assert run.step(index)["status"] == "running"
         else:
-            expect_refusal(run, lambda: run.start_step(**kwargs))
+            expect_refusal(run, lambda: run.start_step(effect))
     elif op in ("finish_step", "fail_step"):
         _, which, payload = command
         if not run.steps:
@@ -400,7 +392,7 @@ def test_automatic_snapshots_are_spaced_by_the_run_and_used_on_load() -> None:
     run = fresh_run()
     for i in range(130):
         index = run.start_step(
-            key=f"{i:064x}", kind="tool", name="charge", callsite=i, logical_run="r#", args={"i": i}
+            Effect(Site("r#", i), "tool", "charge", {"i": i}, override=f"{i:064x}")
         )
         run.finish_step(index, json.dumps({"n": i}))
         store.save_run(run)  # one save per event pair: versions cross 100 and 200
@@ -420,9 +412,7 @@ def test_automatic_snapshots_are_spaced_by_the_run_and_used_on_load() -> None:
 def test_finishing_a_step_twice_is_refused_and_writes_nothing(store_kind: str) -> None:
     with sqlite_store() if store_kind == "sqlite" else _memory() as store:
         run = fresh_run()
-        index = run.start_step(
-            key="a" * 64, kind="tool", name="charge", callsite=0, logical_run="r#0", args={}
-        )
+        index = run.start_step(Effect(Site("r#0", 0), "tool", "charge", {}, override="a" * 64))
         run.finish_step(index, json.dumps({"charged": 1}))
         store.save_run(run)
         version = run.version
@@ -446,9 +436,7 @@ def test_finishing_a_step_twice_is_refused_and_writes_nothing(store_kind: str) -
 
 def test_a_failed_step_cannot_be_finished_afterwards() -> None:
     run = fresh_run()
-    index = run.start_step(
-        key="b" * 64, kind="tool", name="charge", callsite=0, logical_run="r#0", args={}
-    )
+    index = run.start_step(Effect(Site("r#0", 0), "tool", "charge", {}, override="b" * 64))
     run.fail_step(index, StepError(type="ConnectionError", message="down"))
     pending = len(run.pending_events)
     with pytest.raises(ValueError, match="already error"):
@@ -467,7 +455,7 @@ def test_steps_are_refused_unless_the_run_is_running() -> None:
     )
     pending = len(run.pending_events)
     with pytest.raises(ValueError, match="paused"):
-        run.start_step(key="c" * 64, kind="now", name="now", callsite=0, logical_run="r", args=None)
+        run.start_step(Effect(Site("r", 0), "now", "now", None, override="c" * 64))
     assert len(run.pending_events) == pending
     assert run.steps == []
 
@@ -501,12 +489,13 @@ def test_step_args_shaped_like_a_transcoder_envelope_keep_the_run_loadable() -> 
     store = RunStore.memory()
     run = fresh_run()
     run.start_step(
-        key="d" * 64,
-        kind="tool",
-        name="charge",
-        callsite=0,
-        logical_run="r#0",
-        args={"payload": {"_type_": "x", "_data_": 1}},
+        Effect(
+            Site("r#0", 0),
+            "tool",
+            "charge",
+            {"payload": {"_type_": "x", "_data_": 1}},
+            override="d" * 64,
+        )
     )
     store.save_run(run)
     loaded = store.load(run.run_id)

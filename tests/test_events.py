@@ -33,6 +33,7 @@ from kuralle_es import (
     end,
 )
 from kuralle_es._journal.run import Run
+from kuralle_es._journal.sites import Effect, Site
 from kuralle_es.events import (
     RunEvent,
     RunFinished,
@@ -262,9 +263,7 @@ async def test_a_re_executed_step_is_a_new_attempt_even_for_a_follower_started_a
     store = open_store()
     run = Run(uuid4(), "s-retry", "flow", "agent", "ship", "digest")
     run.start_turn(0, None, None)
-    index = run.start_step(
-        key="k" * 64, kind="tool", name="ship", callsite=0, logical_run="r#0", args={}
-    )
+    index = run.start_step(Effect(Site("r#0", 0), "tool", "ship", {}, override="k" * 64))
     store.create_run(run)
     run.retry_step(index)
     run.finish_step(index, json.dumps({"shipped": True}))

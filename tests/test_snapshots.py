@@ -21,6 +21,7 @@ from conftest import StoreFactory
 from kuralle_es import RunStore
 from kuralle_es._journal.log import snapshot_due, snapshot_spacing
 from kuralle_es._journal.run import Run
+from kuralle_es._journal.sites import Effect, Site
 
 
 def test_the_spacing_is_the_first_of_100_200_400_at_least_the_weight() -> None:
@@ -55,7 +56,7 @@ def test_a_long_runs_snapshots_add_up_to_under_twice_its_latest_one(
     store.create_run(run)
     for i in range(450):  # two events a save, as a tool step's intent and result
         index = run.start_step(
-            key=f"{i:064x}", kind="tool", name="charge", callsite=i, logical_run="r#", args={"i": i}
+            Effect(Site("r#", i), "tool", "charge", {"i": i}, override=f"{i:064x}")
         )
         run.finish_step(index, json.dumps({"n": i, "receipt": "r" * 40}))
         store.save_run(run)
@@ -88,12 +89,13 @@ def test_a_conversation_of_many_turns_keeps_small_snapshots_and_a_short_load(
         run.start_turn(turn, None, None)
         for i in range(3):
             index = run.start_step(
-                key=f"{turn:032x}{i:032x}",
-                kind="tool",
-                name="lookup",
-                callsite=i,
-                logical_run=f"r#{turn}",
-                args={"turn": turn},
+                Effect(
+                    Site(f"r#{turn}", i),
+                    "tool",
+                    "lookup",
+                    {"turn": turn},
+                    override=f"{turn:032x}{i:032x}",
+                )
             )
             run.finish_step(index, json.dumps({"found": "x" * 40}))
         store.save_run(run)

@@ -38,6 +38,7 @@ from kuralle_es import (
     define_tool,
 )
 from kuralle_es._journal.run import Run
+from kuralle_es._journal.sites import Effect, Site
 from kuralle_es._journal.spending import ModelUsage, normalise_usage, total
 from kuralle_es.shapes import StepRecord, Usage
 from kuralle_es.views.query import ADDED_COLUMNS, VIEWS_GENERATION
@@ -127,20 +128,15 @@ def crafted_run(store: RunStore) -> tuple[str, str]:
     a step under it. Returns (run id, session)."""
     session = f"crafted-{uuid4().hex[:8]}"
     run = Run(uuid4(), session, "conversation", "gamma", None, None)
-    first = run.start_step(
-        key="k0", kind="model", name="m-old", callsite=0, logical_run="lr", args={}
-    )
+    first = run.start_step(Effect(Site("lr", 0), "model", "m-old", {}, override="k0"))
     run.retry_step(first)
     old_style = {"content": "x", "usage": {"prompt_tokens": 100, "completion_tokens": 20}}
     run.finish_step(first, json.dumps(old_style))
     run.finish(None, None, "delta", {})
     run.start_turn(1, None, None)
-    second = run.start_step(
-        key="k1", kind="model", name="m-old", callsite=0, logical_run="lr1", args={}
-    )
+    second = run.start_step(Effect(Site("lr1", 0), "model", "m-old", {}, override="k1"))
     run.finish_step(second, json.dumps({"content": "y", "usage": _spent(1, 2)}))
-    tool = run.start_step(key="k2", kind="tool", name="lookup", callsite=1, logical_run="lr1",
-                          args={})  # fmt: skip
+    tool = run.start_step(Effect(Site("lr1", 1), "tool", "lookup", {}, override="k2"))
     run.retry_step(tool)
     run.finish_step(tool, "{}")
     store.create_run(run)

@@ -38,7 +38,7 @@ from ..shapes import (
 )
 from . import catalogue as stored
 from .leases import Lease
-from .sites import Lane, Site
+from .sites import Effect, Lane, Site
 from .spending import normalise_usage
 from .wait import Wait
 
@@ -203,32 +203,22 @@ class Run(Aggregate):
             callsite_base=callsite_base,
         )
 
-    def start_step(
-        self,
-        *,
-        key: str,
-        kind: str,
-        name: str,
-        callsite: int,
-        logical_run: str,
-        args: Any,
-        lane: str = "",
-        batch: int | None = None,
-    ) -> int:
-        """Append an intent; returns the new step's index."""
+    def start_step(self, effect: Effect) -> int:
+        """Append the intent of ``effect``, at its site; returns the new step's index."""
         self._require_status("running", "start a step")
         index = self.step_count
+        site = effect.site
         self.trigger_event(
             stored.StepIntended,
             index=index,
-            key=key,
-            kind=kind,
-            name=name,
-            callsite=callsite,
-            logical_run=logical_run,
-            lane=lane,
-            args=args,
-            batch=batch,
+            key=effect.key,
+            kind=effect.kind,
+            name=effect.name,
+            callsite=site.callsite,
+            logical_run=site.logical_run,
+            lane=site.lane.value,
+            args=effect.args,
+            batch=site.batch,
         )
         return index
 

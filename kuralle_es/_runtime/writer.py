@@ -558,19 +558,6 @@ class RunWriter:
             return latest, mismatch
         return latest, None
 
-    def _start(self, effect: Effect) -> int:
-        site = effect.site
-        return self._run.start_step(
-            key=effect.key,
-            kind=effect.kind,
-            name=effect.name,
-            callsite=site.callsite,
-            logical_run=site.logical_run,
-            lane=site.lane.value,
-            args=effect.args,
-            batch=site.batch,
-        )
-
     # ---------------------------------------------------------------- funnel
     @traced_step
     async def effect(
@@ -607,7 +594,7 @@ class RunWriter:
             async with self._lock:
                 step = self.recorded(effect)
                 if step is None:
-                    index = self._start(effect)
+                    index = self._run.start_step(effect)
                 elif not replay:
                     index = step["index"]
                     if step["status"] != "running":  # a new pass: its attempts count anew
@@ -686,7 +673,7 @@ class RunWriter:
             result_json = encode_json(value, f"the result of {effect.kind} {effect.name!r}")
             result = json.loads(result_json)
             async with self._lock:
-                index = self._start(effect) if step is None else step["index"]
+                index = self._run.start_step(effect) if step is None else step["index"]
                 self._run.finish_step(index, result_json)
                 if on_recorded is not None:
                     on_recorded(result)
