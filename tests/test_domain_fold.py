@@ -126,7 +126,9 @@ commands = st.one_of(
     st.tuples(st.just("pause"), waits, private_parts),
     st.tuples(st.just("accept_signal"), st.uuids().map(str), short, json_values, opt_short),
     st.tuples(st.just("accept_input"), messages),
-    st.tuples(st.just("repin_flow"), st.just("refund"), st.sampled_from(["e" * 64, "f"]), short),
+    st.tuples(
+        st.just("repin_flow"), st.just("refund"), st.sampled_from(["e" * 64, "f"]), short, opt_short
+    ),
     st.tuples(st.just("allow_retry"), pick),
     st.tuples(st.just("resume")),
     st.tuples(st.just("start_turn"), st.integers(0, 5), st.none() | messages, opt_short),

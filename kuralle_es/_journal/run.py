@@ -254,9 +254,9 @@ class Run(Aggregate):
         self._require_status("paused", "accept input")
         self.trigger_event(stored.InputAccepted, message=message.model_dump(exclude_none=True))
 
-    def repin_flow(
-        self, flow: str, flow_digest: str, node: str, flow_version: str | None = None
-    ) -> None:
+    def repin_flow(self, flow: str, flow_digest: str, node: str, flow_version: str | None) -> None:
+        """Restart ``flow`` from ``node`` under the definition ``flow_digest`` names; its
+        version label is said every time (None: a definition without one), never left out."""
         self.trigger_event(
             stored.FlowPinned,
             flow=flow,
