@@ -23,7 +23,7 @@ from .._journal.wait import APPROVAL, TIMER
 from ..errors import InvalidArgumentError, InvalidSignalError, TurnClosedError, UnknownToolError
 from ..shapes import ApprovalDecision, StreamPart
 from .cursor import Cursor
-from .suspensions import Schemas, approval_decision, is_deadline_deny, suspend
+from .suspensions import Schemas, WaitRequest, approval_decision, is_deadline_deny, suspend
 from .tool_calls import run_tool
 from .writer import RunWriter, decode, utcnow
 
@@ -125,9 +125,7 @@ class RunContext(TurnBound):
         self, title: str, description: str | None, deadline: datetime | timedelta | float | None
     ) -> ApprovalDecision:
         self._require_open("approval")
-        payload = await self._wait(
-            APPROVAL, "approval", title=title, description=description, deadline=deadline
-        )
+        payload = await self._wait("approval", WaitRequest(APPROVAL, title, description, deadline))
         return approval_decision(payload)
 
     def signal(
@@ -151,7 +149,7 @@ class RunContext(TurnBound):
         schema: type[BaseModel] | None,
     ) -> Any:
         self._require_open(f"signal {name!r}")
-        payload = await self._wait(name, "signal", deadline=deadline, schema=schema)
+        payload = await self._wait("signal", WaitRequest(name, deadline=deadline, schema=schema))
         if schema is None or is_deadline_deny(payload):
             return payload
         try:
@@ -159,32 +157,15 @@ class RunContext(TurnBound):
         except ValidationError as e:
             raise InvalidSignalError(name, f"payload of signal {name!r}: {e}") from None
 
-    async def _wait(
-        self,
-        name: str,
-        kind: Literal["approval", "signal"],
-        *,
-        title: str | None = None,
-        description: str | None = None,
-        deadline: datetime | timedelta | float | None = None,
-        schema: type[BaseModel] | None = None,
-    ) -> Any:
+    async def _wait(self, kind: Literal["approval", "signal"], request: WaitRequest) -> Any:
+        """The payload delivered for ``request`` (an approval or a signal), recorded;
+        or the turn suspends on it."""
         site = self._cursor.request()
         try:
-            step = self._writer.recorded(Effect(site, kind, name))
+            step = self._writer.recorded(Effect(site, kind, request.name))
             if step is not None and step["status"] == "finished":
                 return decode(step)
-            suspend(
-                self._writer,
-                site,
-                name=name,
-                kind=kind,
-                title=title,
-                description=description,
-                deadline=deadline,
-                schema=schema,
-                schemas=self._schemas,
-            )
+            suspend(self._writer, site, kind, request, self._schemas)
         finally:
             self._cursor.settled()
 
@@ -224,7 +205,7 @@ class RunContext(TurnBound):
         if left <= self._writer.inline_sleep_limit:
             await self._writer.hold(left)
             return
-        suspend(self._writer, site, name=TIMER, kind="timer", deadline=wake_at)
+        suspend(self._writer, site, "timer", WaitRequest(TIMER, deadline=wake_at))
 
     # ---------------------------------------------------------- clock, uuid
     def now(self) -> Coroutine[Any, Any, datetime]:

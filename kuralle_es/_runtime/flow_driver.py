@@ -38,7 +38,7 @@ from .context import RunContext
 from .cursor import Cursor
 from .loop_turn import JournalTurn
 from .model_calls import model_turn
-from .suspensions import Schemas, suspend
+from .suspensions import Schemas, WaitRequest, suspend
 from .writer import RunWriter
 
 __all__ = ["Driven", "drive", "drive_flow"]
@@ -196,14 +196,8 @@ async def _collect(node: CollectNode, state: dict[str, Any], visit: _Visit) -> A
         writer.enter_node(visit.flow.name, node.id, state, cursor.next)
         writer.append_message(Message(role="assistant", content=question))
         visit.emit(StreamPart(type="text", text=question))
-        suspend(
-            writer,
-            cursor.site(cursor.next),
-            name=INPUT,
-            kind="input",
-            title=question,
-            description=f"missing: {', '.join(missing)}",
-        )
+        missing_input = WaitRequest(INPUT, question, f"missing: {', '.join(missing)}")
+        suspend(writer, cursor.site(cursor.next), "input", missing_input)
     data = {name: state[name] for name in node.schema.model_fields if state.get(name) is not None}
     return node.on_complete(data)
 

@@ -21,7 +21,7 @@ from .._journal.wait import BUDGET
 from ..errors import BudgetExceededError, InvalidArgumentError, ModelResponseError
 from ..shapes import Message
 from .cursor import Cursor
-from .suspensions import approval_decision, frozen_operation, suspend
+from .suspensions import WaitRequest, approval_decision, frozen_operation, suspend
 from .writer import RunWriter, decode
 
 __all__ = ["assistant_message", "model_call", "model_turn", "tool_message"]
@@ -112,15 +112,13 @@ async def _within_budget(writer: RunWriter, site: Site, agent_budget: Budget | N
         if approval_decision(decode(step)).approved:
             return
         writer.stop("budget exceeded")
-    suspend(
-        writer,
-        approval,
-        name=BUDGET,
-        kind="approval",
+    request = WaitRequest(
+        BUDGET,
         title="Approve spending past the budget",
         description=f"the run reached {', '.join(reached)}; approve (with raise_to) or deny",
         operation=frozen_operation(BUDGET, {"usage": spent, "budget": budget.limits()}),
     )
+    suspend(writer, approval, "approval", request)
 
 
 def assistant_message(response: ModelResponse) -> Message:

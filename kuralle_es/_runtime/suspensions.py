@@ -10,6 +10,7 @@ next effect (docs/node-code.md). Re-suspending on the same wait keeps its
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, NoReturn
 from uuid import uuid4
@@ -27,6 +28,7 @@ from .writer import RunWriter, utcnow
 __all__ = [
     "DEADLINE_DENY",
     "Schemas",
+    "WaitRequest",
     "approval_decision",
     "frozen_operation",
     "is_deadline_deny",
@@ -93,47 +95,66 @@ def _absolute(deadline: datetime | timedelta | float | None) -> datetime | None:
     return utcnow() + timedelta(seconds=float(deadline))
 
 
+@dataclass(frozen=True)
+class WaitRequest:
+    """What a run is asked to wait for, by node code or by the runtime for it.
+
+    The kind of wait is ``suspend``'s own argument: ``RunContext`` journals an
+    answered wait as a step of that kind and names it once for both. The
+    ``Wait`` that ``suspend`` makes adds where (the site), which request (its id,
+    kept while the run waits on it) and when it expires (an absolute deadline).
+    """
+
+    name: str
+    title: str | None = None
+    description: str | None = None
+    #: When the wait expires: a moment, a delay or seconds from now (None: never).
+    deadline: datetime | timedelta | float | None = None
+    #: The frozen tool call an approval (or an in-doubt question) is about.
+    operation: FrozenOperation | None = None
+    #: The step an in-doubt question is about.
+    step_index: int | None = None
+    #: The model a signal's payload is validated against.
+    schema: type[BaseModel] | None = None
+
+
 def suspend(
     writer: RunWriter,
     site: Site,
-    *,
-    name: str,
     kind: WaitKind,
-    title: str | None = None,
-    description: str | None = None,
-    deadline: datetime | timedelta | float | None = None,
-    operation: FrozenOperation | None = None,
-    step_index: int | None = None,
-    schema: type[BaseModel] | None = None,
+    request: WaitRequest,
     schemas: Schemas | None = None,
 ) -> NoReturn:
-    """Stop the turn until ``name`` is delivered for this site.
+    """Stop the turn on a wait of ``kind`` until ``request.name`` is delivered for
+    this site (``schemas`` remembers the request's payload schema, for the delivery).
 
     The journal keeps the turn's first suspension: node code that catches
     this ``SuspendError`` and goes on gets it again at its next effect.
     """
     current = writer.waiting
-    if current is not None and current.is_at(site.logical_run, site.callsite, name, site.lane):
+    if current is not None and current.is_at(
+        site.logical_run, site.callsite, request.name, site.lane
+    ):
         request_id = current.request_id
-        absolute = current.deadline or _absolute(deadline)
+        absolute = current.deadline or _absolute(request.deadline)
     else:
         request_id = uuid4().hex
-        absolute = _absolute(deadline)
+        absolute = _absolute(request.deadline)
     topic = None
-    if schema is not None:
-        topic = (schemas or Schemas()).remember(schema)
+    if request.schema is not None:
+        topic = (schemas or Schemas()).remember(request.schema)
     wait = Wait(
-        name=name,
+        name=request.name,
         callsite=site.callsite,
-        kind=kind,
-        request_id=request_id,
-        logical_run=site.logical_run,
-        title=title,
-        description=description,
+        title=request.title,
+        description=request.description,
         deadline=absolute,
-        operation=operation,
+        request_id=request_id,
+        kind=kind,
+        operation=request.operation,
+        logical_run=site.logical_run,
         lane=site.lane,
-        step_index=step_index,
+        step_index=request.step_index,
         schema_topic=topic,
     )
     writer.suspend(wait)

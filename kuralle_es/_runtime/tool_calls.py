@@ -17,7 +17,7 @@ from .._journal.sites import Effect, Lane, Site
 from .._journal.wait import APPROVAL, IN_DOUBT
 from ..errors import ToolApprovalDeniedError
 from ..shapes import ApprovalDecision, StreamPart, ToolCall
-from .suspensions import approval_decision, frozen_operation, suspend
+from .suspensions import WaitRequest, approval_decision, frozen_operation, suspend
 from .writer import RunWriter, decode
 
 __all__ = ["ask_approval", "recorded_approval", "run_tool", "tool_call", "tool_effect"]
@@ -86,15 +86,13 @@ def ask_approval(
 ) -> NoReturn:
     """Suspend the turn on ``__approval`` for the call at ``site``, its operation
     (tool name, args, args hash) frozen for the approver (docs/howto/approvals.md)."""
-    suspend(
-        writer,
-        site.in_lane(Lane.APPROVAL),
-        name=APPROVAL,
-        kind="approval",
+    request = WaitRequest(
+        APPROVAL,
         title=f"Approve {tool_name}",
         description=description,
         operation=frozen_operation(tool_name, args),
     )
+    suspend(writer, site.in_lane(Lane.APPROVAL), "approval", request)
 
 
 async def run_tool(
@@ -120,11 +118,8 @@ async def run_tool(
 
     async def ask_in_doubt(step: StepData) -> None:
         if tool.on_in_doubt == "ask":
-            suspend(
-                writer,
-                site,
-                name=IN_DOUBT,
-                kind="signal",
+            question = WaitRequest(
+                IN_DOUBT,
                 title=f"Did {tool.name} run before the crash?",
                 description=(
                     "The process stopped between this call's intent and its result. "
@@ -133,6 +128,7 @@ async def run_tool(
                 operation=frozen_operation(tool.name, step["args"]),
                 step_index=step["index"],
             )
+            suspend(writer, site, "signal", question)
 
     announced = False
 
