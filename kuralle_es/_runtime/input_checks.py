@@ -19,7 +19,6 @@ from ..shapes import SignalDelivery
 __all__ = [
     "MAX_ID_LENGTH",
     "check_id",
-    "check_text",
     "check_turn_args",
 ]
 
@@ -57,7 +56,7 @@ def check_id(value: Any, what: str) -> str:
     return str(value)
 
 
-def check_text(value: Any, what: str) -> str:
+def _check_text(value: Any, what: str) -> str:
     """``value`` as user text: a valid Unicode string within the payload bound."""
     if not isinstance(value, str):
         msg = f"{what} is of type {type(value).__name__}; pass the user's message as a string"
@@ -79,7 +78,7 @@ def check_turn_args(
     """Refuse a turn's bad arguments before the turn reads or writes anything."""
     check_id(session_id, "session_id")
     if input is not None:
-        check_text(input, "input")
+        _check_text(input, "input")
     if idempotency_key is not None:
         check_id(idempotency_key, "idempotency_key")
     if delivery is not None:
