@@ -327,9 +327,7 @@ class Run(Aggregate):
         """
         if self.migrated_to == to_run_id:
             return False
-        if self.migrated_to is not None:
-            msg = f"run {self.run_id} was already migrated to run {self.migrated_to}"
-            raise InvalidArgumentError(msg)
+        self.refuse_migration_elsewhere(to_run_id)
         if self.status == "finished":
             msg = (
                 f"run {self.run_id} finished (outcome {self.outcome!r}) before its "
@@ -340,6 +338,15 @@ class Run(Aggregate):
         if self.status != "aborted":
             self.abort(f"{MIGRATED}{to_run_id}")
         return True
+
+    def refuse_migration_elsewhere(self, to_run_id: str) -> None:
+        """``InvalidArgumentError`` when this run already moved to a fork other than
+        ``to_run_id``: asked before a migration forks (so a refused one writes
+        nothing) and again when ``migrate`` records the move (one may have landed
+        in between)."""
+        if self.migrated_to is not None and self.migrated_to != to_run_id:
+            msg = f"run {self.run_id} was already migrated to run {self.migrated_to}"
+            raise InvalidArgumentError(msg)
 
     def copy_event(self, event_class: type[stored.Event], fields: dict[str, Any]) -> None:
         """Append an event copied from another run's history (a fork's opening)."""

@@ -95,9 +95,7 @@ async def migrate_run(env: TurnEnv, run_id: str, session_id: str, at_step: int) 
     if original is None:
         raise RunNotFoundError(run_id, session_id)
     fork_id = migration_id(original.run_id, at_step)
-    if original.migrated_to is not None and original.migrated_to != fork_id:
-        msg = f"run {original.run_id} was already migrated to run {original.migrated_to}"
-        raise InvalidArgumentError(msg)
+    original.refuse_migration_elsewhere(fork_id)
     made = await env.store.load_async(fork_id)
     if made is None:
         _refuse_ended(original)
