@@ -15,6 +15,7 @@ import asyncio
 import os
 import sys
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import quote
@@ -122,26 +123,21 @@ def _local_path(target: str | None) -> str:
     return "/"
 
 
+@dataclass(eq=False)
 class _Dashboard:
-    def __init__(
-        self,
-        store: RunStore,
-        runtime_factory: RuntimeFactory,
-        gate: Gate,
-        private_reads: bool,
-        refresh_seconds: int,
-        prices: Prices | None = None,
-    ) -> None:
-        self.store = store
-        self.prices = prices
-        self.refresh_seconds = refresh_seconds
-        self.gate = gate
-        self.private_reads = private_reads
-        self.templates = _templates()
-        self._runtime_factory = runtime_factory
-        self._runtime: Runtime | None = None
-        self._runtime_lock = asyncio.Lock()
-        self._views: RunViews | None = None
+    """What the pages and actions share: the store, who may read and write, and
+    what is made once (the templates), or on first use (the views, the runtime)."""
+
+    store: RunStore
+    runtime_factory: RuntimeFactory
+    gate: Gate
+    private_reads: bool
+    refresh_seconds: int
+    prices: Prices | None = None
+    templates: Jinja2Templates = field(default_factory=_templates, init=False)
+    _runtime: Runtime | None = field(default=None, init=False)
+    _runtime_lock: asyncio.Lock = field(default_factory=asyncio.Lock, init=False)
+    _views: RunViews | None = field(default=None, init=False)
 
     # ------------------------------------------------------------- plumbing
     def operator(self, request: Request) -> Operator | None:
@@ -221,7 +217,7 @@ class _Dashboard:
     async def runtime(self) -> Runtime:
         async with self._runtime_lock:
             if self._runtime is None:
-                self._runtime = await asyncio.to_thread(self._runtime_factory, self.store)
+                self._runtime = await asyncio.to_thread(self.runtime_factory, self.store)
             return self._runtime
 
     async def load(self, run_id: str) -> RunState | None:
