@@ -601,7 +601,8 @@ class Fork(Command):
     run_id: str
     at_step: int
     into_session: str | None = None
-    idempotency_key: str | None = None
+    #: None: a fork takes no inbound key; ``fork_id`` is what a retry finds it by.
+    idempotency_key: str | None = field(default=None, init=False)
     fork_id: str | None = None
     _plan: ForkPlan | None = field(default=None, init=False, repr=False)
 
