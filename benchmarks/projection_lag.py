@@ -255,6 +255,8 @@ def big_rows(now: datetime) -> list[RunRow]:
                 updated_at=updated,
                 version=10,
                 event_count=10,
+                agent=None,
+                flow_version=None,
             )
         )
     return rows

@@ -65,8 +65,8 @@ class RunRow:
     updated_at: datetime
     version: int
     event_count: int
-    agent: str | None = None
-    flow_version: str | None = None
+    agent: str | None
+    flow_version: str | None
 
     @property
     def wait_kind(self) -> str | None:
