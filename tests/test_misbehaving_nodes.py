@@ -45,7 +45,7 @@ from kuralle_es import (
     end,
     recover_orphaned_runs,
 )
-from kuralle_es._definitions import tools as tools_module
+from kuralle_es._definitions import tool_threads as threads_module
 from kuralle_es.testing import ScriptedModel, replay_check
 
 SESSION = "s-misbehaving"
@@ -276,7 +276,7 @@ async def test_sync_tools_blocked_at_once_each_have_a_thread_which_ends_when_idl
     """Tool threads take calls from one queue, and a call is queued only when an
     idle thread is left to take it: calls that block together never wait for
     each other (each waits here for all the others to be running)."""
-    monkeypatch.setattr(tools_module, "IDLE_SECONDS", 0.2)
+    monkeypatch.setattr(threads_module, "IDLE_SECONDS", 0.2)
     together = 6
     all_running = threading.Barrier(together, timeout=10)
 

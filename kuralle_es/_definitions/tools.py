@@ -7,11 +7,7 @@ A tool knows nothing of journals: the funnel in ``journal`` decides whether
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import contextvars
 import inspect
-import queue
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypedDict, TypeVar, Unpack, overload
@@ -29,6 +25,7 @@ from ..errors import (
 )
 from ..shapes import ToolCall
 from .retry import NO_RETRY, RetryPolicy
+from .tool_threads import in_tool_thread
 
 __all__ = ["Tool", "define_tool"]
 
@@ -118,7 +115,7 @@ class Tool(Generic[ArgsT]):
         work = (
             self._call(args, call)
             if self.is_async
-            else _in_own_thread(lambda: self._call(args, call))
+            else in_tool_thread(lambda: self._call(args, call))
         )
         if self.timeout is None:
             return await work
@@ -145,96 +142,6 @@ class Tool(Generic[ArgsT]):
                 "parameters": self.input.model_json_schema(),
             },
         }
-
-
-async def _in_own_thread(fn: Callable[[], Any]) -> Any:
-    """Run a sync tool on a tool thread (awaiting an awaitable it returns).
-
-    Not the loop's default executor: an abandoned attempt would hold one of
-    its threads, and ``asyncio.run`` waits for that executor at exit. The
-    tool runs in a copy of the caller's context (as ``asyncio.to_thread``).
-    """
-    loop = asyncio.get_running_loop()
-    context = contextvars.copy_context()
-    future: asyncio.Future[Any] = loop.create_future()
-
-    def settle(value: Any, error: BaseException | None) -> None:
-        if future.done():  # abandoned after a timeout
-            return
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(value)
-
-    def work() -> None:
-        try:
-            value, error = context.run(fn), None
-        except BaseException as exc:  # handed to the awaiting task
-            value, error = None, exc
-        # RuntimeError: the loop is gone, nobody waits for this attempt any more.
-        with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(settle, value, error)
-
-    _TOOL_THREADS.submit(work)
-    outcome = await future
-    if inspect.isawaitable(outcome):
-        outcome = await outcome
-    return outcome
-
-
-#: Seconds a tool thread with nothing to do waits for another call before it ends.
-IDLE_SECONDS = 30.0
-
-
-class _ToolThreads:
-    """Daemon threads for sync tools, taking calls from one queue.
-
-    Starting a thread costs more than a short tool call, and so does waking a
-    sleeping one: a thread that finished a call takes the next queued one
-    without sleeping, and an idle thread waits up to ``IDLE_SECONDS`` for
-    more. A blocking call never delays another: a call is queued only when an
-    idle thread is left to take it, otherwise a new thread starts for it (so a
-    call that outlives its timeout keeps its thread to itself).
-
-    Invariant, whenever ``_guard`` is free: ``_unclaimed <= _idle`` (every
-    queued call has an idle thread to take it).
-    """
-
-    def __init__(self) -> None:
-        self._guard = threading.Lock()
-        self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._idle = 0  # threads not running a call
-        self._unclaimed = 0  # calls queued that no thread has taken yet
-
-    def submit(self, work: Callable[[], None]) -> None:
-        with self._guard:
-            self._unclaimed += 1
-            start = self._unclaimed > self._idle
-            if start:
-                self._idle += 1  # the new thread, idle until it takes a call
-        self._calls.put(work)
-        if start:
-            threading.Thread(target=self._serve, name="kuralle-tool", daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                work = self._calls.get(timeout=IDLE_SECONDS)
-            except queue.Empty:
-                with self._guard:
-                    if self._unclaimed < self._idle:  # the others cover every queued call
-                        self._idle -= 1
-                        return
-                continue  # a queued call may count on this thread
-            with self._guard:
-                self._idle -= 1
-                self._unclaimed -= 1
-            work()
-            with self._guard:
-                self._idle += 1
-
-
-_TOOL_THREADS = _ToolThreads()
 
 
 def _is_async(fn: Callable[..., Any]) -> bool:
