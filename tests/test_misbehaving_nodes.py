@@ -36,6 +36,7 @@ from kuralle_es import (
     SignalMismatchError,
     SuspendError,
     ToolCall,
+    ToolExecutionError,
     TurnClosedError,
     action,
     collect,
@@ -527,3 +528,19 @@ async def test_replay_check_with_the_agents_finds_args_from_unrecorded_values(
     assert [(f.run_id, f.kind) for f in findings] == [(paused.run_id, "nondeterminism")]
     assert "idempotency_key" in findings[0].message
     assert ledger.lines == ["charge 10"]  # the check executed nothing
+
+
+async def test_a_sync_tool_raising_stop_iteration_fails_its_step(open_store: Any) -> None:
+    """An asyncio future refuses StopIteration: the step fails with it named, and the
+    run does not hang on a result that never comes."""
+
+    def exhausted(args: NoArgs) -> dict[str, Any]:
+        return next(iter([]))  # raises StopIteration
+
+    runtime = one_tool_runtime(open_store(), define_tool("exhausted", "", NoArgs, exhausted))
+    turn = runtime.run(SESSION, kind="flow", flow_name="f")
+    with pytest.raises(ToolExecutionError, match="StopIteration"):
+        await asyncio.wait_for(turn.result(), timeout=10)
+    steps = await runtime.get_steps(await turn.run_id, SESSION)
+    assert [(s.name, s.status) for s in steps] == [("exhausted", "error")]
+    assert steps[0].error is not None and "StopIteration" in steps[0].error.message
