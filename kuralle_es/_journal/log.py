@@ -436,19 +436,12 @@ class RunLog(SavingApplication):
         events = run.collect_events()
         index = self._saved_indexes.take(run.session_id) or new_session_runs(run.session_id)
         index.add_run(run.run_id)
-        processing_event = AggregatesFirst()
-        processing_event.collect_events(*events, index)
         try:
-            with _lease_errors(run):
-                stored = [self.mapper.to_stored_event(e) for e in processing_event.events]
-                await saver.insert(stored, lease)
+            await self._save_from_loop(saver, run, lease, *events, index)
         except IntegrityError:
             await asyncio.to_thread(self._create_reading_index, run, events, lease)
             return
         self._saved_indexes.keep(index)
-        due = self.due_snapshots(processing_event)
-        if due:
-            await asyncio.to_thread(self.put_snapshots, due)
 
     def session_run_ids(self, session_id: str) -> list[str]:
         """Ids of the session's runs, oldest first."""
@@ -486,17 +479,24 @@ class RunLog(SavingApplication):
         if saver is None:
             await self._off_loop(RunLog.save_run, self, run, lease)
             return
-        # ``save`` with the recorder's insert sent from the loop. The library's
-        # post-save hooks (``_notify``, ``notify``) are not called: nothing here
-        # uses them, and a store in an ``eventsourcing`` system would not save runs.
-        processing_event = AggregatesFirst()
-        processing_event.collect_events(run)
-        events = processing_event.events
         try:
-            with _lease_errors(run):
-                await saver.insert([self.mapper.to_stored_event(e) for e in events], lease)
+            await self._save_from_loop(saver, run, lease, run)
         except IntegrityError as e:
             raise StaleWriteError(run.run_id, "another writer appended first") from e
+
+    async def _save_from_loop(
+        self, saver: AsyncOneTripSaver, run: Run, lease: LeaseOp | None, *items: Any
+    ) -> None:
+        """``save`` of ``items`` (aggregates or their events) with the recorder's insert
+        sent from the loop, then the snapshots that fall due; a clash is
+        ``IntegrityError``, with nothing written. The library's post-save hooks
+        (``_notify``, ``notify``) are not called: nothing here uses them, and a
+        store in an ``eventsourcing`` system would not save runs."""
+        processing_event = AggregatesFirst()
+        processing_event.collect_events(*items)
+        with _lease_errors(run):
+            stored = [self.mapper.to_stored_event(e) for e in processing_event.events]
+            await saver.insert(stored, lease)
         due = self.due_snapshots(processing_event)
         if due:
             await asyncio.to_thread(self.put_snapshots, due)

@@ -329,19 +329,12 @@ class AsyncOneTripSaver:
         with self._guard:
             if self._closed:
                 raise InterfaceError("the run store is closed")
-            for gone in [held for held in self._connections if held.is_closed()]:
-                # A statement its loop left unfinished keeps its connection (see
-                # ``_using``): it goes when nothing refers to it any more.
-                left = self._connections.pop(gone)
-                if left not in self._in_use:
-                    _finish(left)
-            for gone in [held for held in self._lanes if held.is_closed()]:
-                del self._lanes[gone]
-            for gone in [held for held in self._wakers if held.is_closed()]:
-                del self._wakers[gone]
             connection = self._connections.get(loop)
-        if connection is not None and not connection.closed:
-            return connection
+            if connection is not None and not connection.closed:
+                return connection
+            # A loop's first statement (or one after a lost connection): what closed
+            # loops left behind goes now, not on every statement.
+            self._forget_closed_loops()
         connection = await self._connect()
         with self._guard:
             if self._closed:
@@ -354,6 +347,19 @@ class AsyncOneTripSaver:
                 return meanwhile
             self._connections[loop] = connection
         return connection
+
+    def _forget_closed_loops(self) -> None:
+        """Drop the connections, lanes and wake-ups of loops that are closed (under
+        ``_guard``). A statement its loop left unfinished keeps its connection (see
+        ``_using``): it goes when nothing refers to it any more."""
+        for gone in [held for held in self._connections if held.is_closed()]:
+            left = self._connections.pop(gone)
+            if left not in self._in_use:
+                _finish(left)
+        for gone in [held for held in self._lanes if held.is_closed()]:
+            del self._lanes[gone]
+        for gone in [held for held in self._wakers if held.is_closed()]:
+            del self._wakers[gone]
 
     async def _connect(self) -> psycopg.AsyncConnection[Any]:
         datastore = self._recorder.datastore

@@ -237,15 +237,16 @@ class RunStore(RunLog):
         """Save a new run in its session's log, with its entry in the session's index."""
         log = self._log_of_session(run.session_id)
         RunLog.create_run(log, run, lease)
-        if log is not self:
-            self._remember(run.id, log)
-            with self._routing:
-                self._sessions[run.session_id] = log
+        self._created_in(run, log)
 
     async def create_run_async(self, run: Run, lease: LeaseOp | None = None) -> None:
         """``create_run`` for async code, without blocking the event loop."""
         log = await self._log_of_session_async(run.session_id)
         await RunLog.create_run_async(log, run, lease)
+        self._created_in(run, log)
+
+    def _created_in(self, run: Run, log: RunLog) -> None:
+        """Route the new run, and its session, to ``log`` from now on."""
         if log is not self:
             self._remember(run.id, log)
             with self._routing:
