@@ -29,7 +29,12 @@ from typing import Any
 from uuid import UUID
 
 from eventsourcing.application import Application, ProcessingEvent
-from eventsourcing.domain import BaseAggregate, DomainEventProtocol, MutableOrImmutableAggregate
+from eventsourcing.domain import (
+    AggregateEvent,
+    BaseAggregate,
+    DomainEventProtocol,
+    MutableOrImmutableAggregate,
+)
 from eventsourcing.persistence import Recording, StoredEvent, Tracking
 from eventsourcing.sqlite import (
     SQLiteApplicationRecorder,
@@ -74,8 +79,10 @@ class AggregatesFirst(ProcessingEvent[UUID]):
     ``eventsourcing`` tells an aggregate from an event with ``isinstance`` on two
     runtime-checkable protocols, which Python 3.11 answers by walking each
     protocol's attributes on every call: on the in-memory store that was the
-    largest single cost of a save. Our aggregates are ``BaseAggregate``s, so a
-    plain class check says the same thing; anything else goes the library's way.
+    largest single cost of a save. Our aggregates are ``BaseAggregate``s and our
+    events ``AggregateEvent``s (a new run's events are saved as events, next to
+    its session's index), so plain class checks say the same thing; anything
+    else goes the library's way.
     """
 
     def collect_events(
@@ -87,6 +94,8 @@ class AggregatesFirst(ProcessingEvent[UUID]):
             if isinstance(obj, BaseAggregate):
                 self.events.extend(obj.collect_events())
                 self.aggregates[obj.id] = obj
+            elif isinstance(obj, AggregateEvent):
+                self.events.append(obj)
             else:
                 super().collect_events(obj)
         self.saved_kwargs.update(kwargs)
