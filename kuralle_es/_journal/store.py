@@ -139,21 +139,26 @@ class RunStore(RunLog):
     # ------------------------------------------------------------- routing
     def _log_of_run(self, run_id: str) -> RunLog | None:
         """The log that holds the run, looked up once (each log asked in turn)."""
-        known = self._known(run_id)
         aggregate_id = parse_run_id(run_id)
-        if known is not None or aggregate_id is None:
+        if aggregate_id is None:
+            return None
+        known = self._known(aggregate_id)
+        if known is not None:
             return known
         found = next((log for log in self.partitions if log.holds(aggregate_id)), None)
         return self._run_found(aggregate_id, found)
 
     async def _log_of_run_async(self, run_id: str) -> RunLog | None:
-        """``_log_of_run`` for async code: every log asked at once, from the loop."""
-        known = self._known(run_id)
+        """``_log_of_run`` for async code."""
+        aggregate_id = parse_run_id(run_id)
+        return None if aggregate_id is None else await self._log_of_id_async(aggregate_id)
+
+    async def _log_of_id_async(self, aggregate_id: UUID) -> RunLog | None:
+        """The log that holds the run with this aggregate id: every log asked at once,
+        from the loop, the first time."""
+        known = self._known(aggregate_id)
         if known is not None:
             return known
-        aggregate_id = parse_run_id(run_id)
-        if aggregate_id is None:
-            return None
         return self._run_found(aggregate_id, await self._holder_async(aggregate_id))
 
     def _run_found(self, run_id: UUID, log: RunLog | None) -> RunLog | None:
@@ -204,13 +209,10 @@ class RunStore(RunLog):
         digest = hashlib.sha256(session_id.encode("utf-8")).digest()
         return self.partitions[int.from_bytes(digest[:8], "big") % len(self.partitions)]
 
-    def _known(self, run_id: str) -> RunLog | None:
+    def _known(self, aggregate_id: UUID) -> RunLog | None:
         """The run's log if it is known without asking a database."""
         if len(self.partitions) == 1:
             return self
-        aggregate_id = parse_run_id(run_id)
-        if aggregate_id is None:
-            return None
         with self._routing:
             return self._runs.get(aggregate_id)
 
@@ -259,7 +261,7 @@ class RunStore(RunLog):
         RunLog.save_run(self._log_of(run), run, lease)
 
     async def save_run_async(self, run: Run, lease: LeaseOp | None = None) -> None:
-        log = await self._log_of_run_async(run.run_id)
+        log = await self._log_of_id_async(run.id)
         if log is None:
             log = await self._log_of_session_async(run.session_id)
         await RunLog.save_run_async(log, run, lease)

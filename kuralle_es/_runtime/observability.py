@@ -36,6 +36,7 @@ __all__ = [
     "set_status",
     "span",
     "traced_step",
+    "tracing_on",
 ]
 
 LOGGER_NAME = "kuralle_es"
@@ -81,7 +82,7 @@ def log_event(event: str, run_id: str, payload: Any = None, **fields: Any) -> No
     )
 
 
-def _tracing() -> bool:
+def tracing_on() -> bool:
     """Whether spans are worth making: the extra is installed and a provider is set
     (until then OpenTelemetry's global provider is a proxy that records nothing)."""
     return _trace is not None and not isinstance(
@@ -131,7 +132,7 @@ def span(
     every turn of a run, in any process, lands in one trace; under a caller's
     span it stays in the caller's trace and links to the run's.
     """
-    if _trace is None or not _tracing():
+    if _trace is None or not tracing_on():
         yield None
         return
     clean = {k: v for k, v in attributes.items() if v is not None}
@@ -184,11 +185,15 @@ def traced_step(method: _Step) -> _Step:
     ``kuralle.step`` span: run id, step kind, name, callsite, whether it was
     replayed (``kuralle.replayed``) and how it ended (``finished``, ``error``,
     ``suspended``). With ``KURALLE_TRACE_REPLAYED=omit`` a replayed step makes
-    no span, so a run resumed ten times shows each executed step once."""
+    no span, so a run resumed ten times shows each executed step once.
+
+    Whether to trace is the writer's ``tracing``, asked once a turn: asking
+    OpenTelemetry on every step (an environment lookup) cost a busy process a
+    hundredth of its time."""
 
     @functools.wraps(method)
     async def traced(writer: Any, effect: Any, **kwargs: Any) -> Any:
-        if not _tracing():
+        if not writer.tracing:
             return await method(writer, effect, **kwargs)
         replayed = _replays(writer, effect, kwargs)
         if replayed and replayed_spans() == "omit":

@@ -70,7 +70,7 @@ from ..shapes import (
     messages_from_json,
 )
 from .heartbeat import Heartbeat
-from .observability import traced_step
+from .observability import traced_step, tracing_on
 
 if TYPE_CHECKING:
     from .fork import ForkPlan
@@ -205,6 +205,9 @@ class RunWriter:
         self._store = store
         self._prices = prices
         self._run = run
+        #: The run's id, made once: a run never changes its id, and the text of a
+        #: UUID is made afresh on every read of ``Run.run_id``.
+        self.run_id = run.run_id
         self._holder = holder
         self.lease_ttl = timedelta(seconds=lease_ttl)
         #: This turn's token on the run's lease record, and the lease once taken.
@@ -225,9 +228,11 @@ class RunWriter:
         self._closed = False
         self._beat_every = timedelta(seconds=lease_ttl / 3)
         self._heartbeat = Heartbeat(self._beat, lease_ttl / 3)
+        #: Whether this turn's steps make spans (a provider set meanwhile counts
+        #: from the next turn).
+        self.tracing = tracing_on()
 
     # ---------------------------------------------------------------- reads
-    run_id = _OfRun[str]()
     session_id = _OfRun[str]()
     epoch = _OfRun[int]()
     flow_digest = _OfRun[str | None]()
