@@ -218,6 +218,8 @@ class RunWriter:
         #: A durable sleep that wakes within this many seconds waits inline.
         self.inline_sleep_limit = inline_sleep_limit
         self._lock = asyncio.Lock()
+        #: The task that drives the turn: its own effects are awaited one at a time.
+        self._turn_task = asyncio.current_task()
         self._inflight = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -400,9 +402,12 @@ class RunWriter:
         On a store whose saves block, the effects of a parallel batch first
         get one turn of the event loop to journal their own intents, so the
         batch's intents share one save; each effect still waits for the save
-        that carries its intent (README.md, "Architecture").
+        that carries its intent (README.md, "Architecture"). An effect awaited
+        by the turn's own task is not in a batch (a batch's effects run in
+        tasks of their own), and skips that turn: a sequential step's intent
+        goes at once.
         """
-        if self._store.saves_block:
+        if self._store.saves_block and asyncio.current_task() is not self._turn_task:
             await asyncio.sleep(0)
         async with self._lock:
             await self._persist_locked()
