@@ -8,11 +8,13 @@ the run lives in, 0 when there is one: docs/scaling.md), ``position`` (the
 stored event's notification id in that partition: increasing, with gaps;
 ``(partition, position)`` is unique), ``run_id``, ``session_id`` and
 ``occurred_at``. The nested shapes (``EventWaitingFor``, ``EventError``,
-``EventOperation``) are copies owned by this module, so an internal change
-to the runtime's models never alters an event's shape without a new schema
-version. ``tests/golden/run_events_v1*.schema.json`` pin each published
-revision of the JSON schema; a revision of version 1 only adds optional
-fields (``partition`` came so), so every event ever published still parses.
+``EventOperation``) are the runtime's ``WaitingFor``, ``StepError`` and
+``FrozenOperation``, frozen and closed to unknown fields as every event is.
+``tests/golden/run_events_v1*.schema.json`` pin each published revision of
+the JSON schema, so a change to those runtime shapes that would alter an
+event's shape fails the tests until it is published as a new revision or
+schema version; a revision of version 1 only adds optional fields
+(``partition`` came so), so every event ever published still parses.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+from ..shapes import FrozenOperation, StepError, WaitingFor
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -52,35 +56,22 @@ ResumeReason = Literal["input", "timer", "recovery", "error", "restart"]
 
 
 class _Shape(BaseModel):
+    # Last among a shape's bases, so that its config is the one pydantic keeps.
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-class EventError(_Shape):
+class EventError(StepError, _Shape):
     """A failure as recorded: exception class name, message, structured data."""
 
-    type: str
-    message: str
-    data: dict[str, Any] = Field(default_factory=dict)
 
-
-class EventOperation(_Shape):
+class EventOperation(FrozenOperation, _Shape):
     """The tool call an approval (or an in-doubt step) is about."""
 
-    tool_name: str
-    args: Any
-    args_hash: str
 
-
-class EventWaitingFor(_Shape):
+class EventWaitingFor(WaitingFor, _Shape):
     """What a paused run waits for; the same fields as the runtime's ``WaitingFor``."""
 
-    name: str
-    callsite: int
-    title: str | None = None
-    description: str | None = None
-    deadline: datetime | None = None
-    request_id: str
-    kind: Literal["approval", "signal", "input", "timer"]
+    # The event's own (frozen, closed) shape of the operation.
     operation: EventOperation | None = None
 
 
