@@ -310,7 +310,10 @@ class Runtime:
         make a retry a no-op). It answers any approval, a budget's too, whose
         limits ``raise_to`` raises (``{"max_total_tokens": 20000}``, docs/usage.md).
         """
-        return await self._decide(run_id, session_id, True, by, reason, signal_id, raise_to)
+        delivery = approval_delivery(
+            approved=True, by=by, reason=reason, signal_id=signal_id, raise_to=raise_to
+        )
+        return await self.run(session_id, run_id=run_id, signal_delivery=delivery).result()
 
     async def deny(
         self,
@@ -322,7 +325,8 @@ class Runtime:
         signal_id: str | None = None,
     ) -> TurnResult:
         """Deny what the run waits for, as ``by``; like ``approve`` with ``approved`` false."""
-        return await self._decide(run_id, session_id, False, by, reason, signal_id)
+        delivery = approval_delivery(approved=False, by=by, reason=reason, signal_id=signal_id)
+        return await self.run(session_id, run_id=run_id, signal_delivery=delivery).result()
 
     async def signal(
         self,
@@ -341,21 +345,6 @@ class Runtime:
         """
         delivery = SignalDelivery(
             signal_id=signal_id or uuid4().hex, name=name, payload=payload, actor=actor
-        )
-        return await self.run(session_id, run_id=run_id, signal_delivery=delivery).result()
-
-    async def _decide(
-        self,
-        run_id: str,
-        session_id: str,
-        approved: bool,
-        by: str,
-        reason: str | None,
-        signal_id: str | None,
-        raise_to: dict[str, Any] | None = None,
-    ) -> TurnResult:
-        delivery = approval_delivery(
-            approved=approved, by=by, reason=reason, signal_id=signal_id, raise_to=raise_to
         )
         return await self.run(session_id, run_id=run_id, signal_delivery=delivery).result()
 
