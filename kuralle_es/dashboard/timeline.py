@@ -49,6 +49,10 @@ def _shorten(full: str) -> str:
     return full if len(full) <= _SHORT else full[: _SHORT - 1] + "…"
 
 
+#: The fields of a step's row that are the step's own, as they are.
+_AS_IN_STEP = {"index", "kind", "name", "status", "attempts", "started_at"}
+
+
 def _step_row(step: StepRecord) -> TimelineRow:
     if step.status == "error" and step.error is not None:
         full = f"{step.error.type}: {step.error.message}"
@@ -62,12 +66,7 @@ def _step_row(step: StepRecord) -> TimelineRow:
     if step.started_at is not None and step.finished_at is not None:
         duration_ms = (step.finished_at - step.started_at).total_seconds() * 1000.0
     return TimelineRow(
-        index=step.index,
-        kind=step.kind,
-        name=step.name,
-        status=step.status,
-        attempts=step.attempts,
-        started_at=step.started_at,
+        **step.model_dump(include=_AS_IN_STEP),
         duration_ms=duration_ms,
         outcome=_shorten(full),
         outcome_full=full,
