@@ -313,7 +313,7 @@ class Runtime:
         delivery = approval_delivery(
             approved=True, by=by, reason=reason, signal_id=signal_id, raise_to=raise_to
         )
-        return await self.run(session_id, run_id=run_id, signal_delivery=delivery).result()
+        return await self._deliver(run_id, session_id, delivery)
 
     async def deny(
         self,
@@ -326,7 +326,7 @@ class Runtime:
     ) -> TurnResult:
         """Deny what the run waits for, as ``by``; like ``approve`` with ``approved`` false."""
         delivery = approval_delivery(approved=False, by=by, reason=reason, signal_id=signal_id)
-        return await self.run(session_id, run_id=run_id, signal_delivery=delivery).result()
+        return await self._deliver(run_id, session_id, delivery)
 
     async def signal(
         self,
@@ -346,6 +346,10 @@ class Runtime:
         delivery = SignalDelivery(
             signal_id=signal_id or uuid4().hex, name=name, payload=payload, actor=actor
         )
+        return await self._deliver(run_id, session_id, delivery)
+
+    async def _deliver(self, run_id: str, session_id: str, delivery: SignalDelivery) -> TurnResult:
+        """The operator helpers' one turn: ``run`` with the delivery, its result."""
         return await self.run(session_id, run_id=run_id, signal_delivery=delivery).result()
 
     # ----------------------------------------------------------- definitions
