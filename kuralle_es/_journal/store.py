@@ -28,7 +28,7 @@ import asyncio
 import hashlib
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 from uuid import UUID
 
 import psycopg
@@ -44,6 +44,9 @@ from .sessions import session_runs_id
 from .urls import locate
 
 __all__ = ["RunStore"]
+
+#: What the store routes to a log: a run's aggregate id, or a session's id.
+_Key = TypeVar("_Key", UUID, str)
 
 #: The table of a partitioned database that records how many logs it has.
 PARTITIONS_TABLE = "kuralle_partitions"
@@ -142,11 +145,10 @@ class RunStore(RunLog):
         aggregate_id = parse_run_id(run_id)
         if aggregate_id is None:
             return None
-        known = self._known(aggregate_id)
+        known = self._known(self._runs, aggregate_id)
         if known is not None:
             return known
-        found = next((log for log in self.partitions if log.holds(aggregate_id)), None)
-        return self._run_found(aggregate_id, found)
+        return self._run_found(aggregate_id, self._holder(aggregate_id))
 
     async def _log_of_run_async(self, run_id: str) -> RunLog | None:
         """``_log_of_run`` for async code."""
@@ -156,44 +158,48 @@ class RunStore(RunLog):
     async def _log_of_id_async(self, aggregate_id: UUID) -> RunLog | None:
         """The log that holds the run with this aggregate id: every log asked at once,
         from the loop, the first time."""
-        known = self._known(aggregate_id)
+        known = self._known(self._runs, aggregate_id)
         if known is not None:
             return known
         return self._run_found(aggregate_id, await self._holder_async(aggregate_id))
 
     def _run_found(self, run_id: UUID, log: RunLog | None) -> RunLog | None:
         if log is not None:
-            self._remember(run_id, log)
+            self._remember(self._runs, run_id, log)
         return log
 
+    def _holder(self, aggregate_id: UUID) -> RunLog | None:
+        """The first log that holds an event of ``aggregate_id``, or None (each
+        log asked in turn)."""
+        return next((log for log in self.partitions if log.holds(aggregate_id)), None)
+
     async def _holder_async(self, aggregate_id: UUID) -> RunLog | None:
-        """The first log that holds an event of ``aggregate_id``, or None."""
+        """``_holder`` for async code: every log asked at once, from the loop."""
         held = await asyncio.gather(*(log.holds_async(aggregate_id) for log in self.partitions))
         return next((log for log, holds in zip(self.partitions, held, strict=True) if holds), None)
 
-    def _remember(self, run_id: UUID, log: RunLog) -> None:
-        with self._routing:
-            self._runs[run_id] = log
-
-    def _session_log_known(self, session_id: str) -> RunLog | None:
-        """The log of the session's runs if it is known without asking a database."""
+    def _known(self, routes: dict[_Key, RunLog], key: _Key) -> RunLog | None:
+        """The log of ``key`` (a run's aggregate id in ``_runs``, a session's id in
+        ``_sessions``) if it is known without asking a database."""
         if len(self.partitions) == 1:
             return self
         with self._routing:
-            return self._sessions.get(session_id)
+            return routes.get(key)
+
+    def _remember(self, routes: dict[_Key, RunLog], key: _Key, log: RunLog) -> None:
+        with self._routing:
+            routes[key] = log
 
     def _log_of_session(self, session_id: str) -> RunLog:
         """The log of the session's runs: where its index is, else where its id hashes."""
-        known = self._session_log_known(session_id)
+        known = self._known(self._sessions, session_id)
         if known is not None:
             return known
-        index_id = session_runs_id(session_id)
-        found = next((log for log in self.partitions if log.holds(index_id)), None)
-        return self._session_found(session_id, found)
+        return self._session_found(session_id, self._holder(session_runs_id(session_id)))
 
     async def _log_of_session_async(self, session_id: str) -> RunLog:
         """``_log_of_session`` for async code: every log asked at once, from the loop."""
-        known = self._session_log_known(session_id)
+        known = self._known(self._sessions, session_id)
         if known is not None:
             return known
         found = await self._holder_async(session_runs_id(session_id))
@@ -203,18 +209,10 @@ class RunStore(RunLog):
         """Where a session's runs go: the log that holds its index, else (a new
         session) the log its id hashes to."""
         if log is not None:
-            with self._routing:
-                self._sessions[session_id] = log
+            self._remember(self._sessions, session_id, log)
             return log
         digest = hashlib.sha256(session_id.encode("utf-8")).digest()
         return self.partitions[int.from_bytes(digest[:8], "big") % len(self.partitions)]
-
-    def _known(self, aggregate_id: UUID) -> RunLog | None:
-        """The run's log if it is known without asking a database."""
-        if len(self.partitions) == 1:
-            return self
-        with self._routing:
-            return self._runs.get(aggregate_id)
 
     def _log_of(self, run: Run) -> RunLog:
         log = self._log_of_run(run.run_id)
@@ -250,9 +248,8 @@ class RunStore(RunLog):
     def _created_in(self, run: Run, log: RunLog) -> None:
         """Route the new run, and its session, to ``log`` from now on."""
         if log is not self:
-            self._remember(run.id, log)
-            with self._routing:
-                self._sessions[run.session_id] = log
+            self._remember(self._runs, run.id, log)
+            self._remember(self._sessions, run.session_id, log)
 
     def session_run_ids(self, session_id: str) -> list[str]:
         return RunLog.session_run_ids(self._log_of_session(session_id), session_id)
