@@ -7,7 +7,11 @@ after a common start, and counts the runs and steps it finished. The
 figures are the totals over all workers per second, and the ratio to one
 worker, measured in the same run on the same (fresh) database. The rounds
 (``--rounds``, default 3) interleave the worker counts; medians are
-reported.
+reported, with the CPU a step the workers (``getrusage``, every thread)
+and the whole machine (``/proc/stat``: the PostgreSQL server's processes
+too) spent over the same window, how busy the cores were, and the steps/s
+the cores would allow at that CPU a step: where the worker count stops
+adding, that says whether the cores are the bound.
 
 Server: ``KURALLE_BENCH_POSTGRES_DSN`` (default
 ``postgresql://postgres@127.0.0.1:5432/postgres``). ``--json FILE`` writes
@@ -35,11 +39,13 @@ import collections
 import json
 import multiprocessing as mp
 import os
+import resource
 import statistics
 import sys
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
@@ -82,15 +88,37 @@ def agent(tool: str) -> Any:
     return define_agent("bench", "benchmark agent", None, [noop], [LOOP])
 
 
+def process_cpu() -> float:
+    """Seconds of CPU this process has used, every thread of it (tool threads too)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def machine_busy() -> float | None:
+    """Seconds of CPU the whole machine has used, every core and process (the
+    PostgreSQL server's too), from ``/proc/stat``; None where there is none."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()[1:]
+    except OSError:
+        return None
+    # user nice system idle iowait irq softirq steal: all but idle and iowait are busy.
+    ticks = [int(x) for x in fields[:8]]
+    busy = sum(ticks) - ticks[3] - ticks[4]
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
 async def work(
-    dsn: str, steps: int, ready: Any, seconds: float, per_worker: int, tool: str
-) -> tuple[int, int]:
+    dsn: str, steps: int, ready: Any, done: Any, seconds: float, per_worker: int, tool: str
+) -> tuple[int, int, float]:
+    """(runs, steps, CPU seconds) of one worker's timed window."""
     STEPS["n"] = steps
     runs = 0
     with RunStore.postgres(dsn) as store:  # every partition the database has
         runtime = Runtime([agent(tool)], store=store)
         await runtime.run(f"w-{uuid.uuid4().hex}", kind="flow", flow_name=LOOP.name).result()
-        ready.wait()  # every worker warmed up: start together
+        ready.wait()  # every worker warmed up (and the parent counting): start together
+        cpu = process_cpu()
         stop = time.time() + seconds
 
         async def driver() -> None:
@@ -104,14 +132,23 @@ async def work(
                 runs += 1
 
         await asyncio.gather(*(driver() for _ in range(per_worker)))
-    return runs, runs * steps
+        cpu = process_cpu() - cpu
+        done.wait()  # the parent reads the machine's CPU before any store closes
+    return runs, runs * steps, cpu
 
 
 def worker(
-    dsn: str, steps: int, ready: Any, seconds: float, per_worker: int, tool: str, out: Any
+    dsn: str,
+    steps: int,
+    ready: Any,
+    done: Any,
+    seconds: float,
+    per_worker: int,
+    tool: str,
+    out: Any,
 ) -> None:
     try:
-        out.put(asyncio.run(work(dsn, steps, ready, seconds, per_worker, tool)))
+        out.put(asyncio.run(work(dsn, steps, ready, done, seconds, per_worker, tool)))
     except BaseException as e:  # reported by the parent, which would otherwise wait forever
         out.put(f"{type(e).__name__}: {e}")
         raise
@@ -148,6 +185,21 @@ class WaitSampler(threading.Thread):
         return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class Round:
+    """One round of N workers: their rates, and the CPU a step they and the whole
+    machine (the PostgreSQL server's processes included) spent."""
+
+    runs_per_s: float
+    steps_per_s: float
+    #: The workers' own CPU a step (every thread), from ``getrusage``.
+    worker_cpu_us: float
+    #: The machine's CPU a step, every process, from ``/proc/stat`` (None elsewhere).
+    machine_cpu_us: float | None
+    #: How busy the machine's cores were, 0 to 1.
+    busy: float | None
+
+
 def one_round(
     dsn: str,
     workers: int,
@@ -156,19 +208,30 @@ def one_round(
     per_worker: int = 1,
     sampler: WaitSampler | None = None,
     tool: str = "sync",
-) -> tuple[float, float]:
-    """(runs/s, steps/s) of ``workers`` processes together."""
+) -> Round:
+    """What ``workers`` processes did together in one timed window."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    ready = ctx.Barrier(workers)
+    # The parent waits at both barriers too: it reads the machine's CPU from the
+    # common start until every worker's last run has finished.
+    ready = ctx.Barrier(workers + 1)
+    done = ctx.Barrier(workers + 1)
     procs = [
-        ctx.Process(target=worker, args=(dsn, steps, ready, seconds, per_worker, tool, out))
+        ctx.Process(target=worker, args=(dsn, steps, ready, done, seconds, per_worker, tool, out))
         for _ in range(workers)
     ]
     for p in procs:
         p.start()
-    if sampler is not None:
-        sampler.start()
+    try:
+        ready.wait(timeout=300)
+        busy, started = machine_busy(), time.perf_counter()
+        if sampler is not None:
+            sampler.start()
+        done.wait(timeout=seconds + 300)
+        busy_end, elapsed = machine_busy(), time.perf_counter() - started
+    except threading.BrokenBarrierError:
+        busy = busy_end = None  # a worker failed: its error is on the queue
+        elapsed = seconds
     totals = [out.get(timeout=seconds + 300) for _ in procs]
     if sampler is not None:
         sampler.stop.set()
@@ -178,9 +241,15 @@ def one_round(
     errors = [t for t in totals if isinstance(t, str)]
     if errors:
         raise RuntimeError(f"a worker failed: {errors[0]}")
-    runs = sum(t[0] for t in totals)
     done_steps = sum(t[1] for t in totals)
-    return runs / seconds, done_steps / seconds
+    machine = None if busy is None or busy_end is None else busy_end - busy
+    return Round(
+        runs_per_s=sum(t[0] for t in totals) / seconds,
+        steps_per_s=done_steps / seconds,
+        worker_cpu_us=sum(t[2] for t in totals) / done_steps * 1e6,
+        machine_cpu_us=None if machine is None else machine / done_steps * 1e6,
+        busy=None if machine is None else machine / elapsed / (os.cpu_count() or 1),
+    )
 
 
 def main() -> int:
@@ -213,7 +282,7 @@ def main() -> int:
     if name is None:
         raise SystemExit(f"PostgreSQL at {admin_dsn} is unreachable")
     dsn = with_dbname(admin_dsn, name)
-    samples: dict[int, list[tuple[float, float]]] = {n: [] for n in counts}
+    samples: dict[int, list[Round]] = {n: [] for n in counts}
     try:
         print(f"postgres: {server_settings(dsn)}", flush=True)
         # Create the tables once, before the workers race (and record the partitions).
@@ -232,20 +301,40 @@ def main() -> int:
             print(sampler.report(), flush=True)
     finally:
         drop_database(admin_dsn, name)
-    base_steps = statistics.median(s[1] for s in samples[counts[0]])
+    base_steps = statistics.median(s.steps_per_s for s in samples[counts[0]])
     print()
     print(
         f"runs of {args.steps} {args.tool} tool steps, {args.per_worker} at once per worker, "
         f"{args.partitions} partition(s), {args.seconds:.0f} s a round, "
         f"median of {args.rounds} interleaved rounds"
     )
-    print(f"{'workers':>7} | {'runs/s':>7} | {'steps/s':>8} | vs {counts[0]} worker(s)")
+    print(
+        f"{'workers':>7} | {'runs/s':>7} | {'steps/s':>8} | vs {counts[0]} worker(s) | "
+        "CPU a step: workers | server and rest | machine busy | machine-bound ceiling"
+    )
     medians: dict[str, dict[str, float]] = {}
+    cores = os.cpu_count() or 1
     for n in counts:
-        runs_s = statistics.median(s[0] for s in samples[n])
-        steps_s = statistics.median(s[1] for s in samples[n])
+        runs_s = statistics.median(s.runs_per_s for s in samples[n])
+        steps_s = statistics.median(s.steps_per_s for s in samples[n])
         medians[str(n)] = {"runs_per_s": runs_s, "steps_per_s": steps_s}
-        print(f"{n:>7} | {runs_s:>7.1f} | {steps_s:>8.0f} | {steps_s / base_steps:.2f}x")
+        workers_us = statistics.median(s.worker_cpu_us for s in samples[n])
+        machine = [s.machine_cpu_us for s in samples[n] if s.machine_cpu_us is not None]
+        busy = [s.busy for s in samples[n] if s.busy is not None]
+        if machine and busy:
+            machine_us = statistics.median(machine)
+            # The steps/s the machine's cores would allow at this CPU a step.
+            ceiling = cores / (machine_us / 1e6)
+            profile = (
+                f"{workers_us:>16,.0f} us | {machine_us - workers_us:>12,.0f} us | "
+                f"{statistics.median(busy):>12.0%} | {ceiling:>13,.0f} steps/s"
+            )
+        else:
+            profile = f"{workers_us:>16,.0f} us | (no /proc/stat)"
+        print(
+            f"{n:>7} | {runs_s:>7.1f} | {steps_s:>8.0f} | {steps_s / base_steps:>13.2f}x | "
+            + profile
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
