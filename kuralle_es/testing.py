@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from ._crash import Crash
 from ._definitions.llm import ModelRequest, ModelResponse, as_response
 from ._journal import catalogue as stored
 from ._journal.leases import LeaseOp
@@ -99,10 +100,6 @@ BOUNDARIES: tuple[Boundary, ...] = (
     "after_execute",
     "after_finalize",
 )
-
-
-class Crash(BaseException):
-    """The worker process dies here: not an ``Exception``, so nothing catches it."""
 
 
 @dataclass

@@ -242,7 +242,7 @@ async def test_bad_sleeps_and_sweeper_arguments_are_refused(open_store: Any) -> 
     for bad in (-1, float("nan"), "1", True):
         nap = Nap(bad)  # type: ignore[arg-type]
         runtime = Runtime([nap.agent()], store=open_store())
-        with pytest.raises(InvalidArgumentError, match="sleep takes"):
+        with pytest.raises(InvalidArgumentError, match="sleep must be a finite number of seconds"):
             await runtime.run(f"bad-{bad!r}", kind="flow", flow_name="nap").result()
     with pytest.raises(InvalidArgumentError, match="inline_sleep_limit"):
         Runtime([], inline_sleep_limit=-1)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .._durations import positive_seconds
 from ..errors import (
     InvalidArgumentError,
     InvalidToolArgsError,
@@ -71,18 +72,20 @@ class RetryPolicy:
         ):
             msg = f"RetryPolicy.max_attempts must be a whole number >= 1, got {self.max_attempts!r}"
             raise InvalidArgumentError(msg)
-        for field in ("initial_interval", "backoff", "max_interval"):
-            value = getattr(self, field)
-            if (
-                not isinstance(value, int | float)
-                or isinstance(value, bool)
-                or not math.isfinite(value)
-                or value < 0
-            ):
-                msg = f"RetryPolicy.{field} must be a finite number >= 0, got {value!r}"
-                raise InvalidArgumentError(msg)
-        if self.backoff < 1:
-            msg = f"RetryPolicy.backoff must be >= 1 (intervals never shrink), got {self.backoff!r}"
+        for field in ("initial_interval", "max_interval"):
+            seconds = positive_seconds(getattr(self, field), f"RetryPolicy.{field}")
+            object.__setattr__(self, field, seconds)
+        backoff = self.backoff
+        if (
+            not isinstance(backoff, int | float)
+            or isinstance(backoff, bool)
+            or not math.isfinite(backoff)
+            or backoff < 1
+        ):
+            msg = (
+                "RetryPolicy.backoff must be a finite number >= 1 (intervals never shrink), "
+                f"got {backoff!r}"
+            )
             raise InvalidArgumentError(msg)
         object.__setattr__(self, "retry_on", _errors(self.retry_on, "retry_on"))
         object.__setattr__(self, "no_retry_on", _errors(self.no_retry_on, "no_retry_on"))

@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypedDict, TypeVar, Unpack, overload
 
 from pydantic import BaseModel, ValidationError
 
 from .._callables import wants_call
+from .._crash import Crash
+from .._durations import positive_seconds
 from .._journal.json_data import plain_json_problem
-from .._seconds import is_positive_seconds
 from ..errors import (
     InvalidArgumentError,
     InvalidDefinitionError,
@@ -27,7 +28,7 @@ from ..shapes import ToolCall
 from .retry import NO_RETRY, RetryPolicy
 from .tool_threads import in_tool_thread
 
-__all__ = ["Tool", "define_tool"]
+__all__ = ["Tool", "ToolExited", "define_tool"]
 
 PolicyAnswer = Literal["allow", "ask", "deny"]
 #: The tool's input model: a tool's ``execute``, policy and key see the validated args as it.
@@ -111,12 +112,17 @@ class Tool(Generic[ArgsT]):
         timeout an async tool is cancelled; a sync tool, which Python cannot
         interrupt, is abandoned: its thread runs on and its result is ignored
         (docs/node-code.md). Either way ``ToolTimeoutError`` is raised.
+
+        This is the one place tool code runs, so it is where a ``SystemExit``,
+        ``KeyboardInterrupt`` or other ``BaseException`` of the tool's becomes
+        ``ToolExited``, an ordinary failure of the attempt: left alone it would
+        end the worker's event loop, and every worker that recovered the run
+        would run the tool and die again (docs/guarantees.md, "At the edges").
         """
-        work = (
-            self._call(args, call)
-            if self.is_async
-            else in_tool_thread(lambda: self._call(args, call))
-        )
+        if self.is_async:
+            work = _contained(self._call(args, call))
+        else:
+            work = in_tool_thread(lambda: _contained_call(self._call, args, call))
         if self.timeout is None:
             return await work
         try:
@@ -142,6 +148,42 @@ class Tool(Generic[ArgsT]):
                 "parameters": self.input.model_json_schema(),
             },
         }
+
+
+class ToolExited(Exception):
+    """Tool code raised ``raised``, a ``BaseException`` that is not an ``Exception``
+    (``SystemExit`` from argparse on bad input, ``KeyboardInterrupt``): the attempt
+    fails with it like with any exception, and the worker goes on."""
+
+    def __init__(self, raised: BaseException) -> None:
+        self.raised = raised
+        super().__init__(str(raised) or f"the tool raised {type(raised).__name__}")
+
+
+async def _contained(work: Awaitable[Any]) -> Any:
+    """An async tool's attempt, its ``BaseException``s made ``ToolExited``; a
+    cancellation (a timeout, the turn cancelled), the coroutine's close and the
+    testing kit's ``Crash`` (the process dying there) pass through untouched."""
+    try:
+        return await work
+    except (Exception, asyncio.CancelledError, GeneratorExit, Crash):
+        raise
+    except BaseException as exc:
+        raise ToolExited(exc) from exc
+
+
+def _contained_call(
+    call: Callable[[Any, ToolCall], Any], args: BaseModel, tool_call: ToolCall
+) -> Any:
+    """A sync tool's attempt on its thread, every ``BaseException`` but ``Crash`` made
+    ``ToolExited`` there (a sync tool's ``GeneratorExit`` or ``CancelledError`` is
+    its own, not the loop's)."""
+    try:
+        return call(args, tool_call)
+    except (Exception, Crash):
+        raise
+    except BaseException as exc:
+        raise ToolExited(exc) from exc
 
 
 def _is_async(fn: Callable[..., Any]) -> bool:
@@ -222,9 +264,8 @@ def define_tool(
     if retry is not None and not isinstance(retry, RetryPolicy):
         msg = f"tool {name!r}: retry must be a RetryPolicy, got {retry!r}"
         raise InvalidArgumentError(msg)
-    if timeout is not None and not is_positive_seconds(timeout):
-        msg = f"tool {name!r}: timeout must be a positive number of seconds, got {timeout!r}"
-        raise InvalidArgumentError(msg)
+    if timeout is not None:
+        timeout = positive_seconds(timeout, f"tool {name!r}: timeout")
     return Tool(
         name=name,
         description=description,
@@ -238,6 +279,6 @@ def define_tool(
         on_in_doubt=on_in_doubt,
         wants_call=wants_call(execute),
         retry=retry if retry is not None else NO_RETRY,
-        timeout=float(timeout) if timeout is not None else None,
+        timeout=timeout,
         is_async=_is_async(execute),
     )

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol, runtime_checkable
 
+from .._durations import positive_seconds
 from .._runtime.handle import TurnSink
 from .._runtime.observability import LOGGER_NAME, log_event
 from .._runtime.runtime import Runtime
@@ -45,7 +46,6 @@ from .._runtime.suspensions import DEADLINE_DENY
 from .._runtime.turn import drive_turn
 from .._runtime.turn_calls import Command, Deliver, Recover, Wake
 from .._runtime.writer import utcnow
-from .._seconds import is_positive_seconds
 from ..errors import InvalidArgumentError
 from ..shapes import SignalDelivery, StreamPart
 from ..views import RunSummary
@@ -337,9 +337,7 @@ def start_run_sweeper(
     by ``create_sweep_job_runner`` (any async callable). Call it from async
     code. ``InvalidArgumentError`` for a bad interval or a missing runtime.
     """
-    if not is_positive_seconds(interval):
-        msg = f"interval must be a positive number of seconds, got {interval!r}"
-        raise InvalidArgumentError(msg)
+    interval = positive_seconds(interval, "interval")
     runner: Scheduler | None = None
     if isinstance(scheduler, Runtime):
         job: Job = create_sweep_job_runner(scheduler)
@@ -363,4 +361,4 @@ def start_run_sweeper(
         except RuntimeError:
             msg = "start_run_sweeper(None, ...) runs on the event loop: call it from async code"
             raise InvalidArgumentError(msg) from None
-    return Sweeper(job, float(interval), runner)
+    return Sweeper(job, interval, runner)

@@ -9,7 +9,6 @@ the turn suspended), docs/node-code.md.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Coroutine, Mapping
 from datetime import datetime, timedelta
 from typing import Any, Literal
@@ -18,6 +17,7 @@ from uuid import uuid4
 from pydantic import BaseModel, ValidationError
 
 from .._definitions.tools import Tool
+from .._durations import deadline_at, positive_seconds
 from .._journal.sites import Effect, Site
 from .._journal.wait import APPROVAL, TIMER
 from ..errors import InvalidArgumentError, InvalidSignalError, TurnClosedError, UnknownToolError
@@ -118,6 +118,7 @@ class RunContext(TurnBound):
         deadline: datetime | timedelta | float | None = None,
     ) -> Coroutine[Any, Any, ApprovalDecision]:
         """Suspend until an ``__approval`` signal arrives; returns the decision."""
+        deadline_at(deadline, utcnow())  # refused now, not when awaited
         self._admit("approval")
         return self._approve(title, description, deadline)
 
@@ -139,6 +140,7 @@ class RunContext(TurnBound):
         if not isinstance(name, str) or not name or name.startswith("__"):
             msg = f"signal name must be a non-empty string not starting with '__', got {name!r}"
             raise InvalidArgumentError(msg)
+        deadline_at(deadline, utcnow())  # refused now, not when awaited
         self._admit(f"signal {name!r}")
         return self._signal(name, deadline, schema)
 
@@ -179,9 +181,10 @@ class RunContext(TurnBound):
         is waited out in this turn (the heartbeat keeps the lease); a later one
         pauses the run on a ``timer`` wait that takes no delivery, until a
         sweeper's ``fire_timers`` wakes it once it is due (docs/howto/recovery.md).
-        ``InvalidArgumentError`` for a negative or non-finite duration.
+        ``InvalidArgumentError`` for a duration that is not a finite number of
+        seconds above 0, or that would wake past the year 9999.
         """
-        seconds = _seconds(duration)
+        seconds = positive_seconds(duration, "sleep")
         self._admit("sleep")
         return self._sleep(seconds)
 
@@ -243,20 +246,6 @@ class RunContext(TurnBound):
         """Reserve ``n`` ordinals now; pass them as ``callsite=`` to later calls."""
         self._require_open("reserve_callsites")
         return self._cursor.reserve(n)
-
-
-def _seconds(duration: float | timedelta) -> float:
-    """A sleep's length in seconds, or ``InvalidArgumentError``."""
-    if isinstance(duration, timedelta):
-        seconds = duration.total_seconds()
-    elif isinstance(duration, int | float) and not isinstance(duration, bool):
-        seconds = float(duration)
-    else:
-        seconds = math.nan
-    if not math.isfinite(seconds) or seconds < 0:
-        msg = f"sleep takes a number of seconds or a timedelta, 0 or more; got {duration!r}"
-        raise InvalidArgumentError(msg)
-    return seconds
 
 
 def _explicit_site(callsite: int | None, index: int | None) -> int | None:

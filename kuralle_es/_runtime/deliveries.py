@@ -26,6 +26,7 @@ from .._journal.sites import Effect, Lane, Site
 from .._journal.wait import APPROVAL, BUDGET, IN_DOUBT, Wait
 from ..errors import InvalidSignalError, KuralleError, SignalMismatchError
 from ..shapes import SignalDelivery, StepKind
+from .input_checks import check_id
 from .suspensions import Schemas
 from .writer import RunWriter
 
@@ -33,6 +34,7 @@ __all__ = [
     "accept",
     "approval_delivery",
     "check",
+    "delivery_id",
     "is_duplicate",
     "validate_payload",
     "waits_for",
@@ -237,6 +239,14 @@ async def accept(writer: RunWriter, delivery: SignalDelivery, payload: Any) -> N
     await writer.record_value(Effect(site, kind, wait.name, args), make=lambda: payload)
 
 
+def delivery_id(signal_id: str | None) -> str:
+    """The ``signal_id`` of an operator's delivery: the one given (checked: an empty
+    one is refused, never replaced), or a fresh one for None."""
+    if signal_id is None:
+        return uuid4().hex
+    return check_id(signal_id, "signal_id")
+
+
 def approval_delivery(
     *,
     approved: bool,
@@ -246,16 +256,17 @@ def approval_delivery(
     request_id: str | None = None,
     raise_to: dict[str, Any] | None = None,
 ) -> SignalDelivery:
-    """The ``__approval`` delivery of a decision by ``by`` (the journaled actor); a fresh
-    ``signal_id`` unless one is given (give one to make a retry a no-op). It answers
-    any approval, a budget's too; ``raise_to`` raises a budget's limits."""
-    payload: dict[str, Any] = {"approved": approved, "by": by}
+    """The ``__approval`` delivery of a decision by ``by`` (the journaled actor, a
+    required name); a fresh ``signal_id`` unless one is given (give one to make a
+    retry a no-op). It answers any approval, a budget's too; ``raise_to`` raises a
+    budget's limits."""
+    payload: dict[str, Any] = {"approved": approved, "by": check_id(by, "by (who decides)")}
     if reason is not None:
         payload["reason"] = reason
     if raise_to is not None:
         payload["raise_to"] = raise_to
     return SignalDelivery(
-        signal_id=signal_id or uuid4().hex,
+        signal_id=delivery_id(signal_id),
         name=APPROVAL,
         payload=payload,
         request_id=request_id,

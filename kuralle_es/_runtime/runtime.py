@@ -19,12 +19,13 @@ from uuid import uuid4
 from .._definitions.agents import Agent
 from .._definitions.budget import Budget
 from .._definitions.flows import Flow
+from .._durations import positive_seconds
 from .._journal.spending import validate_prices
 from .._journal.store import RunStore
 from ..errors import InvalidArgumentError, RunNotFoundError
 from ..shapes import RunState, SignalDelivery, StepRecord, TurnResult
 from .cancel import cancel_run
-from .deliveries import approval_delivery
+from .deliveries import approval_delivery, delivery_id
 from .handle import TurnHandle, TurnSink
 from .input_checks import check_turn_args
 from .migrate import migrate_run
@@ -73,28 +74,19 @@ class Runtime:
         inline_sleep_limit: float = 1.0,
         prices: Mapping[str, tuple[float, float]] | None = None,
     ) -> None:
-        if not isinstance(lease_ttl, int | float) or lease_ttl <= 0:
-            msg = f"lease_ttl must be a positive number of seconds, got {lease_ttl!r}"
-            raise InvalidArgumentError(msg)
-        if (
-            not isinstance(inline_sleep_limit, int | float)
-            or isinstance(inline_sleep_limit, bool)
-            or inline_sleep_limit < 0
-        ):
-            msg = (
-                "inline_sleep_limit must be a number of seconds, 0 or more, "
-                f"got {inline_sleep_limit!r}"
-            )
-            raise InvalidArgumentError(msg)
+        lease_ttl = positive_seconds(lease_ttl, "lease_ttl")
+        inline_sleep_limit = positive_seconds(
+            inline_sleep_limit, "inline_sleep_limit", zero_ok=True
+        )
         self._registry = Registry(agents)
         self._owns_store = store is None
         self.store = store if store is not None else RunStore()
-        self.lease_ttl = float(lease_ttl)
+        self.lease_ttl = lease_ttl
         self.holder = holder or _default_holder()
         self.max_tool_concurrency = max_tool_concurrency
         #: A ``ctx.sleep`` that wakes within this many seconds sleeps inline; a
         #: longer one pauses the run until a sweeper's ``fire_timers`` wakes it.
-        self.inline_sleep_limit = float(inline_sleep_limit)
+        self.inline_sleep_limit = inline_sleep_limit
         #: What 1,000 input and output tokens of each model cost (docs/usage.md).
         self.prices = validate_prices(prices)
         self._env = TurnEnv(
@@ -344,7 +336,7 @@ class Runtime:
         ``signal_id`` unless one is given.
         """
         delivery = SignalDelivery(
-            signal_id=signal_id or uuid4().hex, name=name, payload=payload, actor=actor
+            signal_id=delivery_id(signal_id), name=name, payload=payload, actor=actor
         )
         return await self._deliver(run_id, session_id, delivery)
 

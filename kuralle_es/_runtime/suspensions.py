@@ -11,17 +11,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any, NoReturn
 from uuid import uuid4
 
 from eventsourcing.utils import get_topic, resolve_topic
 from pydantic import BaseModel
 
+from .._durations import deadline_at
 from .._journal.keys import canonical_json, sha256_hex
 from .._journal.sites import Site
 from .._journal.wait import Wait
-from ..errors import InvalidArgumentError
 from ..shapes import ApprovalDecision, FrozenOperation, WaitKind
 from .writer import RunWriter, utcnow
 
@@ -83,16 +83,7 @@ def frozen_operation(tool_name: str, args: Any) -> FrozenOperation:
 
 
 def _absolute(deadline: datetime | timedelta | float | None) -> datetime | None:
-    if deadline is None:
-        return None
-    if isinstance(deadline, datetime):
-        if deadline.tzinfo is None:
-            msg = "deadline must be timezone-aware (e.g. datetime.now(UTC) + timedelta(...))"
-            raise InvalidArgumentError(msg)
-        return deadline.astimezone(UTC)
-    if isinstance(deadline, timedelta):
-        return utcnow() + deadline
-    return utcnow() + timedelta(seconds=float(deadline))
+    return deadline_at(deadline, utcnow())
 
 
 @dataclass(frozen=True)

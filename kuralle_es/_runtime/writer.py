@@ -40,6 +40,7 @@ from uuid import uuid4
 
 from .._definitions.budget import Budget
 from .._definitions.retry import NO_RETRY, RetryPolicy
+from .._definitions.tools import ToolExited
 from .._journal.json_data import encode_json
 from .._journal.leases import Lease, LeaseOp
 from .._journal.run import Run, StepData
@@ -137,11 +138,14 @@ def frozen_error(step: StepData) -> ToolExecutionError:
 
 
 def _step_error(exc: Exception) -> StepError:
-    """What the journal keeps of an attempt's error."""
+    """What the journal keeps of an attempt's error (a tool's ``BaseException`` under
+    its own name)."""
     if isinstance(exc, ToolTimeoutError):
         return StepError(
             type=exc.error_type, message=exc.message, data={**exc.data, "reason": _TIMEOUT}
         )
+    if isinstance(exc, ToolExited):
+        return StepError(type=type(exc.raised).__name__, message=str(exc), data={})
     return StepError(type=type(exc).__name__, message=str(exc), data=error_fields(exc))
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import os
 import sys
 from collections.abc import Callable, Coroutine
@@ -16,12 +17,13 @@ from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from .._definitions.agents import Agent
+from .._durations import positive_seconds
 from .._journal.run import Run
 from .._journal.store import RunStore
 from .._journal.store_url import STORE_ENV, open_store_from_env, open_store_url
 from .._runtime.handle import TurnHandle
 from .._runtime.runtime import Runtime
-from ..errors import KuralleError
+from ..errors import InvalidArgumentError, KuralleError
 from ..shapes import TurnResult
 
 DEFAULT_APP = "kuralle_es.examples.refund:build_agent"
@@ -288,3 +290,20 @@ def add_fork_point(parser: argparse.ArgumentParser, run_help: str, at_help: str)
     ``runs fork`` and ``deploy migrate`` (which forks) both take."""
     parser.add_argument("run_id", metavar="RUN_ID", help=run_help)
     parser.add_argument("--at", dest="at_step", type=int, required=True, metavar="N", help=at_help)
+
+
+def seconds_flag(zero_ok: bool = False) -> Callable[[str], float]:
+    """An argparse ``type=`` for a flag that takes seconds: refused as the Python API
+    refuses it (NaN, infinities, not above 0), so ``--lease-ttl nan`` stops at once."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        try:
+            return positive_seconds(value, "the number of seconds", zero_ok=zero_ok)
+        except InvalidArgumentError as e:
+            raise argparse.ArgumentTypeError(f"{e} (got {text!r})") from None
+
+    return parse

@@ -20,12 +20,12 @@ from .._operations.recovery import (
 from .._runtime.runtime import Runtime
 from ..errors import FlowNotFoundError
 from .common import (
-    CliError,
     SubParsers,
     add_command,
     app_hint,
     load_agents,
     open_store,
+    seconds_flag,
     store_label,
 )
 from .sweep_logs import collect_skips, log_to_stderr, report_skips
@@ -40,7 +40,10 @@ def add_recovery(sub: SubParsers) -> None:
         _worker,
     )
     worker.add_argument(
-        "--interval", type=float, default=5.0, help="seconds between sweep passes (default 5)"
+        "--interval",
+        type=seconds_flag(),
+        default=5.0,
+        help="seconds between sweep passes (default 5)",
     )
     worker.add_argument("--verbose", action="store_true", help="also log each turn's lines")
     recover = add_command(
@@ -52,7 +55,7 @@ def add_recovery(sub: SubParsers) -> None:
     for parser in (worker, recover, sweep):
         parser.add_argument(
             "--lease-ttl",
-            type=float,
+            type=seconds_flag(),
             default=30.0,
             metavar="SECONDS",
             help="the lease this worker takes on the runs it drives (default 30)",
@@ -65,8 +68,6 @@ def add_recovery(sub: SubParsers) -> None:
 
 
 def _sweeping_runtime(args: argparse.Namespace, store: RunStore) -> Runtime:
-    if args.lease_ttl <= 0:
-        raise CliError(f"--lease-ttl must be a positive number of seconds, got {args.lease_ttl}")
     return Runtime(load_agents(args.app), store=store, lease_ttl=args.lease_ttl, holder=args.holder)
 
 
@@ -77,8 +78,6 @@ def stop_before_started(signum: int, frame: object) -> None:
 
 
 async def _worker(args: argparse.Namespace) -> int:
-    if args.interval <= 0:
-        raise CliError(f"--interval must be a positive number of seconds, got {args.interval}")
     logger = log_to_stderr(args.verbose)
     hinted: set[str] = set()
 

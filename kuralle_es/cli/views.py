@@ -15,7 +15,7 @@ import threading
 from ..views import RunViews
 from ..views.api import open_backend
 from ..views.projector import DEFAULT_BATCH, follow_store
-from .common import CliError, SubParsers, add_command, open_store, store_label
+from .common import CliError, SubParsers, add_command, open_store, seconds_flag, store_label
 
 
 def add_views(sub: SubParsers) -> None:
@@ -29,7 +29,10 @@ def add_views(sub: SubParsers) -> None:
         app=False,
     )
     follow_.add_argument(
-        "--interval", type=float, default=0.2, help="seconds between polls (SQLite, memory)"
+        "--interval",
+        type=seconds_flag(),
+        default=0.2,
+        help="seconds between polls (SQLite, memory)",
     )
     follow_.add_argument(
         "--batch",

@@ -1,0 +1,221 @@
+"""The promise at the edges (docs/guarantees.md, "At the edges").
+
+One named regression test per way exactly-once broke where real applications
+meet the library, each reproduced on an earlier release and each on memory,
+SQLite and PostgreSQL where a backend applies: inbound keys after a crash,
+args a tool mutates, tools that exit, values the journal cannot hold,
+approvals racing cancels, deadlines on typed waits, and numbers that are not
+numbers. (The lease clock and the heartbeat have their own tests:
+``test_lease_clock.py``; the servers' doors ``test_http_doors.py``.)
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import Counter
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from pydantic import BaseModel
+
+from kuralle_es import (
+    InvalidArgumentError,
+    RetryPolicy,
+    RunContext,
+    Runtime,
+    ToolCall,
+    ToolExecutionError,
+    action,
+    define_agent,
+    define_flow,
+    define_tool,
+    end,
+)
+
+SESSION = "s-edges"
+
+
+class Amount(BaseModel):
+    amount: float
+
+
+class Ledger:
+    """What the tools really did (thread-safe: sync tools run on threads)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any]] = []
+        self.keys: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def note(self, what: str, value: Any, key: str) -> None:
+        with self._lock:
+            self.calls.append((what, value))
+            self.keys[key] += 1
+
+
+def flow_agent(*tools: Any, nodes: list[Any], name: str = "edge") -> Any:
+    return define_agent(
+        "edges",
+        "",
+        None,
+        list(tools),
+        [define_flow(name, "", nodes[0].id, nodes)],
+    )
+
+
+# ------------------------------------------------------- tools that exit
+@pytest.mark.parametrize("raised", [SystemExit(2), KeyboardInterrupt(), GeneratorExit()])
+@pytest.mark.parametrize("style", ["sync", "async", "async-timeout"])
+async def test_a_tool_raising_systemexit_or_keyboardinterrupt_fails_its_step_and_the_worker_goes_on(
+    open_store: Any, raised: BaseException, style: str
+) -> None:
+    if isinstance(raised, GeneratorExit) and style != "sync":
+        pytest.skip("an async tool's GeneratorExit is its coroutine being closed")
+    ledger = Ledger()
+
+    def exits(args: Amount, call: ToolCall) -> Any:
+        ledger.note("exits", args.amount, call.idempotency_key)
+        raise raised
+
+    async def exits_async(args: Amount, call: ToolCall) -> Any:
+        return exits(args, call)
+
+    tool = define_tool(
+        "exits",
+        "",
+        Amount,
+        exits if style == "sync" else exits_async,
+        timeout=5.0 if style == "async-timeout" else None,
+    )
+
+    async def go(state: dict[str, Any], ctx: RunContext) -> Any:
+        try:
+            await ctx.tool("exits", {"amount": 1})
+        except ToolExecutionError as e:
+            return end(f"failed with {e.error_type}")
+        return end("ran")
+
+    runtime = Runtime([flow_agent(tool, nodes=[action("go", go)])], store=open_store())
+    done = await runtime.run(SESSION, kind="flow", flow_name="edge").result()
+    assert done.status == "finished"
+    assert done.output == f"failed with {type(raised).__name__}"
+    (step,) = await runtime.get_steps(done.run_id, SESSION)
+    assert step.status == "error"
+    assert step.error is not None and step.error.type == type(raised).__name__
+    # Replayed, it stays frozen: the tool is not executed again.
+    again = await runtime.run(SESSION, run_id=done.run_id).result()
+    assert again.status == "finished"
+    assert len(ledger.calls) == 1
+
+
+async def test_a_tool_raising_systemexit_is_retried_under_its_policy_like_any_failure(
+    open_store: Any,
+) -> None:
+    ledger = Ledger()
+
+    def flaky(args: Amount, call: ToolCall) -> Any:
+        ledger.note("flaky", args.amount, call.idempotency_key)
+        if len(ledger.calls) == 1:
+            raise SystemExit("bad flag")
+        return {"ok": True}
+
+    tool = define_tool(
+        "flaky", "", Amount, flaky, retry=RetryPolicy(max_attempts=2, initial_interval=0.01)
+    )
+
+    async def go(state: dict[str, Any], ctx: RunContext) -> Any:
+        return end(str(await ctx.tool("flaky", {"amount": 1})))
+
+    runtime = Runtime([flow_agent(tool, nodes=[action("go", go)])], store=open_store())
+    done = await runtime.run(SESSION, kind="flow", flow_name="edge").result()
+    assert (done.status, done.output) == ("finished", "{'ok': True}")
+    (step,) = await runtime.get_steps(done.run_id, SESSION)
+    assert step.attempts == 2
+    assert len(set(ledger.keys)) == 1
+
+
+# ------------------------------------------------- numbers that are not numbers
+NOT_SECONDS = [math.nan, math.inf, -math.inf, "5", True, False, -1, 0, 10**30]
+
+
+@pytest.mark.parametrize("value", NOT_SECONDS)
+def test_lease_ttl_refuses_what_is_not_a_positive_number_of_seconds(value: Any) -> None:
+    with pytest.raises(InvalidArgumentError, match="lease_ttl"):
+        Runtime([], lease_ttl=value)
+
+
+@pytest.mark.parametrize("value", NOT_SECONDS)
+def test_a_tool_timeout_refuses_what_is_not_a_positive_number_of_seconds(value: Any) -> None:
+    with pytest.raises(InvalidArgumentError, match="timeout"):
+        define_tool("t", "", Amount, lambda args: None, timeout=value)
+
+
+@pytest.mark.parametrize("value", NOT_SECONDS)
+@pytest.mark.parametrize("field", ["initial_interval", "max_interval"])
+def test_retry_intervals_refuse_what_is_not_a_positive_number_of_seconds(
+    value: Any, field: str
+) -> None:
+    with pytest.raises(InvalidArgumentError, match=field):
+        RetryPolicy(**{field: value})
+
+
+@pytest.mark.parametrize("value", [*NOT_SECONDS, datetime(2030, 1, 1), timedelta(seconds=-1)])
+@pytest.mark.parametrize("wait", ["approve", "signal", "sleep"])
+async def test_deadlines_and_sleeps_refuse_nan_infinities_strings_and_the_far_future_in_the_node(
+    open_store: Any, value: Any, wait: str
+) -> None:
+    if wait == "sleep" and isinstance(value, datetime):
+        pytest.skip("a sleep takes a length of time, not a moment")
+    refused: list[str] = []
+
+    async def go(state: dict[str, Any], ctx: RunContext) -> Any:
+        try:
+            if wait == "approve":
+                await ctx.approve("ok?", deadline=value)
+            elif wait == "signal":
+                await ctx.signal("shipped", deadline=value)
+            else:
+                await ctx.sleep(value)
+        except InvalidArgumentError as e:
+            refused.append(str(e))
+            return end("refused")
+        return end("accepted")
+
+    runtime = Runtime([flow_agent(nodes=[action("go", go)])], store=open_store())
+    done = await runtime.run(SESSION, kind="flow", flow_name="edge").result()
+    assert (done.status, done.output) == ("finished", "refused")
+    assert refused and ("deadline" in refused[0] or "sleep" in refused[0])
+
+
+async def test_an_empty_signal_id_and_an_approval_by_nobody_are_refused_and_write_nothing(
+    open_store: Any,
+) -> None:
+    async def go(state: dict[str, Any], ctx: RunContext) -> Any:
+        decision = await ctx.approve("ok?")
+        return end("approved" if decision.approved else "denied")
+
+    runtime = Runtime([flow_agent(nodes=[action("go", go)])], store=open_store())
+    paused = await runtime.run(SESSION, kind="flow", flow_name="edge").result()
+    before = await runtime.get_run(paused.run_id, SESSION)
+    with pytest.raises(InvalidArgumentError, match="signal_id"):
+        await runtime.approve(paused.run_id, SESSION, by="ann", signal_id="")
+    with pytest.raises(InvalidArgumentError, match="by"):
+        await runtime.approve(paused.run_id, SESSION, by=None)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="signal_id"):
+        await runtime.signal(paused.run_id, SESSION, "x", {}, signal_id="")
+    after = await runtime.get_run(paused.run_id, SESSION)
+    assert before is not None and after is not None
+    assert (after.version, after.status) == (before.version, "paused")
+
+
+def test_timezone_naive_and_far_future_moments_are_refused_with_a_clear_line() -> None:
+    from kuralle_es._durations import deadline_at
+
+    now = datetime.now(UTC)
+    with pytest.raises(InvalidArgumentError, match="timezone-aware"):
+        deadline_at(datetime(2030, 1, 1), now)
+    with pytest.raises(InvalidArgumentError, match="9999"):
+        deadline_at(timedelta(days=3_000_000), now)
+    assert deadline_at(timedelta(hours=1), now) == now + timedelta(hours=1)
