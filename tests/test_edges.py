@@ -219,3 +219,76 @@ def test_timezone_naive_and_far_future_moments_are_refused_with_a_clear_line() -
     with pytest.raises(InvalidArgumentError, match="9999"):
         deadline_at(timedelta(days=3_000_000), now)
     assert deadline_at(timedelta(hours=1), now) == now + timedelta(hours=1)
+
+
+# --------------------------------------------- args are the journal's, not the caller's
+async def test_an_approved_tool_converting_its_args_in_place_runs_the_approved_args_each_attempt(
+    open_store: Any,
+) -> None:
+    """The ported refund agent: the approver saw 42.5; the payment API got 4250 and then
+    425000 under the same key, and the run finished "refunded 425000"."""
+    ledger = Ledger()
+
+    def refund(args: Amount, call: ToolCall) -> dict[str, Any]:
+        args.amount = round(args.amount * 100)  # to cents, in place
+        ledger.note("refund", args.amount, call.idempotency_key)
+        if len(ledger.calls) == 1:
+            raise ConnectionError("payment API timed out")
+        return {"refunded": args.amount}
+
+    tool = define_tool(
+        "refund",
+        "",
+        Amount,
+        refund,
+        needs_approval=True,
+        retry=RetryPolicy(max_attempts=3, initial_interval=0.01),
+    )
+
+    async def go(state: dict[str, Any], ctx: RunContext) -> Any:
+        done = await ctx.tool("refund", {"amount": 42.5})
+        return end(f"refunded {done['refunded']}")
+
+    runtime = Runtime([flow_agent(tool, nodes=[action("go", go)])], store=open_store())
+    paused = await runtime.run(SESSION, kind="flow", flow_name="edge").result()
+    assert paused.waiting_for is not None and paused.waiting_for.operation is not None
+    assert paused.waiting_for.operation.args == {"amount": 42.5}
+    done = await runtime.approve(paused.run_id, SESSION, by="ann")
+    assert (done.status, done.output) == ("finished", "refunded 4250")
+    assert ledger.calls == [("refund", 4250), ("refund", 4250)]
+    assert len(ledger.keys) == 1
+
+
+async def test_a_node_that_changes_its_value_after_calling_ctx_tool_does_not_change_the_call(
+    open_store: Any,
+) -> None:
+    seen: list[Any] = []
+
+    class Basket(BaseModel):
+        items: list[str]
+        extra: dict[str, Any] = {}
+
+    def order(args: Basket) -> dict[str, Any]:
+        seen.append((list(args.items), dict(args.extra)))
+        return {"ordered": len(args.items)}
+
+    tool = define_tool("order", "", Basket, order)
+
+    async def go(state: dict[str, Any], ctx: RunContext) -> Any:
+        value = {"items": ["tea"], "extra": {"note": "first"}}
+        model = Basket(items=["cake"])
+        first = ctx.tool("order", value)
+        second = ctx.tool("order", model)
+        value["items"].append("coffee")
+        value["extra"]["note"] = "changed"
+        model.items.append("pie")
+        await first
+        await second
+        return end("ok")
+
+    runtime = Runtime([flow_agent(tool, nodes=[action("go", go)])], store=open_store())
+    done = await runtime.run(SESSION, kind="flow", flow_name="edge").result()
+    assert done.status == "finished"
+    assert seen == [(["tea"], {"note": "first"}), (["cake"], {})]
+    steps = await runtime.get_steps(done.run_id, SESSION)
+    assert [s.status for s in steps] == ["finished", "finished"]

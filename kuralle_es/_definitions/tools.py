@@ -7,6 +7,7 @@ A tool knows nothing of journals: the funnel in ``journal`` decides whether
 from __future__ import annotations
 
 import asyncio
+import copy
 import inspect
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -61,14 +62,16 @@ class Tool(Generic[ArgsT]):
     is_async: bool = False
 
     def validate(self, args: Any) -> ArgsT:
-        """The tool's input model built from ``args``, or ``InvalidToolArgsError``."""
+        """The tool's input model built from ``args``, or ``InvalidToolArgsError``.
+
+        Always a copy: the caller's own values (a node's model or dict, which it
+        may change after the call) are never what the tool gets."""
         if isinstance(args, self.input):
-            validated = args
+            validated = args.model_copy(deep=True)
         else:
             if isinstance(args, BaseModel):
                 args = args.model_dump()
-            if args is None:
-                args = {}
+            args = {} if args is None else copy.deepcopy(args)
             try:
                 validated = self.input.model_validate(args)
             except ValidationError as e:
@@ -86,9 +89,10 @@ class Tool(Generic[ArgsT]):
         return validated
 
     def decide(self, args: ArgsT, call: ToolCall | None) -> PolicyAnswer:
-        """The approval policy's answer for this call."""
+        """The approval policy's answer for this call (the policy sees a copy of the
+        args: what it changes is never executed or shown to an approver)."""
         if self.policy is not None:
-            answer = self.policy(self.name, args, call)
+            answer = self.policy(self.name, args.model_copy(deep=True), call)
             if answer not in ("allow", "ask", "deny"):
                 msg = (
                     f"policy of tool {self.name!r} answered {answer!r}; "

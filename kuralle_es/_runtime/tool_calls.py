@@ -26,7 +26,7 @@ __all__ = ["ask_approval", "recorded_approval", "run_tool", "tool_call", "tool_e
 def tool_effect(site: Site, tool: Tool[Any], args: BaseModel) -> Effect:
     """A call of ``tool`` with ``args`` at ``site``, as the journal files it (keyed
     by the tool's own ``idempotency_key`` when its definition has one)."""
-    override = tool.idempotency_key(args) if tool.idempotency_key else None
+    override = tool.idempotency_key(args.model_copy(deep=True)) if tool.idempotency_key else None
     return Effect(site, "tool", tool.name, args.model_dump(mode="json"), override)
 
 
@@ -141,7 +141,9 @@ async def run_tool(
                     type="tool-call", tool_name=tool.name, tool_call_id=tool_call_id, args=args_json
                 )
             )
-        return await tool.invoke(args, call)
+        # Each attempt gets its own copy of the args the journal holds (and an
+        # approver saw): what one attempt changes in them is never retried.
+        return await tool.invoke(args.model_copy(deep=True), call)
 
     def executed(result: Any) -> None:
         if emit is not None:
