@@ -50,8 +50,10 @@ from ._runtime.handle import TurnHandle
 from ._runtime.runtime import Runtime
 from .errors import (
     BudgetExceededError,
+    DeadlineExpiredError,
     FlowDriftError,
     FlowNotFoundError,
+    IdempotencyConflictError,
     InvalidArgumentError,
     InvalidDefinitionError,
     InvalidSignalError,
@@ -72,6 +74,7 @@ from .errors import (
     ToolTimeoutError,
     TurnClosedError,
     UnknownToolError,
+    UnrecordableValueError,
 )
 from .shapes import (
     ApprovalDecision,
@@ -95,6 +98,7 @@ __all__ = [
     "Budget",
     "BudgetExceededError",
     "ConversationLoop",
+    "DeadlineExpiredError",
     "End",
     "Flow",
     "FlowDriftError",
@@ -102,6 +106,7 @@ __all__ = [
     "FrozenOperation",
     "Goto",
     "Handoff",
+    "IdempotencyConflictError",
     "InvalidArgumentError",
     "InvalidDefinitionError",
     "InvalidSignalError",
@@ -149,6 +154,7 @@ __all__ = [
     "TurnHandle",
     "TurnResult",
     "UnknownToolError",
+    "UnrecordableValueError",
     "Usage",
     "WaitingFor",
     "action",

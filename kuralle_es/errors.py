@@ -7,6 +7,7 @@ says what happened and what to do. Driver errors (``eventsourcing``'s
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, ClassVar, dataclass_transform
@@ -349,13 +350,71 @@ class PayloadTooLargeError(_FieldsError, ValueError):
     )
 
 
+class UnrecordableValueError(_FieldsError, TypeError):
+    """A value the journal cannot hold exactly: a lone surrogate, NaN, nesting too
+    deep, an object with no JSON form (a ``TypeError`` too). ``what`` names the value,
+    ``problem`` says what is wrong and where (its path, ``$`` at the top). Refused at
+    the door where the value enters: a tool's result fails that step (frozen), a
+    node's output, state bag or message fails the turn (docs/guarantees.md)."""
+
+    what: str
+    problem: str
+
+    _template = (
+        "{what} cannot be journaled: it {problem}; return plain JSON data "
+        "(string keys, finite numbers, valid Unicode, at most 100 levels deep)"
+    )
+
+
+class IdempotencyConflictError(_FieldsError):
+    """An inbound ``idempotency_key`` already used for another request (another input,
+    flow or session); nothing was written. Use a fresh key for a new request."""
+
+    idempotency_key: str
+    run_id: str
+    detail: str
+
+    _template = (
+        "idempotency_key {idempotency_key!r} was already used on run {run_id} for "
+        "another request ({detail}); nothing was done. Retry with exactly the first "
+        "request, or use a new key for a new request"
+    )
+
+
+class DeadlineExpiredError(_FieldsError):
+    """The deadline of a typed wait (``ctx.signal(name, schema=M, deadline=...)``,
+    ``ctx.receive``) passed before anything arrived; catch it in the node to go on."""
+
+    name: str
+    deadline: datetime | None
+
+    def _message(self) -> str:
+        when = self.deadline.isoformat() if self.deadline is not None else "its deadline"
+        return (
+            f"nothing arrived for {self.name!r} before {when}; catch DeadlineExpiredError "
+            "in the node to handle the timeout"
+        )
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, float) and math.isfinite(value)
+
+
+def printable(text: str) -> str:
+    """``text`` with any lone surrogate written as its escape, so an error message
+    (whose text the journal records, whatever raised it) can always be stored."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_fields(exc: BaseException) -> dict[str, Any]:
     """The public attributes of an error, as JSON-friendly data for the journal."""
     out: dict[str, Any] = {}
     for name, value in vars(exc).items():
         if name.startswith("_"):
             continue
-        if isinstance(value, str | int | float | bool) or value is None:
+        if isinstance(value, str):
+            out[name] = printable(value)
+        elif value is None or isinstance(value, bool | int) or _finite(value):
             out[name] = value
     return out
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
+
+from .errors import printable
 
 StepKind = Literal["tool", "approval", "signal", "now", "uuid", "model", "timer"]
 StepStatus = Literal["running", "finished", "error"]
@@ -20,11 +22,19 @@ PartType = Literal["text", "tool-call", "tool-result", "paused", "finished", "er
 
 
 class StepError(BaseModel):
-    """A failed step's error as journaled: the exception class name, its message and fields."""
+    """A failed step's error as journaled: the exception class name, its message and fields.
+
+    Whatever raised it, its text can be stored: a lone surrogate in a message is
+    written as its escape (the failure must be journaled, never refused)."""
 
     type: str
     message: str
     data: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("type", "message")
+    @classmethod
+    def _storable(cls, text: str) -> str:
+        return printable(text)
 
 
 class StepRecord(BaseModel):

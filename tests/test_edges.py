@@ -22,11 +22,13 @@ from pydantic import BaseModel
 
 from kuralle_es import (
     InvalidArgumentError,
+    ModelResponseError,
     RetryPolicy,
     RunContext,
     Runtime,
     ToolCall,
     ToolExecutionError,
+    UnrecordableValueError,
     action,
     define_agent,
     define_flow,
@@ -292,3 +294,110 @@ async def test_a_node_that_changes_its_value_after_calling_ctx_tool_does_not_cha
     assert seen == [(["tea"], {"note": "first"}), (["cake"], {})]
     steps = await runtime.get_steps(done.run_id, SESSION)
     assert [s.status for s in steps] == ["finished", "finished"]
+
+
+# ------------------------------------------------ values the journal cannot hold
+def nested(depth: int) -> Any:
+    value: Any = "deep"
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize(
+    "returned",
+    ["ok \ud800", nested(3000), nested(101), {"when": object()}, {"x": math.nan}],
+    ids=["lone-surrogate", "3000-deep", "101-deep", "an-object", "nan"],
+)
+async def test_a_tool_result_the_journal_cannot_hold_fails_the_step_once_and_is_never_rerun(
+    open_store: Any, returned: Any
+) -> None:
+    ledger = Ledger()
+
+    def tool_fn(args: Amount, call: ToolCall) -> Any:
+        ledger.note("odd", args.amount, call.idempotency_key)
+        return returned
+
+    tool = define_tool("odd", "", Amount, tool_fn)
+    errors: list[ToolExecutionError] = []
+
+    async def go(state: dict[str, Any], ctx: RunContext) -> Any:
+        try:
+            await ctx.tool("odd", {"amount": 1})
+        except ToolExecutionError as e:
+            errors.append(e)
+            return end("refused")
+        return end("stored")
+
+    runtime = Runtime([flow_agent(tool, nodes=[action("go", go)])], store=open_store())
+    done = await runtime.run(SESSION, kind="flow", flow_name="edge").result()
+    assert (done.status, done.output) == ("finished", "refused")
+    assert "cannot be journaled" in errors[0].message and "$" in errors[0].message
+    (step,) = await runtime.get_steps(done.run_id, SESSION)
+    assert step.status == "error"
+    fork = await runtime.fork(done.run_id, SESSION, at_step=1)  # replays the frozen error
+    assert fork.status == "finished"
+    assert len(ledger.calls) == 1
+
+
+async def test_a_tool_error_whose_message_holds_a_lone_surrogate_is_journaled(
+    open_store: Any,
+) -> None:
+    def tool_fn(args: Amount) -> Any:
+        raise ValueError("bad \udcff input")
+
+    async def go(state: dict[str, Any], ctx: RunContext) -> Any:
+        try:
+            await ctx.tool("bad", {"amount": 1})
+        except ToolExecutionError as e:
+            return end(f"failed: {e.message}")
+        return end("ok")
+
+    tool = define_tool("bad", "", Amount, tool_fn)
+    runtime = Runtime([flow_agent(tool, nodes=[action("go", go)])], store=open_store())
+    done = await runtime.run(SESSION, kind="flow", flow_name="edge").result()
+    assert done.status == "finished"
+    assert done.output == "failed: bad \\udcff input"
+
+
+@pytest.mark.parametrize(
+    "ending",
+    ["surrogate-output", "object-output", "object-in-state", "surrogate-title"],
+)
+async def test_a_node_value_the_journal_cannot_hold_ends_the_run_error_never_left_running(
+    open_store: Any, ending: str
+) -> None:
+    async def go(state: dict[str, Any], ctx: RunContext) -> Any:
+        if ending == "surrogate-output":
+            return end("bye \ud83d")  # a model reply cut mid-emoji
+        if ending == "object-output":
+            return end(object())  # type: ignore[arg-type]
+        if ending == "surrogate-title":
+            await ctx.approve("ok \ud800?")
+        state["when"] = object()
+        return end("done")
+
+    runtime = Runtime([flow_agent(nodes=[action("go", go)])], store=open_store())
+    handle = runtime.run(SESSION, kind="flow", flow_name="edge")
+    with pytest.raises(UnrecordableValueError, match="cannot be journaled"):
+        await handle.result()
+    run_id = await handle.run_id
+    state = await runtime.get_run(run_id, SESSION)
+    assert state is not None
+    assert state.status == "error"
+    assert state.lease_holder is None
+    assert state.error is not None and state.error.type == "UnrecordableValueError"
+
+
+async def test_a_model_reply_cut_mid_emoji_ends_the_conversation_turn_in_error(
+    open_store: Any,
+) -> None:
+    from kuralle_es.testing import ScriptedModel
+
+    agent = define_agent("chat", "", ScriptedModel(["half an emoji \ud83d"]), [])
+    runtime = Runtime([agent], store=open_store())
+    handle = runtime.run("s-chat", input="hello")
+    with pytest.raises(ModelResponseError, match=r"\$\.content"):
+        await handle.result()
+    state = await runtime.get_run(await handle.run_id, "s-chat")
+    assert state is not None and state.status == "error" and state.lease_holder is None

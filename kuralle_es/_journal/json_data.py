@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from ..errors import InvalidArgumentError, PayloadTooLargeError
+from ..errors import InvalidArgumentError, PayloadTooLargeError, UnrecordableValueError
 
 __all__ = [
     "MAX_JSON_DEPTH",
@@ -27,7 +27,7 @@ __all__ = [
 ]
 
 #: The deepest nesting of JSON data the journal accepts.
-MAX_JSON_DEPTH = 64
+MAX_JSON_DEPTH = 100
 
 
 def unicode_problem(text: str) -> str | None:
@@ -115,16 +115,52 @@ def _dump_model(value: object) -> object:
     raise TypeError(msg)
 
 
+def _dumped(value: Any) -> Any:
+    """``value`` with its pydantic models dumped, for ``plain_json_problem`` to walk."""
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json")
+    if isinstance(value, dict):
+        return {k: _dumped(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_dumped(v) for v in value]
+    return value
+
+
+def _problem(value: Any) -> str | None:
+    """What keeps ``value`` out of the journal, with its path (the slow path, taken
+    only once the fast one failed or the value may be nested too deep): the walk
+    that needs no recursion first (depth, NaN, lone surrogates), then one over the
+    value with its pydantic models dumped (objects with no JSON form)."""
+    problem = plain_json_problem(value, other_types_ok=True)
+    if problem is not None:
+        return problem
+    try:
+        return plain_json_problem(_dumped(value))
+    except RecursionError:  # pragma: no cover - the first walk found the depth
+        return f"is nested deeper than {MAX_JSON_DEPTH} levels"
+
+
 def encode_json(value: Any, what: str) -> str:
     """JSON text of ``value`` for the journal (pydantic models dumped), within the bound.
 
-    Raises ``TypeError`` for anything JSON cannot hold exactly (NaN included)
-    and ``PayloadTooLargeError`` over the bound; ``what`` names the culprit.
+    The one door every journaled value passes (tool results, model responses,
+    state bags, outputs, messages, payloads): ``UnrecordableValueError`` (a
+    ``TypeError``) naming ``what`` and the value's path for anything JSON cannot
+    hold exactly (NaN, a lone surrogate, nesting deeper than ``MAX_JSON_DEPTH``,
+    an object with no JSON form), ``PayloadTooLargeError`` over the bound.
     """
     try:
         text = json.dumps(value, default=_dump_model, ensure_ascii=False, allow_nan=False)
-    except (TypeError, ValueError) as e:
-        msg = f"{what} is not JSON-serialisable: {e}"
-        raise TypeError(msg) from None
-    check_size(text, what)
+        size = len(text.encode("utf-8"))
+    except (TypeError, ValueError, RecursionError) as e:  # UnicodeEncodeError: a ValueError
+        raise UnrecordableValueError(what, _problem(value) or f"fails to encode ({e})") from None
+    # Nesting is counted only where it may be too deep (brackets inside strings
+    # count too: the walk then finds nothing and the value passes).
+    if text.count("[") + text.count("{") > MAX_JSON_DEPTH:
+        problem = _problem(value)
+        if problem is not None:
+            raise UnrecordableValueError(what, problem)
+    limit = max_payload_bytes()
+    if size > limit:
+        raise PayloadTooLargeError(what, size, limit)
     return text

@@ -37,6 +37,7 @@ from ..shapes import (
     messages_from_json,
 )
 from . import catalogue as stored
+from .json_data import encode_json
 from .leases import Lease
 from .sites import Effect, Lane, Site
 from .spending import normalise_usage
@@ -195,6 +196,7 @@ class Run(Aggregate):
     def enter_node(
         self, flow: str | None, node: str | None, state: dict[str, Any], callsite_base: int
     ) -> None:
+        encode_json(state, f"the state bag at node {node!r}")
         self.trigger_event(
             stored.NodeEntered,
             flow=flow,
@@ -238,11 +240,15 @@ class Run(Aggregate):
         )
 
     def append_message(self, message: Message) -> None:
-        self.trigger_event(stored.MessageAppended, message=message.model_dump(exclude_none=True))
+        dumped = message.model_dump(exclude_none=True)
+        encode_json(dumped, f"a {message.role} message")
+        self.trigger_event(stored.MessageAppended, message=dumped)
 
     def pause(self, wait: Wait) -> None:
         """Pause on ``wait`` (stored as its JSON, the public fields first-class)."""
-        self.trigger_event(stored.Paused, waiting_for=wait.to_json())
+        waiting_for = wait.to_json()
+        encode_json(waiting_for, f"the wait for {wait.name!r}")
+        self.trigger_event(stored.Paused, waiting_for=waiting_for)
 
     def accept_signal(self, signal_id: str, name: str, payload: Any, actor: str | None) -> None:
         self._require_status("paused", "accept a signal")
@@ -282,6 +288,11 @@ class Run(Aggregate):
     def finish(
         self, outcome: str | None, output: Any, agent: str | None, state: dict[str, Any]
     ) -> None:
+        """End the run; refused (``UnrecordableValueError``, nothing triggered) when its
+        outcome, output or state bag cannot be journaled."""
+        encode_json(outcome, "the run's end reason")
+        encode_json(output, "the run's output")
+        encode_json(state, "the run's state bag")
         self.trigger_event(
             stored.Finished,
             outcome=outcome,
@@ -298,6 +309,7 @@ class Run(Aggregate):
             self.trigger_event(stored.Resumed)
 
     def abort(self, reason: str) -> None:
+        encode_json(reason, "the outcome of an aborted run")
         self.trigger_event(stored.Aborted, reason=reason)
 
     def fire_timer(self, request_id: str) -> None:
@@ -378,6 +390,7 @@ class Run(Aggregate):
         return True
 
     def record_turn(self, idempotency_key: str, result: dict[str, Any]) -> None:
+        encode_json(result, "the turn's result")
         self.trigger_event(stored.TurnRecorded, idempotency_key=idempotency_key, result=result)
 
     def set_budget(self, budget: dict[str, Any] | None) -> None:

@@ -28,7 +28,6 @@ from .._definitions.flows import (
     to_transition,
 )
 from .._definitions.llm import ModelRequest, ModelResponse
-from .._journal.json_data import encode_json
 from .._journal.keys import logical_run_id
 from .._journal.wait import INPUT
 from ..errors import FlowDriftError
@@ -127,8 +126,6 @@ async def drive_flow(
         transition = to_transition(returned, flow, node_id)
         if isinstance(transition, Goto) and transition.data:
             state.update(transition.data)
-        # The state bag is journaled: refuse what JSON cannot hold before any event.
-        encode_json(state, f"the state bag left by node {node_id!r} of flow {flow.name!r}")
         if isinstance(transition, Goto):
             writer.enter_node(flow.name, transition.node, state, cursor.next)
             continue

@@ -10,6 +10,8 @@ new user message, an accepted delivery, a re-pinned flow).
 from __future__ import annotations
 
 import contextlib
+import functools
+from collections.abc import Callable
 from typing import Any
 
 from .._definitions.agents import Agent
@@ -17,7 +19,13 @@ from .._definitions.budget import Budget
 from .._definitions.flows import End, Flow, Handoff
 from .._journal.leases import Lease
 from .._journal.run import Run
-from ..errors import LeaseHeldError, StaleWriteError, SuspendError, error_fields
+from ..errors import (
+    LeaseHeldError,
+    StaleWriteError,
+    SuspendError,
+    UnrecordableValueError,
+    error_fields,
+)
 from ..shapes import StepError, StreamPart, TurnResult
 from .flow_driver import Driven, drive
 from .handle import TurnSink
@@ -157,7 +165,7 @@ class _Turn:
                 max_tool_concurrency=env.max_tool_concurrency,
             )
         except SuspendError as suspended:
-            writer.pause(suspended.wait)
+            await self._refused_unless(writer, functools.partial(writer.pause, suspended.wait))
             part = StreamPart(type="paused", waiting_for=suspended.waiting_for)
             return await self._close(writer, part)
         except RunStopped as stopped:
@@ -217,8 +225,21 @@ class _Turn:
         agent = transition.to if isinstance(transition, Handoff) else run.active_agent
         outcome = transition.reason
         output = self.last_text if self.last_text is not None else outcome
-        writer.finish(outcome, output, agent, driven.state)
+        await self._refused_unless(
+            writer, lambda: writer.finish(outcome, output, agent, driven.state)
+        )
         return await self._close(writer, StreamPart(type="finished"))
+
+    async def _refused_unless(self, writer: RunWriter, close: Callable[[], None]) -> None:
+        """Apply the turn's ``close`` (a pause, an end); if the journal refuses what it
+        holds (a value with no JSON form, a lone surrogate), the turn ends the run
+        ``error`` with that refusal instead, and raises it: no run is left running
+        with no turn driving it."""
+        try:
+            close()
+        except UnrecordableValueError as refused:
+            await self._close_errored(writer, refused)
+            raise
 
     async def _close_errored(self, writer: RunWriter, exc: Exception) -> None:
         error = StepError(type=type(exc).__name__, message=str(exc), data=error_fields(exc))
