@@ -61,6 +61,7 @@ STORED = {
     "kuralle_es:Run.BudgetRaised": 1,
     "kuralle_es:Run.LeaseTaken": 1,
     "kuralle_es:Run.LeaseReleased": 1,
+    "kuralle_es:Run.InboundKeyRecorded": 1,
     "kuralle_es:SessionRuns.Created": 1,
     "kuralle_es:SessionRuns.RunAdded": 1,
 }

@@ -8,9 +8,19 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
 from pydantic import BaseModel
 
-from kuralle_es import Runtime, ToolCall, action, define_agent, define_flow, define_tool, end
+from kuralle_es import (
+    LeaseHeldError,
+    Runtime,
+    ToolCall,
+    action,
+    define_agent,
+    define_flow,
+    define_tool,
+    end,
+)
 
 SESSION = "webhooks"
 
@@ -85,9 +95,12 @@ async def test_a_retried_start_with_the_same_key_returns_the_first_run(open_stor
     assert len(executions) == 4
 
 
-async def test_a_retry_while_the_first_start_is_still_running_starts_nothing(
+async def test_a_retry_while_the_first_start_is_still_running_is_told_the_lease_is_held(
     open_store: Any,
 ) -> None:
+    """Another holder still drives the run the key started: the retry starts nothing
+    and is refused with ``LeaseHeldError`` (retry later), as any call to a run held
+    elsewhere is (docs/guarantees.md, "At the edges")."""
     executions: list[str] = []
     gate, started = asyncio.Event(), asyncio.Event()
     runtime = runtime_for(open_store(), executions, gate, started)
@@ -95,13 +108,13 @@ async def test_a_retry_while_the_first_start_is_still_running_starts_nothing(
     run_id = await first.run_id
     await started.wait()
 
-    retry = (
-        await runtime_for(open_store(), executions)
-        .run(SESSION, kind="flow", flow_name="ship", idempotency_key="evt-9")
-        .result()
-    )
-    assert retry.run_id == run_id
-    assert retry.status == "running"
+    with pytest.raises(LeaseHeldError) as held:
+        await (
+            runtime_for(open_store(), executions)
+            .run(SESSION, kind="flow", flow_name="ship", idempotency_key="evt-9")
+            .result()
+        )
+    assert held.value.run_id == run_id
     gate.set()
     done = await first.result()
     assert done.status == "finished"

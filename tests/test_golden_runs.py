@@ -480,3 +480,18 @@ async def test_every_golden_run_resumes_to_its_end_with_each_effect_once(golden:
         assert grouped[label][: len(run["events"])] == run["events"], label
         assert grouped[label][-1].split()[0] == LAST_EVENT[run["resume"]["status"]], label
     assert len(app.read_ledger()) == sum(len(run["resume"]["adds"]) for run in RUNS.values())
+
+
+async def test_a_keyed_start_of_the_first_release_retried_now_finds_its_run_and_runs_nothing(
+    golden: Golden,
+) -> None:
+    """0.1.0 derived a keyed start's run id from its session, flow and key; starts
+    now derive it from the key alone, and still find the runs keyed before."""
+    runtime = golden.runtime()
+    before = len(app.read_ledger())
+    session = golden.session("finished")
+    retry = await runtime.run(
+        session, kind="flow", flow_name="checkout", idempotency_key="checkout-1"
+    ).result()
+    assert (retry.run_id, retry.status) == (golden.run_id("finished"), "finished")
+    assert len(app.read_ledger()) == before

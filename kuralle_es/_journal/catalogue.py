@@ -51,6 +51,7 @@ __all__ = [
     "Finished",
     "FlowPinned",
     "Forked",
+    "InboundKeyRecorded",
     "InputAccepted",
     "LeaseReleased",
     "LeaseTaken",
@@ -330,6 +331,16 @@ class TurnRecorded(Event):
     result: dict[str, Any]
 
 
+class InboundKeyRecorded(Event):
+    """A call made with an inbound idempotency key opened a turn of this run:
+    the key, and the digest of what it asked (its request), so a retry is
+    answered from the run whatever became of that turn (a crash, a recovery by
+    another worker) and the same key with another request is refused."""
+
+    idempotency_key: str
+    request: str
+
+
 class BudgetSet(Event):
     """The budget a caller gave this run (``runtime.run(..., budget=)``)."""
 
@@ -401,6 +412,7 @@ RUN_EVENTS: tuple[type[Event], ...] = (
     BudgetRaised,
     LeaseTaken,
     LeaseReleased,
+    InboundKeyRecorded,
 )
 #: Every stored event class of a session's index.
 SESSION_EVENTS: tuple[type[SessionEvent], ...] = (SessionIndexCreated, RunIndexed)

@@ -95,7 +95,8 @@ class Run(Aggregate):
     TOPIC = "kuralle_es:Run"
     #: 2: usage, budget and budget raises; delivered signal ids as a mapping
     #: (membership in O(1)); the fields older snapshots lacked, set.
-    class_version = 2
+    #: 3: every inbound idempotency key seen, with the digest of its request.
+    class_version = 3
     #: Set on a run folded for its whole journal (``RunStore.load_history``),
     #: never saved: such a run archives nothing.
     keeps_all_steps: bool = False
@@ -144,6 +145,9 @@ class Run(Aggregate):
         self.turn_keys: dict[str, dict[str, Any]] = {}
         #: The inbound idempotency key of the turn that started last, if any.
         self.turn_key: str | None = None
+        #: Every inbound idempotency key a call opened a turn with, and the digest of
+        #: its request (None: recorded by a release that kept no digest).
+        self.inbound_keys: dict[str, str | None] = {}
         #: ``{"run_id": ..., "at_step": ...}`` when this run is a fork of another.
         self.forked_from: dict[str, Any] | None = None
         #: Model calls and tokens by model name, over the run's whole journal
@@ -170,6 +174,13 @@ class Run(Aggregate):
         for step in state.get("steps", ()):
             step.setdefault("failures", 0)
             step.setdefault("retry_at", None)
+
+    @staticmethod
+    def upcast_v2_v3(state: dict[str, Any]) -> None:
+        """A snapshot before inbound keys were kept: the keys it knew (its recorded
+        turns and its last turn's key) are seen, with no digest to compare."""
+        keys = [*state.get("turn_keys", {}), state.get("turn_key")]
+        state["inbound_keys"] = {key: None for key in keys if key}
 
     # ------------------------------------------------------------------ ids
     @property
@@ -389,6 +400,13 @@ class Run(Aggregate):
             self.abort(outcome)
         return True
 
+    def record_inbound_key(self, idempotency_key: str, request: str) -> None:
+        """Record that a call with ``idempotency_key`` (asking what ``request`` digests)
+        opened a turn of this run."""
+        self.trigger_event(
+            stored.InboundKeyRecorded, idempotency_key=idempotency_key, request=request
+        )
+
     def record_turn(self, idempotency_key: str, result: dict[str, Any]) -> None:
         encode_json(result, "the turn's result")
         self.trigger_event(stored.TurnRecorded, idempotency_key=idempotency_key, result=result)
@@ -550,6 +568,8 @@ def _turn_started(run: Run, e: stored.TurnStarted) -> None:
     run.callsite_base = 0
     run.archive_steps()
     run.turn_key = e.idempotency_key
+    if e.idempotency_key:
+        run.inbound_keys.setdefault(e.idempotency_key, None)
     if e.message is not None:
         run.messages.append(e.message)
 
@@ -706,6 +726,11 @@ def _migrated(run: Run, e: stored.Migrated) -> None:
 
 def _turn_recorded(run: Run, e: stored.TurnRecorded) -> None:
     run.turn_keys[e.idempotency_key] = e.result
+    run.inbound_keys.setdefault(e.idempotency_key, None)
+
+
+def _inbound_key_recorded(run: Run, e: stored.InboundKeyRecorded) -> None:
+    run.inbound_keys[e.idempotency_key] = e.request
 
 
 def _budget_set(run: Run, e: stored.BudgetSet) -> None:
@@ -761,5 +786,6 @@ _FOLD: dict[type[stored.Event], _Fold | None] = stored.dispatch(
         stored.BudgetRaised: _budget_raised,
         stored.LeaseTaken: _lease_taken,
         stored.LeaseReleased: _lease_released,
+        stored.InboundKeyRecorded: _inbound_key_recorded,
     },
 )

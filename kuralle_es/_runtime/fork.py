@@ -221,6 +221,7 @@ _WALK: Mapping[type[stored.Event], Callable[[_Walk, Any], None] | None] = stored
         stored.BudgetRaised: _copied,
     },
     skipped=(
+        stored.InboundKeyRecorded,
         stored.Forked,  # the fork records its own origin
         stored.TimerFired,
         stored.Resumed,

@@ -20,6 +20,7 @@ from .._definitions.flows import End, Flow, Handoff
 from .._journal.leases import Lease
 from .._journal.run import Run
 from ..errors import (
+    IdempotencyConflictError,
     LeaseHeldError,
     StaleWriteError,
     SuspendError,
@@ -30,7 +31,7 @@ from ..shapes import StepError, StreamPart, TurnResult
 from .flow_driver import Driven, drive
 from .handle import TurnSink
 from .observability import log_event, set_status, span
-from .turn_calls import Command, Opening, TurnEnv
+from .turn_calls import Command, Opening, Recover, TurnEnv
 from .writer import RunStopped, RunWriter, result_of, utcnow
 
 __all__ = ["drive_turn", "result_of"]
@@ -82,14 +83,18 @@ class _Turn:
 
     def _done_already(self, run: Run, fresh: bool) -> TurnResult | None:
         """The result of a call the run already answered (a retried turn key or
-        delivery), which is a no-op whoever holds the run."""
+        delivery), which is a no-op whoever holds the run; ``IdempotencyConflictError``
+        for a key the run saw with another request."""
         command = self.command
         key = command.idempotency_key
-        if key and key in run.turn_keys:
-            return TurnResult.model_validate(run.turn_keys[key])
-        if key and key == run.turn_key and run.status == "running" and not fresh:
-            # The turn this key started is still in flight (or was cut off, for
-            # recovery to finish): a retry must not start it a second time.
+        if key and not fresh and key in run.inbound_keys:
+            seen = run.inbound_keys[key]
+            if seen is not None and seen != command.request_digest():
+                raise IdempotencyConflictError(
+                    key, run.run_id, f"the request now differs: {command.request()!r}"
+                )
+            if key in run.turn_keys:
+                return TurnResult.model_validate(run.turn_keys[key])
             return result_of(run)
         if command.already_done(run):
             return result_of(run)
@@ -98,17 +103,30 @@ class _Turn:
     async def _drive(self, run: Run, fresh: bool) -> TurnResult:
         command, env = self.command, self.env
         done = self._done_already(run, fresh)
-        if done is not None:
-            return self._noop(run, done)
         held = None if fresh else run.lease(await env.store.lease_async(run.run_id))
+        live_elsewhere = held is not None and held.holder != env.holder and held.live(utcnow())
+        if done is not None and self._still_running(run):
+            # A keyed call retried while the run it started still runs: another
+            # holder's turn is refused below; this worker's own is in flight here;
+            # a turn cut off by a crash that nobody recovered yet is recovered now,
+            # and the call answered as the run then stands.
+            if held is not None and held.holder == env.holder and held.live(utcnow()):
+                return self._noop(run, done)
+            if not live_elsewhere:
+                self.command = command = Recover(
+                    run.session_id, run.run_id, command.idempotency_key
+                )
+                done = None
+        elif done is not None:
+            return self._noop(run, done)
         # A run another holder is driving is not this caller's to address yet:
         # refused before anything the call delivers is checked. (The lease is read
         # after the run: a holder that opened its turn in between may have
         # answered this very call, so read the run again before refusing.)
-        if held is not None and held.holder != env.holder and held.live(utcnow()):
+        if held is not None and live_elsewhere:
             latest = await env.store.load_async(run.run_id)
             done = self._done_already(latest, fresh) if latest is not None else None
-            if latest is not None and done is not None:
+            if latest is not None and done is not None and not self._still_running(latest):
                 return self._noop(latest, done)
             raise LeaseHeldError(run.run_id, held.holder, held.expires_at)
         opening = command.prepare(run, fresh, env, held)
@@ -127,6 +145,17 @@ class _Turn:
             return await self._open_and_drive(run, fresh, held, writer, opening, agent, flow)
         finally:
             await writer.close()
+
+    def _still_running(self, run: Run) -> bool:
+        """Whether this call is a keyed retry whose run is still running, its turn
+        not recorded: in flight somewhere, or cut off by a crash."""
+        key = self.command.idempotency_key
+        return (
+            bool(key)
+            and key in run.inbound_keys
+            and key not in run.turn_keys
+            and run.status == "running"
+        )
 
     async def _open_and_drive(
         self,
@@ -210,6 +239,9 @@ class _Turn:
         that takes over a running run from another holder (or from none) records
         the takeover, so whoever drove it before loses its next save."""
         writer.take_lease()
+        key = self.command.idempotency_key
+        if key and key not in run.inbound_keys:
+            writer.record_inbound_key(key, self.command.request_digest())
         takeover = held is None or held.holder != self.env.holder
         if not fresh and run.status == "running" and takeover and not opening.takes_over:
             writer.take_over(held.holder if held is not None else None)

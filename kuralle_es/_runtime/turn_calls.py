@@ -18,7 +18,7 @@ from uuid import UUID, uuid4, uuid5
 
 from .._definitions.agents import Agent
 from .._definitions.flows import Flow
-from .._journal.keys import canonical_json
+from .._journal.keys import canonical_json, sha256_hex
 from .._journal.leases import Lease
 from .._journal.run import Run
 from .._journal.spending import Prices
@@ -61,11 +61,19 @@ def conversation_run_id(session_id: str) -> UUID:
     return uuid5(CONVERSATION_NAMESPACE, session_id)
 
 
-def flow_run_id(session_id: str, flow_name: str, idempotency_key: str | None) -> UUID:
-    """A fresh id for a new flow run; derived from the inbound idempotency key when
-    there is one, so that a retried start finds (or races to create) the same run."""
+def flow_run_id(idempotency_key: str | None) -> UUID:
+    """A fresh id for a new flow run; derived from the inbound idempotency key alone
+    when there is one, so that a retried start finds (or races to create) the same
+    run, and the same key sent with another flow or session finds it too (and is
+    refused: docs/guarantees.md, "At the edges")."""
     if idempotency_key is None:
         return uuid4()
+    return uuid5(CONVERSATION_NAMESPACE, canonical_json(["flow-start", idempotency_key]))
+
+
+def _legacy_flow_run_id(session_id: str, flow_name: str, idempotency_key: str) -> UUID:
+    """The id releases before inbound keys were folded gave a keyed start (scoped to
+    its session and flow): a start retried after an upgrade still finds its run."""
     return uuid5(CONVERSATION_NAMESPACE, canonical_json([session_id, flow_name, idempotency_key]))
 
 
@@ -318,6 +326,14 @@ class Command(ABC):
         """What the turn's log line says about this command (never a payload)."""
         return {}
 
+    def request(self) -> Any:
+        """What this call asks, as JSON data: the same inbound ``idempotency_key``
+        with another request is refused (``IdempotencyConflictError``)."""
+        return {"command": type(self).__name__, "session": self.session_id}
+
+    def request_digest(self) -> str:
+        return sha256_hex(canonical_json(self.request()))
+
 
 @dataclass(frozen=True)
 class StartFlow(Command):
@@ -333,14 +349,20 @@ class StartFlow(Command):
             msg = "kind='flow' needs flow_name, the name of one of the agents' flows"
             raise InvalidArgumentError(msg)
         agent, flow = env.registry.flow(self.flow_name)
-        minted = flow_run_id(self.session_id, flow.name, self.idempotency_key)
-        if self.idempotency_key is not None:
-            # A retried start (same key) finds the run the first one made.
-            existing = await load_run(env.store, str(minted), self.session_id)
-            if existing is not None:
-                return existing, False
+        key = self.idempotency_key
+        minted = flow_run_id(key)
+        if key is not None:
+            # A retried start (same key) finds the run the first one made, whatever
+            # its session (a start with another session or flow is then refused).
+            for run_id in (minted, _legacy_flow_run_id(self.session_id, flow.name, key)):
+                existing = await env.store.load_async(str(run_id))
+                if existing is not None:
+                    return existing, False
         run = Run(minted, self.session_id, "flow", agent.id, flow.name, flow.digest, flow.version)
         return run, True
+
+    def request(self) -> Any:
+        return {"start": self.flow_name, "session": self.session_id, "input": self.input}
 
     def prepare(self, run: Run, fresh: bool, env: TurnEnv, held: Lease | None) -> Opening | None:
         if fresh:
@@ -378,6 +400,14 @@ class Converse(Command):
         else:
             agent = env.registry.default_agent()
         return Run(run_id, self.session_id, "conversation", agent.id, None, None), True
+
+    def request(self) -> Any:
+        return {
+            "conversation": self.session_id,
+            "input": self.input,
+            "flow": self.flow_name,
+            "agent": self.agent_id,
+        }
 
     def _check_agent(self, run: Run) -> None:
         """Refuse to talk to the session's conversation as another agent than its own."""
@@ -428,6 +458,9 @@ class Input(_ForStoredRun):
         if isinstance(opening, _NewEpoch):
             return _NewEpoch(opening.message, self.idempotency_key)
         return opening
+
+    def request(self) -> Any:
+        return {"input": self.input, "run": self.run_id, "session": self.session_id}
 
 
 @dataclass(frozen=True)
@@ -489,6 +522,15 @@ class Deliver(Command):
     def log_fields(self) -> dict[str, str | None]:
         delivery = self.delivery
         return {"signal": delivery.name, "signal_id": delivery.signal_id, "actor": delivery.actor}
+
+    def request(self) -> Any:
+        delivery = self.delivery
+        return {
+            "deliver": delivery.name,
+            "signal_id": delivery.signal_id,
+            "run": self.run_id,
+            "session": self.session_id,
+        }
 
 
 @dataclass(frozen=True)

@@ -294,6 +294,10 @@ class RunWriter:
         a stale writer's next save then loses on the run's version."""
         self._run.recover(previous_holder)
 
+    def record_inbound_key(self, idempotency_key: str, request: str) -> None:
+        """Record the inbound key of the call that opens this turn (with its opening)."""
+        self._run.record_inbound_key(idempotency_key, request)
+
     def start_turn(self, epoch: int, message: Message | None, idempotency_key: str | None) -> None:
         self._run.start_turn(epoch, message, idempotency_key)
 

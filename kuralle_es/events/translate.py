@@ -179,6 +179,7 @@ _RULES: Mapping[type[stored.Event], _Rule | None] = stored.dispatch(
         stored.Aborted: _Rule(_aborted, "aborted"),
     },
     skipped=(
+        stored.InboundKeyRecorded,
         stored.Forked,  # the fork's RunOpened and its copied steps say it
         stored.NodeEntered,
         stored.MessageAppended,

@@ -330,6 +330,7 @@ _HANDLERS: Mapping[type[stored.Event], _Handler | None] = stored.dispatch(
         stored.LeaseReleased: _set(lease_holder=None, lease_expires_at=None),
     },
     skipped=(
+        stored.InboundKeyRecorded,
         stored.RunCreated,  # folded by ``_created``, the first event of every run
         stored.Forked,  # where a fork came from is on RunState, not a column of the list
         stored.MessageAppended,

@@ -7,7 +7,15 @@ that dies:
     charge_app.py start STORE_URL SESSION [N]
 
 starts N runs (default 1) of the ``charge`` flow and prints each run id as
-it opens. ``KT_LEDGER`` is where the payment system keeps its ledger: a
+it opens;
+
+    charge_app.py start-keyed STORE_URL SESSION KEY flow|conversation
+
+makes one keyed call, as a ported application does: a keyed start of the
+``charge`` flow, or a keyed user turn of the ``clerk`` agent's conversation
+(whose model asks for one ``charge`` a turn).
+
+``KT_LEDGER`` is where the payment system keeps its ledger: a
 ``postgresql://`` DSN or a SQLite file. The ledger has one row per
 idempotency key in ``charges`` (``INSERT ... ON CONFLICT DO NOTHING``: the
 payment system deduplicates) and one row per execution in
@@ -35,8 +43,21 @@ from typing import Any
 import psycopg
 from pydantic import BaseModel
 
-from kuralle_es import Agent, Runtime, ToolCall, action, define_agent, define_flow, define_tool, end
+from kuralle_es import (
+    Agent,
+    ModelRequest,
+    ModelResponse,
+    Runtime,
+    ToolCall,
+    ToolCallRequest,
+    action,
+    define_agent,
+    define_flow,
+    define_tool,
+    end,
+)
 from kuralle_es._journal.store_url import open_store_url
+from kuralle_es.testing import ScriptedModel
 
 FLOW = "charge"
 KILL_POINTS = ("before-intent", "in-tool", "after-result")
@@ -140,7 +161,33 @@ def build_agents() -> list[Agent]:
         define_flow("hold", "an approval with a short deadline", "hold", [action("hold", hold)]),
         define_flow("nap", "a durable sleep", "nap", [action("nap", nap)]),
     ]
-    return [define_agent("cashier", "charges", None, [tool], flows)]
+    return [
+        define_agent("cashier", "charges", None, [tool], flows),
+        define_agent("clerk", "charges in a conversation", ScriptedModel(_clerk), [tool]),
+    ]
+
+
+def _clerk(request: ModelRequest) -> ModelResponse | str:
+    """The clerk's model: one ``charge`` after each user message, then a reply."""
+    last = request.messages[-1]
+    if last.role == "tool":
+        return f"charged: {last.content}"
+    return ModelResponse(tool_calls=[ToolCallRequest(id="c1", name="charge", args={"cents": 700})])
+
+
+async def _start_keyed(url: str, session: str, key: str, kind: str) -> None:
+    with open_store_url(url) as store:
+        runtime = Runtime(
+            build_agents(), store=store, lease_ttl=1.0, holder=f"doomed-{os.getpid()}"
+        )
+        if kind == "flow":
+            handle = runtime.run(
+                session, input="pay", kind="flow", flow_name=FLOW, idempotency_key=key
+            )
+        else:
+            handle = runtime.run(session, input="pay me", agent="clerk", idempotency_key=key)
+        print(await handle.run_id, flush=True)
+        await handle.result()
 
 
 async def _start(url: str, session: str, runs: str = "1") -> None:
@@ -160,6 +207,6 @@ async def _start(url: str, session: str, runs: str = "1") -> None:
 
 if __name__ == "__main__":
     command, *rest = sys.argv[1:]
-    if command != "start":
+    if command not in ("start", "start-keyed"):
         raise SystemExit(f"unknown command {command!r}")
-    asyncio.run(_start(*rest))
+    asyncio.run(_start(*rest) if command == "start" else _start_keyed(*rest))
