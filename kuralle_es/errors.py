@@ -240,6 +240,9 @@ class StaleWriteError(_FieldsError):
     run_id: str
     detail: str = ""
     clash: bool = field(default=True, kw_only=True)
+    #: The write was an effect's outcome, recorded on the run as stored after all
+    #: (the run was ended from outside while the effect ran).
+    recorded: bool = field(default=False, kw_only=True)
 
     def _message(self) -> str:
         what = (
@@ -247,6 +250,8 @@ class StaleWriteError(_FieldsError):
             if self.clash
             else "could not be saved by this turn (an earlier save failed)"
         )
+        if self.recorded:
+            return f"run {self.run_id!r} {what}: {self.detail}. Reload the run to see it"
         return (
             f"run {self.run_id!r} {what}; nothing of this write was stored. Reload the run "
             f"and try again{': ' + self.detail if self.detail else ''}"

@@ -193,14 +193,18 @@ async def test_a_turn_driving_the_run_loses_its_next_save_and_executes_nothing_f
     held = await operator.get_run(run_id, SESSION)
     assert held is not None and held.lease_holder == worker.holder
     cancelled = await operator.cancel(run_id, SESSION, "operator stop")
-    with pytest.raises(StaleWriteError):
+    with pytest.raises(StaleWriteError, match="outcome is recorded") as lost:
         await turn
+    assert lost.value.recorded
     assert ledger.entries == ["slow-start", "slow-done"]  # "after" never executed
     final = await operator.get_run(run_id, SESSION)
     assert final is not None
+    # The slow tool ran: its outcome is recorded after the cancel, and nothing else.
     assert (final.status, final.outcome, final.version) == (
-        "aborted", "cancelled: operator stop", cancelled.version,
+        "aborted", "cancelled: operator stop", cancelled.version + 1,
     )  # fmt: skip
+    steps = await operator.get_steps(run_id, SESSION)
+    assert [(s.name, s.status) for s in steps] == [("slow", "finished")]
 
 
 async def test_a_cancel_lands_while_a_turn_saves_as_fast_as_it_can(
@@ -237,7 +241,11 @@ async def test_a_cancel_lands_while_a_turn_saves_as_fast_as_it_can(
         await turn
     assert state.outcome == "cancelled: enough" and len(executed) < 2000
     final = await operator.get_run(run_id, SESSION)
-    assert final is not None and (final.status, final.version) == ("aborted", state.version)
+    # A tick that executed when the cancel landed has its outcome recorded after it.
+    assert final is not None and final.status == "aborted"
+    assert final.version in (state.version, state.version + 1)
+    steps = await operator.get_steps(run_id, SESSION)
+    assert (final.version == state.version + 1) == (steps[-1].status == "finished")
     ran = len(executed)
     assert (await operator.run(SESSION, run_id=run_id).result()).status == "aborted"
     assert len(executed) == ran
@@ -271,8 +279,9 @@ async def test_a_turn_in_another_process_stops_at_its_next_save_after_a_cancel(
     assert [e["tool"] for e in control.read_ledger(ledger)] == ["slow-start", "slow-done"]
     final = await runtime.get_run(run_id, SESSION)
     assert final is not None
+    # The slow tool ran in the other process: its outcome is recorded after the cancel.
     assert (final.status, final.outcome, final.version) == (
-        "aborted", "cancelled: from the shell", cancelled.version,
+        "aborted", "cancelled: from the shell", cancelled.version + 1,
     )  # fmt: skip
 
 

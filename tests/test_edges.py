@@ -11,6 +11,7 @@ numbers. (The lease clock and the heartbeat have their own tests:
 
 from __future__ import annotations
 
+import asyncio
 import math
 import threading
 from collections import Counter
@@ -26,6 +27,7 @@ from kuralle_es import (
     RetryPolicy,
     RunContext,
     Runtime,
+    StaleWriteError,
     ToolCall,
     ToolExecutionError,
     UnrecordableValueError,
@@ -401,3 +403,56 @@ async def test_a_model_reply_cut_mid_emoji_ends_the_conversation_turn_in_error(
         await handle.result()
     state = await runtime.get_run(await handle.run_id, "s-chat")
     assert state is not None and state.status == "error" and state.lease_holder is None
+
+
+# ------------------------------------------------------------ cancels in flight
+@pytest.mark.parametrize("attempt", range(12))
+async def test_an_approval_racing_a_cancel_never_leaves_an_executed_charge_unrecorded(
+    open_store: Any, attempt: int
+) -> None:
+    """14 of 60 tries: the charge ran, the run ended ``aborted`` with the step
+    ``running``, and the approver was told "nothing of this write was stored"."""
+    ledger = Ledger()
+
+    async def charge(args: Amount, call: ToolCall) -> dict[str, Any]:
+        ledger.note("charge", args.amount, call.idempotency_key)
+        await asyncio.sleep(0.002 * (attempt % 4))
+        return {"charged": args.amount}
+
+    tool = define_tool("charge", "", Amount, charge, needs_approval=True)
+
+    async def go(state: dict[str, Any], ctx: RunContext) -> Any:
+        await ctx.tool("charge", {"amount": 42.5})
+        return end("charged")
+
+    agent = flow_agent(tool, nodes=[action("go", go)])
+    approver = Runtime([agent], store=open_store(), holder="approver")
+    operator = Runtime([agent], store=open_store(), holder="operator")
+    paused = await approver.run(SESSION, kind="flow", flow_name="edge").result()
+
+    async def cancel_soon() -> Any:
+        await asyncio.sleep(0.001 * (attempt % 6))
+        return await operator.cancel(paused.run_id, SESSION, "changed my mind")
+
+    approved, cancelled = await asyncio.gather(
+        approver.approve(paused.run_id, SESSION, by="ann"),
+        cancel_soon(),
+        return_exceptions=True,
+    )
+    if isinstance(cancelled, InvalidArgumentError):  # the run finished first
+        assert "nothing to cancel" in str(cancelled)
+    else:
+        assert not isinstance(cancelled, BaseException), cancelled
+    steps = await operator.get_steps(paused.run_id, SESSION)
+    charges = [s for s in steps if s.name == "charge"]
+    if ledger.calls:
+        assert len(ledger.calls) == 1
+        assert [s.status for s in charges] == ["finished"]
+        if isinstance(approved, StaleWriteError):
+            assert approved.recorded, approved
+            assert "nothing of this write was stored" not in str(approved)
+    else:
+        assert all(s.status != "running" for s in charges)
+    final = await operator.get_run(paused.run_id, SESSION)
+    assert final is not None and final.status in ("aborted", "finished")
+    assert final.lease_holder is None

@@ -200,8 +200,8 @@ class _Turn:
         except RunStopped as stopped:
             driven = Driven(End(stopped.outcome), writer.state())
             return await self._close_finished(run, writer, driven)
-        except StaleWriteError:
-            raise
+        except StaleWriteError as lost:
+            raise _after_opening(lost) from None
         except Exception as exc:
             await self._close_errored(writer, exc)
             raise
@@ -294,3 +294,17 @@ class _Turn:
         )
         self.sink.emit(part.model_copy(update={"data": result.model_dump(mode="json")}))
         return result
+
+
+def _after_opening(lost: StaleWriteError) -> StaleWriteError:
+    """A turn that opened its run and then lost a save (a cancel or another writer
+    won): what it saved before stands, so it is never told nothing was stored."""
+    if lost.recorded:
+        return lost
+    return StaleWriteError(
+        lost.run_id,
+        "this turn's earlier saves stand (what opened it and every step it recorded); "
+        "its last write was not stored and nothing after it ran",
+        clash=lost.clash,
+        recorded=True,
+    )

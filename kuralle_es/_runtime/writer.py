@@ -644,11 +644,13 @@ class RunWriter:
                 )
                 raise await self._record_failure(index, error) from None
             result = json.loads(result_json)
-            async with self._lock:
-                self._run.finish_step(index, result_json)
-                if on_recorded is not None:
+
+            def succeeded(run: Run) -> None:
+                run.finish_step(index, result_json)
+                if on_recorded is not None and run is self._run:
                     on_recorded(result)
-                await self._persist_locked()
+
+            await self._save_outcome(index, succeeded, f"{effect.kind} {effect.name!r}")
             if on_executed is not None:
                 on_executed(result)
             return result
@@ -743,9 +745,16 @@ class RunWriter:
                 if not retry.retries(exc, failures):
                     raise await self._record_failure(index, error) from exc
                 retry_at = utcnow() + timedelta(seconds=retry.delay(failures))
-                async with self._lock:
-                    self._run.fail_attempt(index, error, retry_at)
-                    await self._persist_locked()
+
+                def attempt_failed(
+                    run: Run, at: datetime = retry_at, failure: StepError = error
+                ) -> None:
+                    if run is self._run:
+                        run.fail_attempt(index, failure, at)
+                    else:  # the run ended meanwhile: no attempt follows, the error stands
+                        run.fail_step(index, failure)
+
+                await self._save_outcome(index, attempt_failed, f"step {index}")
             finally:
                 self._heartbeat.leave()
             await self._next_attempt(index, retry_at)
@@ -762,10 +771,55 @@ class RunWriter:
             await self._persist_locked()
 
     async def _record_failure(self, index: int, error: StepError) -> ToolExecutionError:
+        await self._save_outcome(index, lambda run: run.fail_step(index, error), f"step {index}")
+        return frozen_error(self._run.step(index))
+
+    async def _save_outcome(self, index: int, record: Callable[[Run], None], what: str) -> None:
+        """Save the outcome of step ``index`` (``record`` triggers it on a run).
+
+        An executed effect is always recorded: when the save loses because the
+        run was ended from outside while the effect ran (a cancel, a
+        migration), the outcome is recorded on the run as stored, then the turn
+        stops with a ``StaleWriteError`` that says so (docs/guarantees.md, "At
+        the edges"). A run another worker took over is left to it (it re-runs
+        the step in doubt under the same key).
+        """
         async with self._lock:
-            self._run.fail_step(index, error)
-            await self._persist_locked()
-            return frozen_error(self._run.step(index))
+            record(self._run)
+            try:
+                await self._persist_locked()
+                return
+            except StaleWriteError as lost:
+                if not await self._record_on_stored(index, record):
+                    raise
+                raise StaleWriteError(
+                    self.run_id,
+                    f"the run ended elsewhere while {what} executed; its outcome is recorded "
+                    "and nothing after it ran",
+                    clash=lost.clash,
+                    recorded=True,
+                ) from None
+
+    async def _record_on_stored(self, index: int, record: Callable[[Run], None]) -> bool:
+        """Record a step's outcome on the run as stored, if it ended there with the
+        step still running; whether the outcome is recorded now."""
+        for attempt in range(20):
+            latest = await self._store.load_async(self.run_id)
+            if latest is None or latest.status not in ("aborted", "finished"):
+                return False
+            position = index - latest.step_base
+            if not 0 <= position < len(latest.steps):
+                return False
+            if latest.steps[position]["status"] != "running":
+                return True
+            record(latest)
+            try:
+                await self._store.save_run_async(latest, None)
+            except StaleWriteError:
+                await asyncio.sleep(random.uniform(0, min(0.05, 0.002 * (attempt + 1))))
+                continue
+            return True
+        return False
 
 
 # ------------------------------------------------------- outside a turn
