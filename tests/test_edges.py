@@ -22,6 +22,7 @@ import pytest
 from pydantic import BaseModel
 
 from kuralle_es import (
+    DeadlineExpiredError,
     InvalidArgumentError,
     ModelResponseError,
     RetryPolicy,
@@ -36,6 +37,7 @@ from kuralle_es import (
     define_flow,
     define_tool,
     end,
+    sweep_deadlines,
 )
 
 SESSION = "s-edges"
@@ -456,3 +458,48 @@ async def test_an_approval_racing_a_cancel_never_leaves_an_executed_charge_unrec
     final = await operator.get_run(paused.run_id, SESSION)
     assert final is not None and final.status in ("aborted", "finished")
     assert final.lease_holder is None
+
+
+# ------------------------------------------------------ a deadline on a typed wait
+class Shipped(BaseModel):
+    tracking: str
+
+
+@pytest.mark.parametrize("typed", [True, False])
+async def test_a_typed_signal_whose_deadline_passes_raises_deadline_expired_in_the_node(
+    open_store: Any, typed: bool
+) -> None:
+    """The deadline path handed ``ctx.signal(schema=M)`` a plain dict, so typed node
+    code (``shipped.tracking``) raised."""
+    seen: list[Any] = []
+
+    async def wait(state: dict[str, Any], ctx: RunContext) -> Any:
+        try:
+            shipped = await ctx.signal("shipped", deadline=0.2, schema=Shipped if typed else None)
+        except DeadlineExpiredError as expired:
+            seen.append(expired)
+            return end("timed out")
+        seen.append(shipped)
+        return end("no tracking" if isinstance(shipped, dict) else shipped.tracking)
+
+    store = open_store()
+    runtime = Runtime([flow_agent(nodes=[action("wait", wait)])], store=store)
+    paused = await runtime.run(SESSION, kind="flow", flow_name="edge").result()
+    assert paused.waiting_for is not None and paused.waiting_for.deadline is not None
+    await asyncio.sleep(0.3)
+    assert await sweep_deadlines(runtime) == [paused.run_id]
+    done = await runtime.get_run(paused.run_id, SESSION)
+    assert done is not None and done.status == "finished"
+    if typed:
+        assert done.outcome == "timed out"
+        (expired,) = seen
+        assert expired.name == "shipped"
+        assert expired.deadline == paused.waiting_for.deadline
+        # Replayed (a fork past the deny), the node meets the same error.
+        fork = await runtime.fork(paused.run_id, SESSION, at_step=1)
+        assert (fork.status, fork.output) == ("finished", "timed out")
+        assert seen[-1].deadline == paused.waiting_for.deadline
+    else:
+        assert done.outcome == "no tracking"
+        deny = {"approved": False, "denied": True, "by": "deadline", "reason": "deadline-expired"}
+        assert seen == [deny]

@@ -18,9 +18,16 @@ from pydantic import BaseModel, ValidationError
 
 from .._definitions.tools import Tool
 from .._durations import deadline_at, positive_seconds
+from .._journal.run import StepData
 from .._journal.sites import Effect, Site
 from .._journal.wait import APPROVAL, TIMER
-from ..errors import InvalidArgumentError, InvalidSignalError, TurnClosedError, UnknownToolError
+from ..errors import (
+    DeadlineExpiredError,
+    InvalidArgumentError,
+    InvalidSignalError,
+    TurnClosedError,
+    UnknownToolError,
+)
 from ..shapes import ApprovalDecision, StreamPart
 from .cursor import Cursor
 from .suspensions import Schemas, WaitRequest, approval_decision, is_deadline_deny, suspend
@@ -126,7 +133,9 @@ class RunContext(TurnBound):
         self, title: str, description: str | None, deadline: datetime | timedelta | float | None
     ) -> ApprovalDecision:
         self._require_open("approval")
-        payload = await self._wait("approval", WaitRequest(APPROVAL, title, description, deadline))
+        payload, _ = await self._wait(
+            "approval", WaitRequest(APPROVAL, title, description, deadline)
+        )
         return approval_decision(payload)
 
     def signal(
@@ -136,7 +145,9 @@ class RunContext(TurnBound):
         schema: type[BaseModel] | None = None,
     ) -> Coroutine[Any, Any, Any]:
         """Suspend until signal ``name`` arrives; returns its payload (validated by
-        ``schema`` when given, except the deadline sweeper's deny, returned as is)."""
+        ``schema`` when given). Past its ``deadline`` (the sweeper's deny), a wait
+        with a ``schema`` raises ``DeadlineExpiredError``, which the node may catch;
+        one without returns the deny's payload."""
         if not isinstance(name, str) or not name or name.startswith("__"):
             msg = f"signal name must be a non-empty string not starting with '__', got {name!r}"
             raise InvalidArgumentError(msg)
@@ -151,22 +162,33 @@ class RunContext(TurnBound):
         schema: type[BaseModel] | None,
     ) -> Any:
         self._require_open(f"signal {name!r}")
-        payload = await self._wait("signal", WaitRequest(name, deadline=deadline, schema=schema))
-        if schema is None or is_deadline_deny(payload):
+        payload, step = await self._wait(
+            "signal", WaitRequest(name, deadline=deadline, schema=schema)
+        )
+        if schema is None:
             return payload
+        if is_deadline_deny(payload):
+            # A typed wait never hands node code an untyped deny: the deadline is
+            # an exception the node may catch (docs/node-code.md).
+            args = step.get("args") or {}
+            expired = args.get("deadline") if isinstance(args, dict) else None
+            when = datetime.fromisoformat(expired) if isinstance(expired, str) else None
+            raise DeadlineExpiredError(name, when)
         try:
             return schema.model_validate(payload)
         except ValidationError as e:
             raise InvalidSignalError(name, f"payload of signal {name!r}: {e}") from None
 
-    async def _wait(self, kind: Literal["approval", "signal"], request: WaitRequest) -> Any:
-        """The payload delivered for ``request`` (an approval or a signal), recorded;
-        or the turn suspends on it."""
+    async def _wait(
+        self, kind: Literal["approval", "signal"], request: WaitRequest
+    ) -> tuple[Any, StepData]:
+        """The payload delivered for ``request`` (an approval or a signal), recorded,
+        with its step; or the turn suspends on it."""
         site = self._cursor.request()
         try:
             step = self._writer.recorded(Effect(site, kind, request.name))
             if step is not None and step["status"] == "finished":
-                return decode(step)
+                return decode(step), step
             suspend(self._writer, site, kind, request, self._schemas)
         finally:
             self._cursor.settled()

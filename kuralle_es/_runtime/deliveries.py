@@ -235,7 +235,10 @@ async def accept(writer: RunWriter, delivery: SignalDelivery, payload: Any) -> N
     site = Site(wait.logical_run, wait.callsite, wait.lane)
     operation = wait.operation.model_dump(mode="json") if wait.operation else None
     kind: StepKind = "approval" if wait.kind == "approval" else "signal"
-    args = {"operation": operation} if wait.lane is Lane.APPROVAL else None
+    args: dict[str, Any] | None = {"operation": operation} if wait.lane is Lane.APPROVAL else None
+    if args is None and wait.deadline is not None:
+        # What a typed wait's DeadlineExpiredError names, the same on every replay.
+        args = {"deadline": wait.deadline.isoformat()}
     await writer.record_value(Effect(site, kind, wait.name, args), make=lambda: payload)
 
 
