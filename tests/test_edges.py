@@ -503,3 +503,22 @@ async def test_a_typed_signal_whose_deadline_passes_raises_deadline_expired_in_t
         assert done.outcome == "no tracking"
         deny = {"approved": False, "denied": True, "by": "deadline", "reason": "deadline-expired"}
         assert seen == [deny]
+
+
+@pytest.mark.parametrize("flag", ["--lease-ttl", "--interval"])
+@pytest.mark.parametrize("value", ["nan", "inf", "-1", "0", "soon"])
+def test_the_worker_refuses_a_flag_that_is_not_a_number_of_seconds_at_once(
+    flag: str, value: str, tmp_path: Any
+) -> None:
+    """``kuralle-es worker --lease-ttl nan`` started and logged a skip every pass."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "kuralle_es.cli", "worker", "--store",
+         f"sqlite:///{tmp_path / 'runs.db'}", flag, value],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2, done
+    assert flag in done.stderr and "seconds" in done.stderr
+    assert "worker started" not in done.stderr
