@@ -684,7 +684,12 @@ def test_a_dashboard_beyond_loopback_needs_a_token_and_then_a_login_for_every_pa
     store = open_store()
     with pytest.raises(InvalidArgumentError, match="KURALLE_DASHBOARD_TOKEN"):
         create_app(store, lambda s: Runtime(agents(), store=s), host="0.0.0.0", token=None)
-    app = create_app(store, lambda s: Runtime(agents(), store=s), host="0.0.0.0", token=TOKEN)
+    with pytest.raises(InvalidArgumentError, match="--allowed-host"):
+        create_app(store, lambda s: Runtime(agents(), store=s), host="0.0.0.0", token=TOKEN)
+    app = create_app(
+        store, lambda s: Runtime(agents(), store=s), host="0.0.0.0", token=TOKEN,
+        allowed_hosts=["127.0.0.1"],
+    )  # fmt: skip
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

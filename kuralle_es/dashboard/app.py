@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -26,7 +26,7 @@ from starlette.applications import Starlette
 from starlette.datastructures import MutableHeaders
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import RedirectResponse, Response
+from starlette.responses import PlainTextResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
@@ -35,7 +35,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from .._journal.spending import PRICES_ENV, Prices, prices_from_json, validate_prices
 from .._journal.store import RunStore
 from .._runtime.runtime import Runtime
-from .._serving import Server, is_loopback, refuse_open_bind
+from .._serving import (
+    HostGate,
+    Server,
+    UnservedHostError,
+    is_loopback,
+    refuse_open_bind,
+    served_hosts,
+)
 from ..errors import KuralleError
 from ..shapes import RunState
 from ..views import RunViews
@@ -73,9 +80,17 @@ _SECURITY_HEADERS = {
 }
 
 
-def check_bind(host: str, token: str | None) -> None:
-    """Refuse to expose run data beyond this machine without a token."""
+def check_bind(
+    host: str, token: str | None, allowed_hosts: Iterable[str] | None = None
+) -> frozenset[str]:
+    """Refuse to expose run data beyond this machine without a token, or on an interface
+    with no host name to answer for; the names it answers for (``served_hosts``)."""
     refuse_open_bind(host, token, server="the dashboard", data="run data", token_env=TOKEN_ENV)
+    return served_hosts(host, allowed_hosts)
+
+
+def _unserved(error: UnservedHostError) -> Response:
+    return PlainTextResponse(str(error), status_code=400)
 
 
 def _when(value: datetime | None) -> str:
@@ -380,6 +395,7 @@ def create_app(
     *,
     host: str = "127.0.0.1",
     token: str | None = None,
+    allowed_hosts: Iterable[str] | None = None,
     refresh_seconds: int = REFRESH_SECONDS,
     prices: Prices | None = None,
 ) -> Starlette:
@@ -388,9 +404,11 @@ def create_app(
     ``runtime_factory(store)`` builds the ``Runtime`` (with the user's agents)
     that delivers decisions; it is called once, at the first decision.
     ``prices`` (``{"model-name": (input_per_1k, output_per_1k)}``) give the
-    usage page its costs.
+    usage page its costs. It answers only requests whose ``Host`` is a loopback
+    name (when ``host`` is loopback) or one of ``allowed_hosts`` (default:
+    ``KURALLE_ALLOWED_HOSTS``); any other is 400.
     """
-    check_bind(host, token)
+    hosts = check_bind(host, token, allowed_hosts)
     gate = Gate(token)
     dash = _Dashboard(
         store, runtime_factory, gate, not is_loopback(host), refresh_seconds,
@@ -407,7 +425,8 @@ def create_app(
         Route("/logout", dash.logout, methods=["POST"]),
         Mount("/static", StaticFiles(packages=[("kuralle_es.dashboard", "static")])),
     ]
-    return Starlette(routes=routes, middleware=[Middleware(_SecurityHeaders)])
+    middleware = [Middleware(_SecurityHeaders), Middleware(HostGate, hosts=hosts, refuse=_unserved)]
+    return Starlette(routes=routes, middleware=middleware)
 
 
 async def serve(
@@ -417,16 +436,21 @@ async def serve(
     port: int = 8765,
     token: str | None = None,
     *,
+    allowed_hosts: Iterable[str] | None = None,
     store_label: str | None = None,
     prices: Prices | None = None,
 ) -> None:
-    """Serve the dashboard until SIGINT/SIGTERM; ``token`` defaults to the environment's.
-    ``store_label`` (no password in it) names the store on the start line; ``prices``
-    default to ``KURALLE_PRICES`` (JSON: model -> [input_per_1k, output_per_1k])."""
+    """Serve the dashboard until SIGINT/SIGTERM; ``token`` defaults to the environment's,
+    ``allowed_hosts`` to ``KURALLE_ALLOWED_HOSTS``. ``store_label`` (no password in it)
+    names the store on the start line; ``prices`` default to ``KURALLE_PRICES`` (JSON:
+    model -> [input_per_1k, output_per_1k])."""
     token = token if token is not None else os.environ.get(TOKEN_ENV) or None
     if prices is None and os.environ.get(PRICES_ENV):
         prices = prices_from_json(os.environ[PRICES_ENV])
-    app = create_app(store, runtime_factory, host=host, token=token, prices=prices)
+    app = create_app(
+        store, runtime_factory, host=host, token=token, allowed_hosts=allowed_hosts,
+        prices=prices,
+    )  # fmt: skip
     mode = "approve/deny need a login" if token else f"read-only: {TOKEN_ENV} is unset"
     over = f", store {store_label}" if store_label else ""
     print(f"kuralle-es: dashboard on http://{host}:{port}/ ({mode}{over})", file=sys.stderr)

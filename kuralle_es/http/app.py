@@ -1,9 +1,11 @@
 """The HTTP API's routes: each one call of the Python API, JSON in and out (internal).
 
-``create_app(runtime)`` builds the ASGI app (docs/http.md). A route that
-names only the run finds its session in the store, as the CLI's operator
-commands do (``kuralle-es approve``): the caller holds the API token, so it
-acts on behalf of the run's session. Starts and deliveries are turns of
+``create_app(runtime)`` builds the ASGI app (docs/http.md) with FastAPI,
+which reads and validates each request from the models of ``http/shapes.py``
+and writes ``/openapi.json`` from the same models. A route that names only
+the run finds its session in the store, as the CLI's operator commands do
+(``kuralle-es approve``): the caller holds the API token, so it acts on
+behalf of the run's session. Starts and deliveries are turns of
 ``Runtime.run``, driven within the request to the run's next pause or end.
 
 A turn refused before it opened its run (unknown run, mismatch, held lease,
@@ -17,49 +19,65 @@ repeated ``GET`` would show it; the node's error is the run's ``RunState.error``
 from __future__ import annotations
 
 import os
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Callable, Coroutine, Iterable
+from dataclasses import dataclass
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ValidationError
-from starlette.applications import Starlette
+from fastapi import FastAPI, Header, Path, Query
+from fastapi.routing import APIRoute
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
-from .._journal.json_data import encode_json
+from .._journal.json_data import encode_json, max_payload_bytes
 from .._journal.wait import INPUT, TIMER
 from .._runtime.deliveries import approval_delivery
 from .._runtime.handle import TurnHandle
-from .._runtime.input_checks import check_id
+from .._runtime.input_checks import MAX_ID_LENGTH
 from .._runtime.runtime import Runtime
 from .._runtime.turn import result_of
-from ..errors import InvalidSignalError
-from ..shapes import SignalDelivery
-from .auth import TOKEN_ENV, BearerGate
-from .errors import (
-    InvalidRequestError,
-    MethodNotAllowedError,
-    UnknownRouteError,
-    error_response,
-    invalid_request,
-    unknown_run,
-)
-from .openapi import openapi_document
-from .reading import IDEMPOTENCY_HEADER, read_body
-from .shapes import Approval, Cancel, Input, ListQuery, Signal, StartRun
+from .._serving import HostGate
+from ..errors import InvalidSignalError, PayloadTooLargeError
+from ..shapes import RunState, SignalDelivery, StepRecord, TurnResult
+from ..views import RunSummary
+from .auth import TOKEN_ENV, BearerGate, check_bind
+from .errors import error_response, refusal_response, unknown_run
+from .shapes import ID_PATTERN, Approval, Cancel, ErrorBody, Input, ListQuery, Signal, StartRun
 
-__all__ = ["create_app"]
+__all__ = ["BODY_SLACK_BYTES", "IDEMPOTENCY_HEADER", "create_app"]
 
-Handler = Callable[[Request], Awaitable[Response]]
+Endpoint = Callable[..., Coroutine[Any, Any, Response]]
 
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+#: Room in a body for what surrounds its payload (a signal's name, an approver, a reason).
+BODY_SLACK_BYTES = 64 * 1024
 
 #: Waits the library delivers to itself: a signal of that name would be taken for them.
 _NOT_SIGNALS = {
     INPUT: f"{INPUT!r} is a collect node's wait for input: POST the text to /input instead",
     TIMER: f"{TIMER!r} is a durable sleep's wait: the sweeper wakes it (kuralle-es worker)",
 }
+
+
+def _key(what: str) -> Any:
+    """The ``Idempotency-Key`` header as the doors accept an id (an empty one is refused
+    rather than taken for no key)."""
+    return Header(
+        alias=IDEMPOTENCY_HEADER,
+        description=what,
+        min_length=1,
+        max_length=MAX_ID_LENGTH,
+        pattern=ID_PATTERN,
+    )
+
+
+RunId = Annotated[str, Path(description="the run's id (TurnResult.run_id)")]
+StartKey = Annotated[str | None, _key("a retried start with the same key returns the same run")]
+DeliveryKey = Annotated[str | None, _key("the delivery's signal_id: a retry with it is a no-op")]
+SignalKey = Annotated[str, _key("the delivery's signal_id (required): a retry is a no-op")]
+InputKey = Annotated[str | None, _key("the turn's idempotency key: a retry is a no-op")]
 
 
 def _json(value: BaseModel | list[Any]) -> JSONResponse:
@@ -75,11 +93,9 @@ def _opened(handle: TurnHandle) -> bool:
 
 
 class _Api:
-    def __init__(self, runtime: Runtime, bearer: bool) -> None:
+    def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
         self.store = runtime.store
-        self.bearer = bearer
-        self._document: dict[str, Any] | None = None
 
     # ------------------------------------------------------------- plumbing
     async def session_of(self, run_id: str) -> str:
@@ -101,94 +117,57 @@ class _Api:
                 raise  # cut off, not closed: the lease expires and recovery drives it
             return _json(result_of(run))
 
-    @staticmethod
-    def key(request: Request) -> str | None:
-        """The ``Idempotency-Key`` header, if sent; an empty or malformed one is refused
-        (422) rather than taken for no key."""
-        value = request.headers.get(IDEMPOTENCY_HEADER)
-        return None if value is None else check_id(value, f"the {IDEMPOTENCY_HEADER} header")
-
     # ---------------------------------------------------------------- reads
-    async def runs(self, request: Request) -> Response:
-        """``/api/runs``: one route for both methods, so a 405 lists both in ``Allow``."""
-        return await (self.start(request) if request.method == "POST" else self.list_runs(request))
-
-    async def openapi(self, request: Request) -> Response:
-        if self._document is None:
-            flows = {f for a in self.runtime.agents.values() for f in a.flows}
-            self._document = openapi_document(sorted(flows), bearer=self.bearer)
-        return JSONResponse(self._document)
-
-    async def list_runs(self, request: Request) -> Response:
-        params = request.query_params
-        try:
-            query = ListQuery.model_validate(
-                {k: params[k] for k in ListQuery.model_fields if k in params}
-            )
-        except ValidationError as e:
-            raise invalid_request("query", e) from None
+    async def list_runs(self, query: Annotated[ListQuery, Query()]) -> Response:
+        """The run views' ``list_runs``, most recently updated first."""
         summaries = await self.runtime.views.list_runs(
             status=query.status, session_id=query.session_id, flow=query.flow, limit=query.limit
         )
         return _json(summaries)
 
-    async def get_run(self, request: Request) -> Response:
-        run_id = request.path_params["run_id"]
+    async def get_run(self, run_id: RunId) -> Response:
         run = await self.store.load_async(run_id)
         if run is None:
             raise unknown_run(run_id)
         return _json(run.to_state(await self.store.lease_async(run_id)))
 
-    async def get_steps(self, request: Request) -> Response:
-        run_id = request.path_params["run_id"]
+    async def get_steps(self, run_id: RunId) -> Response:
         run = await self.store.load_async(run_id, history=True)
         if run is None:
             raise unknown_run(run_id)
         return _json(run.step_records())
 
     # --------------------------------------------------------------- writes
-    async def start(self, request: Request) -> Response:
-        body = await read_body(request, StartRun)
+    async def start(self, body: StartRun, key: StartKey = None) -> Response:
         handle = self.runtime.run(
             session_id=body.session_id,
             kind="flow",
             flow_name=body.flow,
             input=body.input,
-            idempotency_key=self.key(request),
+            idempotency_key=key,
         )
         return await self.turn(handle)
 
-    async def signal(self, request: Request) -> Response:
-        run_id = request.path_params["run_id"]
-        body = await read_body(request, Signal)
-        signal_id = self.key(request)
-        if signal_id is None:
-            problem = {"field": IDEMPOTENCY_HEADER, "problem": "is required"}
-            msg = (
-                f"a signal needs the {IDEMPOTENCY_HEADER} header: it is the delivery's "
-                "signal_id, which makes a retried delivery a no-op"
-            )
-            raise InvalidRequestError(msg, "header", [problem])
+    async def signal(self, run_id: RunId, body: Signal, key: SignalKey) -> Response:
         if body.name in _NOT_SIGNALS:
             raise InvalidSignalError(body.name, _NOT_SIGNALS[body.name])
         # Exactly ``Runtime.signal``, through ``run`` for the turn's handle.
-        delivery = SignalDelivery(signal_id=signal_id, name=body.name, payload=body.payload)
+        delivery = SignalDelivery(signal_id=key, name=body.name, payload=body.payload)
         return await self.deliver(run_id, delivery)
 
-    def decide(self, approved: bool) -> Handler:
-        async def handler(request: Request) -> Response:
-            body = await read_body(request, Approval)
+    def decide(self, approved: bool) -> Endpoint:
+        async def decision(run_id: RunId, body: Approval, key: DeliveryKey = None) -> Response:
             # Exactly ``Runtime.approve``/``deny``, through ``run`` for the turn's handle.
             delivery = approval_delivery(
                 approved=approved,
                 by=body.by,
                 reason=body.reason,
-                signal_id=self.key(request),
+                signal_id=key,
                 raise_to=body.raise_to,
             )
-            return await self.deliver(request.path_params["run_id"], delivery)
+            return await self.deliver(run_id, delivery)
 
-        return handler
+        return decision
 
     async def deliver(self, run_id: str, delivery: SignalDelivery) -> Response:
         # The library refuses an oversized payload as InvalidSignalError (422); here it
@@ -199,64 +178,194 @@ class _Api:
             self.runtime.run(session_id=session, run_id=run_id, signal_delivery=delivery)
         )
 
-    async def input(self, request: Request) -> Response:
-        run_id = request.path_params["run_id"]
-        body = await read_body(request, Input)
+    async def input(self, run_id: RunId, body: Input, key: InputKey = None) -> Response:
         session = await self.session_of(run_id)
         handle = self.runtime.run(
-            session_id=session, run_id=run_id, input=body.text, idempotency_key=self.key(request)
+            session_id=session, run_id=run_id, input=body.text, idempotency_key=key
         )
         return await self.turn(handle)
 
-    async def cancel(self, request: Request) -> Response:
-        run_id = request.path_params["run_id"]
-        body = await read_body(request, Cancel)
+    async def cancel(self, run_id: RunId, body: Cancel) -> Response:
         return _json(await self.runtime.cancel(run_id, await self.session_of(run_id), body.reason))
 
 
-async def _not_found(request: Request, exc: Exception) -> Response:
-    if isinstance(exc, HTTPException) and exc.status_code == 405:
-        error: Exception = MethodNotAllowedError(request.method, request.url.path)
-        return error_response(error, exc.headers)
-    return error_response(UnknownRouteError(request.url.path))
+class _BoundedRequest(Request):
+    """A request whose body is read up to the bound and no further: one payload of
+    ``KURALLE_MAX_PAYLOAD_BYTES`` (README, "Configuration") and room for the short
+    fields around it. Past it, ``PayloadTooLargeError`` (413). (Starlette's own
+    body limit answers in plain text, and the API's every refusal is a JSON error.)"""
+
+    async def body(self) -> bytes:
+        if not hasattr(self, "_body"):
+            limit = max_payload_bytes() + BODY_SLACK_BYTES
+            declared = self.headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > limit:
+                raise PayloadTooLargeError("the request body", int(declared), limit)
+            raw = bytearray()
+            async for chunk in self.stream():
+                raw += chunk
+                if len(raw) > limit:
+                    raise PayloadTooLargeError("the request body", len(raw), limit)
+            self._body = bytes(raw)
+        return self._body
 
 
-def _answered(handler: Handler) -> Handler:
-    """The route, its refusals and failures answered as JSON errors here (Starlette's own
-    handler for ``Exception`` would raise the error again after answering)."""
+class _AnsweredRoute(APIRoute):
+    """A route that reads its body within the bound, and whose refusals and failures are
+    answered here, as JSON errors: FastAPI's own (the request does not fit its model)
+    and the library's alike. (An app-wide handler for ``Exception`` would answer too,
+    but Starlette raises the error again after it, to be logged twice.)"""
 
-    async def route(request: Request) -> Response:
-        try:
-            return await handler(request)
-        except Exception as error:
-            return error_response(error)
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
 
-    return route
+        async def answered(request: Request) -> Response:
+            try:
+                return await handler(_BoundedRequest(request.scope, request.receive))
+            except Exception as error:
+                return refusal_response(request, error)
+
+        return answered
 
 
-def create_app(runtime: Runtime, *, token: str | None = None) -> Starlette:
+async def _routing_refusal(request: Request, error: Exception) -> Response:
+    """A path or method no route serves (404, 405), as the API's JSON error."""
+    return refusal_response(request, error)
+
+
+_REFUSALS = {
+    401: "no or another bearer token (only when the server has KURALLE_API_TOKEN)",
+    403: "a state change on a server without KURALLE_API_TOKEN",
+    404: "RunNotFoundError: no run with this id",
+    409: "the run's state refuses it: SignalMismatchError, LeaseHeldError, FlowDriftError, "
+    "StaleWriteError",
+    413: "PayloadTooLargeError: the body or a payload is over the bound",
+    422: "InvalidArgumentError, InvalidSignalError, FlowNotFoundError: the request is wrong",
+}
+#: What a started run's id leads to (OpenAPI links: clients and fuzzers follow them).
+_RUN_OPERATIONS = ("get_run", "get_steps", "signal", "approve", "deny", "input", "cancel")
+_TURN = "the turn's TurnResult: the run driven to its next pause or its end"
+
+
+def _responses(*statuses: int, links: bool = False) -> dict[int | str, dict[str, Any]]:
+    """The refusals an operation may answer, each an ``ErrorBody``."""
+    responses: dict[int | str, dict[str, Any]] = {
+        status: {"model": ErrorBody, "description": _REFUSALS[status]}
+        for status in (401, 403, *statuses, 422)
+    }
+    responses["default"] = {
+        "model": ErrorBody,
+        "description": "any other refusal or failure, in the same shape",
+    }
+    if links:
+        responses[200] = {
+            "links": {
+                name: {"operationId": name, "parameters": {"run_id": "$response.body#/run_id"}}
+                for name in _RUN_OPERATIONS
+            }
+        }
+    return responses
+
+
+@dataclass(frozen=True)
+class _Operation:
+    method: str
+    path: str
+    operation_id: str
+    endpoint: Endpoint
+    response_model: Any
+    summary: str
+    responses: dict[int | str, dict[str, Any]]
+
+
+def _operations(api: _Api) -> list[_Operation]:
+    run = "/api/runs/{run_id}"
+    delivery = _responses(404, 409, 413)
+    return [
+        _Operation("GET", "/api/runs", "list_runs", api.list_runs, list[RunSummary],
+                   "list runs: most recently updated first (the run views)", _responses()),
+        _Operation("POST", "/api/runs", "start_run", api.start, TurnResult,
+                   f"start run: {_TURN}", _responses(409, 413, links=True)),
+        _Operation("GET", run, "get_run", api.get_run, RunState, "get run: its RunState",
+                   _responses(404)),
+        _Operation("GET", f"{run}/steps", "get_steps", api.get_steps, list[StepRecord],
+                   "get steps: the run's journal, every step it recorded", _responses(404)),
+        _Operation("POST", f"{run}/signals", "signal", api.signal, TurnResult,
+                   f"signal: deliver a named signal; {_TURN}", delivery),
+        _Operation("POST", f"{run}/approve", "approve", api.decide(True), TurnResult,
+                   f"approve: what the run waits for; {_TURN}", delivery),
+        _Operation("POST", f"{run}/deny", "deny", api.decide(False), TurnResult,
+                   f"deny: what the run waits for; {_TURN}", delivery),
+        _Operation("POST", f"{run}/input", "input", api.input, TurnResult,
+                   f"input: the user's text for a run waiting for input; {_TURN}", delivery),
+        _Operation("POST", f"{run}/cancel", "cancel", api.cancel, RunState,
+                   "cancel: stop the run, whoever holds its lease; its RunState after",
+                   _responses(404, 409)),
+    ]  # fmt: skip
+
+
+def _describe_server(document: dict[str, Any], flows: list[str], bearer: bool) -> None:
+    """What the generated document cannot know: the flows this server's agents define
+    (an enum on ``StartRun.flow``) and, with a token, the bearer scheme of every request."""
+    start = document["components"]["schemas"][StartRun.__name__]
+    if flows:
+        start["properties"]["flow"]["enum"] = flows
+        start["examples"] = [{**start["examples"][0], "flow": flows[0]}]
+    else:
+        del start["examples"]  # its flow would be one this server does not have
+    if bearer:
+        document["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        document["security"] = [{"bearer": []}]
+
+
+def create_app(
+    runtime: Runtime,
+    *,
+    token: str | None = None,
+    host: str = "127.0.0.1",
+    allowed_hosts: Iterable[str] | None = None,
+) -> FastAPI:
     """The HTTP API over ``runtime`` as an ASGI app (docs/http.md).
 
     ``token`` defaults to ``KURALLE_API_TOKEN``: with one, every request needs
     ``Authorization: Bearer <token>``; without, the app only reads (a state
-    change is answered 403), and ``serve`` binds it to loopback only.
+    change is answered 403), and ``serve`` binds it to loopback only. The app
+    answers only requests whose ``Host`` is a loopback name (``host``, where it
+    is served, is loopback) or one of ``allowed_hosts`` (default:
+    ``KURALLE_ALLOWED_HOSTS``); any other is 400.
     """
     token = token if token is not None else os.environ.get(TOKEN_ENV) or None
-    api = _Api(runtime, bearer=token is not None)
-    served: list[tuple[str, Handler, list[str]]] = [
-        ("/openapi.json", api.openapi, ["GET"]),
-        ("/api/runs", api.runs, ["GET", "POST"]),
-        ("/api/runs/{run_id}", api.get_run, ["GET"]),
-        ("/api/runs/{run_id}/steps", api.get_steps, ["GET"]),
-        ("/api/runs/{run_id}/signals", api.signal, ["POST"]),
-        ("/api/runs/{run_id}/approve", api.decide(True), ["POST"]),
-        ("/api/runs/{run_id}/deny", api.decide(False), ["POST"]),
-        ("/api/runs/{run_id}/input", api.input, ["POST"]),
-        ("/api/runs/{run_id}/cancel", api.cancel, ["POST"]),
-    ]
-    routes = [Route(path, _answered(handler), methods=methods) for path, handler, methods in served]
-    return Starlette(
-        routes=routes,
-        middleware=[Middleware(BearerGate, token=token)],
-        exception_handlers={HTTPException: _not_found},
+    hosts = check_bind(host, token, allowed_hosts)
+    app = FastAPI(
+        title="kuralle_es runs",
+        version="1",
+        description=(
+            "Start flow runs, read them, and deliver approvals, signals, input and "
+            "cancels to them, durably (docs/http.md)."
+        ),
+        docs_url=None,
+        redoc_url=None,
+        middleware=[
+            Middleware(HostGate, hosts=hosts, refuse=error_response),
+            Middleware(BearerGate, token=token),
+        ],
+        exception_handlers={HTTPException: _routing_refusal},
     )
+    app.router.route_class = _AnsweredRoute
+    for op in _operations(_Api(runtime)):
+        app.add_api_route(
+            op.path, op.endpoint, methods=[op.method], operation_id=op.operation_id,
+            response_model=op.response_model, summary=op.summary, responses=op.responses,
+        )  # fmt: skip
+        if op.method == "GET":  # HEAD as Starlette serves it, left out of the document
+            app.add_api_route(op.path, op.endpoint, methods=["HEAD"], include_in_schema=False)
+    flows = sorted({f for a in runtime.agents.values() for f in a.flows})
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            _describe_server(generate(), flows, bearer=token is not None)
+        return app.openapi_schema  # type: ignore[return-value]
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    return app
