@@ -35,14 +35,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from .._journal.spending import PRICES_ENV, Prices, prices_from_json, validate_prices
 from .._journal.store import RunStore
 from .._runtime.runtime import Runtime
-from .._serving import (
-    HostGate,
-    Server,
-    UnservedHostError,
-    is_loopback,
-    refuse_open_bind,
-    served_hosts,
-)
+from .._serving import HostGate, Server, UnservedHostError, refuse_open_bind, served_hosts
 from ..errors import KuralleError
 from ..shapes import RunState
 from ..views import RunViews
@@ -58,7 +51,7 @@ from .decisions import (
     valid_signal_id,
 )
 from .overview import overview, tool_overview, usage_overview
-from .security import CSRF_COOKIE, SESSION_COOKIE, TOKEN_ENV, Gate, Operator
+from .security import TOKEN_ENV, Gate, Operator
 from .security import valid_operator_name as _valid_name
 from .timeline import pretty_json, timeline_rows
 
@@ -146,7 +139,6 @@ class _Dashboard:
     store: RunStore
     runtime_factory: RuntimeFactory
     gate: Gate
-    private_reads: bool
     refresh_seconds: int
     prices: Prices | None = None
     templates: Jinja2Templates = field(default_factory=_templates, init=False)
@@ -156,7 +148,7 @@ class _Dashboard:
 
     # ------------------------------------------------------------- plumbing
     def operator(self, request: Request) -> Operator | None:
-        return self.gate.operator(request.cookies.get(SESSION_COOKIE))
+        return self.gate.operator(request.session)
 
     def render(
         self,
@@ -166,32 +158,24 @@ class _Dashboard:
         status: int = 200,
         refresh: bool = False,
     ) -> Response:
-        nonce = request.cookies.get(CSRF_COOKIE)
-        fresh = not nonce or len(nonce) > 64
-        if fresh:
-            nonce = Gate.new_csrf_nonce()
-        assert nonce is not None
         page = {
             "operator": self.operator(request),
             "writable": self.gate.writable,
-            "csrf_token": self.gate.csrf_token(nonce),
+            "csrf_token": self.gate.csrf_token(request.session),
             "refresh": self.refresh_seconds if refresh else None,
             "path": request.url.path,
             **context,
         }
-        response = self.templates.TemplateResponse(request, name, page, status_code=status)
-        if fresh:
-            response.set_cookie(CSRF_COOKIE, nonce, httponly=True, samesite="strict")
-        return response
+        return self.templates.TemplateResponse(request, name, page, status_code=status)
 
     def problem(self, request: Request, status: int, title: str, detail: str) -> Response:
         return self.render(request, "problem.html", {"title": title, "detail": detail}, status)
 
     def page(self, handler: Handler) -> Handler:
-        """A read page: behind the login when the dashboard is reachable from elsewhere."""
+        """A read page: behind the login whenever there is a token to log in with."""
 
         async def guarded(request: Request) -> Response:
-            if self.private_reads and self.operator(request) is None:
+            if self.gate.writable and self.operator(request) is None:
                 target = quote(str(request.url.path), safe="/")
                 return RedirectResponse(f"/login?next={target}", status_code=303)
             return await handler(request)
@@ -217,7 +201,7 @@ class _Dashboard:
         if origin is not None and origin != f"{request.url.scheme}://{request.url.netloc}":
             return self.problem(request, 403, "Refused", "This form was posted from another site.")
         fields = {k: v for k, v in (await request.form()).items() if isinstance(v, str)}
-        if not self.gate.csrf_ok(request.cookies.get(CSRF_COOKIE), fields.get("csrf_token")):
+        if not self.gate.csrf_ok(request.session, fields.get("csrf_token")):
             return self.problem(
                 request, 403, "Refused: stale or forged form",
                 "The form's CSRF token is missing or wrong. Reload the page and try again.",
@@ -359,19 +343,16 @@ class _Dashboard:
         elif not _valid_name(name):
             failed, status = "Give your name (letters, digits, spaces, . @ + - _).", 400
         else:
-            response = RedirectResponse(target, status_code=303)
-            cookie = self.gate.session_cookie(Operator(name))
-            response.set_cookie(SESSION_COOKIE, cookie, httponly=True, samesite="strict")
-            return response
+            self.gate.log_in(request.session, Operator(name))
+            return RedirectResponse(target, status_code=303)
         return self.render(request, "login.html", {"next": target, "failed": failed}, status)
 
     async def logout(self, request: Request) -> Response:
         fields = await self.form(request, needs_operator=False)
         if isinstance(fields, Response):
             return fields
-        response = RedirectResponse("/", status_code=303)
-        response.delete_cookie(SESSION_COOKIE)
-        return response
+        request.session.clear()  # the session cookie goes with it
+        return RedirectResponse("/", status_code=303)
 
 
 class _SecurityHeaders:
@@ -410,10 +391,7 @@ def create_app(
     """
     hosts = check_bind(host, token, allowed_hosts)
     gate = Gate(token)
-    dash = _Dashboard(
-        store, runtime_factory, gate, not is_loopback(host), refresh_seconds,
-        validate_prices(prices),
-    )  # fmt: skip
+    dash = _Dashboard(store, runtime_factory, gate, refresh_seconds, validate_prices(prices))
     routes = [
         Route("/", dash.page(dash.index)),
         Route("/tools", dash.page(dash.tools)),
@@ -425,7 +403,11 @@ def create_app(
         Route("/logout", dash.logout, methods=["POST"]),
         Mount("/static", StaticFiles(packages=[("kuralle_es.dashboard", "static")])),
     ]
-    middleware = [Middleware(_SecurityHeaders), Middleware(HostGate, hosts=hosts, refuse=_unserved)]
+    middleware = [
+        Middleware(_SecurityHeaders),
+        Middleware(HostGate, hosts=hosts, refuse=_unserved),
+        gate.session_middleware(),
+    ]
     return Starlette(routes=routes, middleware=middleware)
 
 

@@ -102,6 +102,8 @@ def raise_to_of(fields: Mapping[str, str]) -> dict[str, int | float] | None:
         if not text:
             continue
         try:
+            if not text.isascii():  # int() would read other scripts' digits ("٣" as 3)
+                raise ValueError(text)
             raised[name] = number(text)
         except ValueError:
             kind = "a whole number" if number is int else "a number"
