@@ -20,16 +20,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Coroutine, Iterable
-from dataclasses import dataclass
 from typing import Annotated, Any
 
-from fastapi import FastAPI, Header, Path, Query
+from fastapi import APIRouter, Depends, FastAPI, Header, Path, Query
 from fastapi.routing import APIRoute
-from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from .._journal.json_data import encode_json, max_payload_bytes
 from .._journal.wait import INPUT, TIMER
@@ -48,8 +46,6 @@ from .shapes import ID_PATTERN, Approval, Cancel, ErrorBody, Input, ListQuery, S
 
 __all__ = ["BODY_SLACK_BYTES", "IDEMPOTENCY_HEADER", "create_app"]
 
-Endpoint = Callable[..., Coroutine[Any, Any, Response]]
-
 IDEMPOTENCY_HEADER = "Idempotency-Key"
 #: Room in a body for what surrounds its payload (a signal's name, an approver, a reason).
 BODY_SLACK_BYTES = 64 * 1024
@@ -59,134 +55,6 @@ _NOT_SIGNALS = {
     INPUT: f"{INPUT!r} is a collect node's wait for input: POST the text to /input instead",
     TIMER: f"{TIMER!r} is a durable sleep's wait: the sweeper wakes it (kuralle-es worker)",
 }
-
-
-def _key(what: str) -> Any:
-    """The ``Idempotency-Key`` header as the doors accept an id (an empty one is refused
-    rather than taken for no key)."""
-    return Header(
-        alias=IDEMPOTENCY_HEADER,
-        description=what,
-        min_length=1,
-        max_length=MAX_ID_LENGTH,
-        pattern=ID_PATTERN,
-    )
-
-
-RunId = Annotated[str, Path(description="the run's id (TurnResult.run_id)")]
-StartKey = Annotated[str | None, _key("a retried start with the same key returns the same run")]
-DeliveryKey = Annotated[str | None, _key("the delivery's signal_id: a retry with it is a no-op")]
-SignalKey = Annotated[str, _key("the delivery's signal_id (required): a retry is a no-op")]
-InputKey = Annotated[str | None, _key("the turn's idempotency key: a retry is a no-op")]
-
-
-def _json(value: BaseModel | list[Any]) -> JSONResponse:
-    if isinstance(value, BaseModel):
-        return JSONResponse(value.model_dump(mode="json"))
-    return JSONResponse([item.model_dump(mode="json") for item in value])
-
-
-def _opened(handle: TurnHandle) -> bool:
-    """Whether the turn opened its run (saved its first event) before it ended."""
-    run_id = handle.run_id
-    return run_id.done() and not run_id.cancelled() and run_id.exception() is None
-
-
-class _Api:
-    def __init__(self, runtime: Runtime) -> None:
-        self.runtime = runtime
-        self.store = runtime.store
-
-    # ------------------------------------------------------------- plumbing
-    async def session_of(self, run_id: str) -> str:
-        """The session of the run, read from the store (404 if there is no such run)."""
-        run = await self.store.load_async(run_id)
-        if run is None:
-            raise unknown_run(run_id)
-        return run.session_id
-
-    async def turn(self, handle: TurnHandle) -> Response:
-        """The turn's result; its refusal raised; a failure it journaled as the run's result."""
-        try:
-            return _json(await handle.result())
-        except Exception:
-            if not _opened(handle):
-                raise  # refused before its first save: nothing was written
-            run = await self.store.load_async(handle.run_id.result())
-            if run is None or run.status == "running":
-                raise  # cut off, not closed: the lease expires and recovery drives it
-            return _json(result_of(run))
-
-    # ---------------------------------------------------------------- reads
-    async def list_runs(self, query: Annotated[ListQuery, Query()]) -> Response:
-        """The run views' ``list_runs``, most recently updated first."""
-        summaries = await self.runtime.views.list_runs(
-            status=query.status, session_id=query.session_id, flow=query.flow, limit=query.limit
-        )
-        return _json(summaries)
-
-    async def get_run(self, run_id: RunId) -> Response:
-        run = await self.store.load_async(run_id)
-        if run is None:
-            raise unknown_run(run_id)
-        return _json(run.to_state(await self.store.lease_async(run_id)))
-
-    async def get_steps(self, run_id: RunId) -> Response:
-        run = await self.store.load_async(run_id, history=True)
-        if run is None:
-            raise unknown_run(run_id)
-        return _json(run.step_records())
-
-    # --------------------------------------------------------------- writes
-    async def start(self, body: StartRun, key: StartKey = None) -> Response:
-        handle = self.runtime.run(
-            session_id=body.session_id,
-            kind="flow",
-            flow_name=body.flow,
-            input=body.input,
-            idempotency_key=key,
-        )
-        return await self.turn(handle)
-
-    async def signal(self, run_id: RunId, body: Signal, key: SignalKey) -> Response:
-        if body.name in _NOT_SIGNALS:
-            raise InvalidSignalError(body.name, _NOT_SIGNALS[body.name])
-        # Exactly ``Runtime.signal``, through ``run`` for the turn's handle.
-        delivery = SignalDelivery(signal_id=key, name=body.name, payload=body.payload)
-        return await self.deliver(run_id, delivery)
-
-    def decide(self, approved: bool) -> Endpoint:
-        async def decision(run_id: RunId, body: Approval, key: DeliveryKey = None) -> Response:
-            # Exactly ``Runtime.approve``/``deny``, through ``run`` for the turn's handle.
-            delivery = approval_delivery(
-                approved=approved,
-                by=body.by,
-                reason=body.reason,
-                signal_id=key,
-                raise_to=body.raise_to,
-            )
-            return await self.deliver(run_id, delivery)
-
-        return decision
-
-    async def deliver(self, run_id: str, delivery: SignalDelivery) -> Response:
-        # The library refuses an oversized payload as InvalidSignalError (422); here it
-        # is the 413 of a body too large, measured as the journal will (``encode_json``).
-        encode_json(delivery.payload, f"the payload of signal {delivery.name!r}")
-        session = await self.session_of(run_id)
-        return await self.turn(
-            self.runtime.run(session_id=session, run_id=run_id, signal_delivery=delivery)
-        )
-
-    async def input(self, run_id: RunId, body: Input, key: InputKey = None) -> Response:
-        session = await self.session_of(run_id)
-        handle = self.runtime.run(
-            session_id=session, run_id=run_id, input=body.text, idempotency_key=key
-        )
-        return await self.turn(handle)
-
-    async def cancel(self, run_id: RunId, body: Cancel) -> Response:
-        return _json(await self.runtime.cancel(run_id, await self.session_of(run_id), body.reason))
 
 
 class _BoundedRequest(Request):
@@ -233,6 +101,31 @@ async def _routing_refusal(request: Request, error: Exception) -> Response:
     return refusal_response(request, error)
 
 
+# ------------------------------------------------------ what the document says
+def _key(what: str) -> Any:
+    """The ``Idempotency-Key`` header as the doors accept an id (an empty one is refused
+    rather than taken for no key)."""
+    return Header(
+        alias=IDEMPOTENCY_HEADER,
+        description=what,
+        min_length=1,
+        max_length=MAX_ID_LENGTH,
+        pattern=ID_PATTERN,
+    )
+
+
+def _runtime(request: Request) -> Runtime:
+    runtime: Runtime = request.app.state.runtime
+    return runtime
+
+
+Served = Annotated[Runtime, Depends(_runtime)]
+RunId = Annotated[str, Path(description="the run's id (TurnResult.run_id)")]
+StartKey = Annotated[str | None, _key("a retried start with the same key returns the same run")]
+DeliveryKey = Annotated[str | None, _key("the delivery's signal_id: a retry with it is a no-op")]
+SignalKey = Annotated[str, _key("the delivery's signal_id (required): a retry is a no-op")]
+InputKey = Annotated[str | None, _key("the turn's idempotency key: a retry is a no-op")]
+
 _REFUSALS = {
     401: "no or another bearer token (only when the server has KURALLE_API_TOKEN)",
     403: "a state change on a server without KURALLE_API_TOKEN",
@@ -267,41 +160,139 @@ def _responses(*statuses: int, links: bool = False) -> dict[int | str, dict[str,
     return responses
 
 
-@dataclass(frozen=True)
-class _Operation:
-    method: str
-    path: str
-    operation_id: str
-    endpoint: Endpoint
-    response_model: Any
-    summary: str
-    responses: dict[int | str, dict[str, Any]]
+_DELIVERY = _responses(404, 409, 413)
+_RUN = "/api/runs/{run_id}"
+router = APIRouter(route_class=_AnsweredRoute)
 
 
-def _operations(api: _Api) -> list[_Operation]:
-    run = "/api/runs/{run_id}"
-    delivery = _responses(404, 409, 413)
-    return [
-        _Operation("GET", "/api/runs", "list_runs", api.list_runs, list[RunSummary],
-                   "list runs: most recently updated first (the run views)", _responses()),
-        _Operation("POST", "/api/runs", "start_run", api.start, TurnResult,
-                   f"start run: {_TURN}", _responses(409, 413, links=True)),
-        _Operation("GET", run, "get_run", api.get_run, RunState, "get run: its RunState",
-                   _responses(404)),
-        _Operation("GET", f"{run}/steps", "get_steps", api.get_steps, list[StepRecord],
-                   "get steps: the run's journal, every step it recorded", _responses(404)),
-        _Operation("POST", f"{run}/signals", "signal", api.signal, TurnResult,
-                   f"signal: deliver a named signal; {_TURN}", delivery),
-        _Operation("POST", f"{run}/approve", "approve", api.decide(True), TurnResult,
-                   f"approve: what the run waits for; {_TURN}", delivery),
-        _Operation("POST", f"{run}/deny", "deny", api.decide(False), TurnResult,
-                   f"deny: what the run waits for; {_TURN}", delivery),
-        _Operation("POST", f"{run}/input", "input", api.input, TurnResult,
-                   f"input: the user's text for a run waiting for input; {_TURN}", delivery),
-        _Operation("POST", f"{run}/cancel", "cancel", api.cancel, RunState,
-                   "cancel: stop the run, whoever holds its lease; its RunState after",
-                   _responses(404, 409)),
-    ]  # fmt: skip
+# ---------------------------------------------------------------- plumbing
+async def _session_of(runtime: Runtime, run_id: str) -> str:
+    """The session of the run, read from the store (404 if there is no such run)."""
+    run = await runtime.store.load_async(run_id)
+    if run is None:
+        raise unknown_run(run_id)
+    return run.session_id
+
+
+def _opened(handle: TurnHandle) -> bool:
+    """Whether the turn opened its run (saved its first event) before it ended."""
+    run_id = handle.run_id
+    return run_id.done() and not run_id.cancelled() and run_id.exception() is None
+
+
+async def _turn(runtime: Runtime, handle: TurnHandle) -> TurnResult:
+    """The turn's result; its refusal raised; a failure it journaled as the run's result."""
+    try:
+        return await handle.result()
+    except Exception:
+        if not _opened(handle):
+            raise  # refused before its first save: nothing was written
+        run = await runtime.store.load_async(handle.run_id.result())
+        if run is None or run.status == "running":
+            raise  # cut off, not closed: the lease expires and recovery drives it
+        return result_of(run)
+
+
+async def _deliver(runtime: Runtime, run_id: str, delivery: SignalDelivery) -> TurnResult:
+    # The library refuses an oversized payload as InvalidSignalError (422); here it
+    # is the 413 of a body too large, measured as the journal will (``encode_json``).
+    encode_json(delivery.payload, f"the payload of signal {delivery.name!r}")
+    session = await _session_of(runtime, run_id)
+    handle = runtime.run(session_id=session, run_id=run_id, signal_delivery=delivery)
+    return await _turn(runtime, handle)
+
+
+# ------------------------------------------------------------------- reads
+@router.get("/api/runs", operation_id="list_runs", responses=_responses(),
+            summary="list runs: most recently updated first (the run views)")  # fmt: skip
+async def list_runs(runtime: Served, query: Annotated[ListQuery, Query()]) -> list[RunSummary]:
+    """The run views' ``list_runs``, most recently updated first."""
+    return await runtime.views.list_runs(
+        status=query.status, session_id=query.session_id, flow=query.flow, limit=query.limit
+    )
+
+
+@router.get(_RUN, operation_id="get_run", summary="get run: its RunState",
+            responses=_responses(404))  # fmt: skip
+async def get_run(runtime: Served, run_id: RunId) -> RunState:
+    run = await runtime.store.load_async(run_id)
+    if run is None:
+        raise unknown_run(run_id)
+    return run.to_state(await runtime.store.lease_async(run_id))
+
+
+@router.get(f"{_RUN}/steps", operation_id="get_steps", responses=_responses(404),
+            summary="get steps: the run's journal, every step it recorded")  # fmt: skip
+async def get_steps(runtime: Served, run_id: RunId) -> list[StepRecord]:
+    run = await runtime.store.load_async(run_id, history=True)
+    if run is None:
+        raise unknown_run(run_id)
+    return run.step_records()
+
+
+# ------------------------------------------------------------------ writes
+@router.post("/api/runs", operation_id="start_run", summary=f"start run: {_TURN}",
+             responses=_responses(409, 413, links=True))  # fmt: skip
+async def start_run(runtime: Served, body: StartRun, key: StartKey = None) -> TurnResult:
+    handle = runtime.run(
+        session_id=body.session_id,
+        kind="flow",
+        flow_name=body.flow,
+        input=body.input,
+        idempotency_key=key,
+    )
+    return await _turn(runtime, handle)
+
+
+@router.post(f"{_RUN}/signals", operation_id="signal", responses=_DELIVERY,
+             summary=f"signal: deliver a named signal; {_TURN}")  # fmt: skip
+async def signal(runtime: Served, run_id: RunId, body: Signal, key: SignalKey) -> TurnResult:
+    if body.name in _NOT_SIGNALS:
+        raise InvalidSignalError(body.name, _NOT_SIGNALS[body.name])
+    # Exactly ``Runtime.signal``, through ``run`` for the turn's handle.
+    delivery = SignalDelivery(signal_id=key, name=body.name, payload=body.payload)
+    return await _deliver(runtime, run_id, delivery)
+
+
+def _decision(approved: bool) -> Callable[..., Coroutine[Any, Any, TurnResult]]:
+    async def decide(
+        runtime: Served, run_id: RunId, body: Approval, key: DeliveryKey = None
+    ) -> TurnResult:
+        # Exactly ``Runtime.approve``/``deny``, through ``run`` for the turn's handle.
+        delivery = approval_delivery(
+            approved=approved, by=body.by, reason=body.reason, signal_id=key,
+            raise_to=body.raise_to,
+        )  # fmt: skip
+        return await _deliver(runtime, run_id, delivery)
+
+    return decide
+
+
+for _verb, _approved in (("approve", True), ("deny", False)):
+    router.add_api_route(
+        f"{_RUN}/{_verb}", _decision(_approved), methods=["POST"], operation_id=_verb,
+        responses=_DELIVERY, summary=f"{_verb}: what the run waits for; {_TURN}",
+    )  # fmt: skip
+
+
+@router.post(f"{_RUN}/input", operation_id="input", responses=_DELIVERY,
+             summary=f"input: the user's text for a run waiting for input; {_TURN}")  # fmt: skip
+async def input(runtime: Served, run_id: RunId, body: Input, key: InputKey = None) -> TurnResult:
+    session = await _session_of(runtime, run_id)
+    handle = runtime.run(session_id=session, run_id=run_id, input=body.text, idempotency_key=key)
+    return await _turn(runtime, handle)
+
+
+@router.post(f"{_RUN}/cancel", operation_id="cancel", responses=_responses(404, 409),
+             summary="cancel: stop the run, whoever holds its lease; its RunState after",
+             )  # fmt: skip
+async def cancel(runtime: Served, run_id: RunId, body: Cancel) -> RunState:
+    return await runtime.cancel(run_id, await _session_of(runtime, run_id), body.reason)
+
+
+# HEAD on the reads, as Starlette serves it, left out of the document.
+for _read in [r for r in router.routes if isinstance(r, APIRoute) and "GET" in (r.methods or ())]:
+    router.add_api_route(_read.path, _read.endpoint, methods=["HEAD"], include_in_schema=False)
 
 
 def _describe_server(document: dict[str, Any], flows: list[str], bearer: bool) -> None:
@@ -345,20 +336,16 @@ def create_app(
         ),
         docs_url=None,
         redoc_url=None,
+        # The routes themselves, not include_router's wrapper of them, so that a 405
+        # can list every method of a path (http/errors.py).
+        routes=router.routes,
         middleware=[
             Middleware(HostGate, hosts=hosts, refuse=error_response),
             Middleware(BearerGate, token=token),
         ],
         exception_handlers={HTTPException: _routing_refusal},
     )
-    app.router.route_class = _AnsweredRoute
-    for op in _operations(_Api(runtime)):
-        app.add_api_route(
-            op.path, op.endpoint, methods=[op.method], operation_id=op.operation_id,
-            response_model=op.response_model, summary=op.summary, responses=op.responses,
-        )  # fmt: skip
-        if op.method == "GET":  # HEAD as Starlette serves it, left out of the document
-            app.add_api_route(op.path, op.endpoint, methods=["HEAD"], include_in_schema=False)
+    app.state.runtime = runtime
     flows = sorted({f for a in runtime.agents.values() for f in a.flows})
     generate = app.openapi
 
