@@ -37,6 +37,7 @@ from .._journal.store import RunStore
 from .._runtime.runtime import Runtime
 from .._serving import HostGate, Server, UnservedHostError, refuse_open_bind, served_hosts
 from ..errors import KuralleError
+from ..http.errors import status_of  # the statuses of the HTTP API's refusals, one mapping
 from ..shapes import RunState
 from ..views import RunViews
 from ..views.timeline import read_deliveries
@@ -47,7 +48,6 @@ from .decisions import (
     deliver,
     new_signal_id,
     raise_to_of,
-    refusal_status,
     valid_signal_id,
 )
 from .overview import overview, tool_overview, usage_overview
@@ -324,7 +324,7 @@ class _Dashboard:
         except KuralleError as error:
             now = await self.load(run_id) or run
             context = {"run": now, "error_type": type(error).__name__, "message": str(error)}
-            return self.render(request, "refused.html", context, refusal_status(error))
+            return self.render(request, "refused.html", context, status_of(error))
         return RedirectResponse(f"/runs/{run_id}?delivered={signal_id}", status_code=303)
 
     # ---------------------------------------------------------------- login
