@@ -424,6 +424,7 @@ def test_pages_show_real_runs_by_status_with_waits_oldest_first_a_filter_and_too
     assert done.status == "finished"
     dashboard = serve()
 
+    login(browser, dashboard)  # every page needs the login where there is a token
     visit(browser, dashboard.url + "/")
     counts = {s: text_of(browser, f"count-{s}").split()[0] for s in ("paused", "finished", "error")}
     assert counts == {"paused": "4", "finished": "1", "error": "1"}
@@ -574,6 +575,7 @@ def test_run_data_renders_as_text_never_as_markup(
     done = maker.deliver(payout, "s-xss", {"approved": True, "by": "sam"}, "__approval")
     assert done.status == "finished"
     dashboard = serve()
+    login(browser, dashboard)
     visit(browser, f"{dashboard.url}/runs/{payout.run_id}")
     assert XSS in text_of(browser, "timeline")  # the tool's result, shown as its text
     assert browser.execute_script("return window.pwned === undefined") is True
@@ -587,6 +589,7 @@ def test_pages_refresh_themselves(
 ) -> None:
     paused = maker.refund_paused("s-refresh", "3")
     dashboard = serve(refresh=1)
+    login(browser, dashboard)
     visit(browser, f"{dashboard.url}/runs/{paused.run_id}")
     # The page reloads itself every second: an element found just before a reload
     # is stale by the time its text is read, so each wait looks again.
@@ -684,7 +687,12 @@ def test_a_dashboard_beyond_loopback_needs_a_token_and_then_a_login_for_every_pa
     store = open_store()
     with pytest.raises(InvalidArgumentError, match="KURALLE_DASHBOARD_TOKEN"):
         create_app(store, lambda s: Runtime(agents(), store=s), host="0.0.0.0", token=None)
-    app = create_app(store, lambda s: Runtime(agents(), store=s), host="0.0.0.0", token=TOKEN)
+    with pytest.raises(InvalidArgumentError, match="--allowed-host"):
+        create_app(store, lambda s: Runtime(agents(), store=s), host="0.0.0.0", token=TOKEN)
+    app = create_app(
+        store, lambda s: Runtime(agents(), store=s), host="0.0.0.0", token=TOKEN,
+        allowed_hosts=["127.0.0.1"],
+    )  # fmt: skip
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -701,6 +709,150 @@ def test_a_dashboard_beyond_loopback_needs_a_token_and_then_a_login_for_every_pa
     finally:
         server.should_exit = True
         thread.join(20)
+
+
+def test_with_a_token_every_page_needs_the_login_on_loopback_too(
+    serve: Callable[..., Dashboard], maker: Maker
+) -> None:
+    paused = maker.refund_paused("s-private", "4")
+    pages = ["/", "/tools", "/usage", f"/runs/{paused.run_id}", f"/runs/{paused.run_id}/approve"]
+    dashboard = serve()  # on 127.0.0.1, with a token
+    anonymous = Http(dashboard.url)
+    for page in pages:
+        status, body = anonymous.request(page)
+        assert status == 303 and anonymous.location == f"/login?next={page}", page
+        assert paused.run_id not in body
+    operator = Http(dashboard.url)
+    form = {"csrf_token": operator.csrf(), "operator": OPERATOR, "token": TOKEN}
+    assert operator.request("/login", form)[0] == 303
+    for page in pages:
+        status, body = operator.request(page)
+        assert status == 200 and 'id="operator-name"' in body, page
+    # Without a token there is no login to ask for: the pages only read.
+    read_only = Http(serve(token=None).url)
+    for page in pages[:4]:
+        assert read_only.request(page)[0] == 200, page
+
+
+def test_the_dashboard_answers_no_host_but_its_own(
+    serve: Callable[..., Dashboard], maker: Maker
+) -> None:
+    paused = maker.refund_paused("s-rebind", "6")
+    for dashboard in (serve(), serve(token=None)):
+        client = Http(dashboard.url)
+        for host in ("attacker.example", f"attacker.example:{dashboard.port}", "[::2]", ""):
+            for page in ("/", f"/runs/{paused.run_id}", "/login", "/static/dashboard.css"):
+                status, body = client.request(page, headers={"Host": host})
+                assert status == 400 and "--allowed-host" in body, (host, page)
+                assert paused.run_id not in body
+            status, _ = client.request("/login", {"csrf_token": "x"}, headers={"Host": host})
+            assert status == 400
+        for host in ("localhost", f"127.0.0.1:{dashboard.port}", f"[::1]:{dashboard.port}"):
+            assert client.request("/login", headers={"Host": host})[0] == 200, host
+
+
+def test_the_dashboard_command_answers_its_allowed_hosts(tmp_path: Path) -> None:
+    db = tmp_path / "runs.db"
+    RunStore.sqlite(str(db)).close()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KURALLE_")}
+    command = [sys.executable, "-m", "kuralle_es.cli", "--store", f"sqlite:///{db}", "dashboard"]
+    public = subprocess.run(
+        [*command, "--host", "0.0.0.0"], env={**env, "KURALLE_DASHBOARD_TOKEN": TOKEN},
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert public.returncode == 1 and "--allowed-host" in public.stderr, public.stderr
+    flags = [*command, "--allowed-host", "ops.example", "--allowed-host", "desk.example"]
+    for started, names in ((flags, ["ops.example", "desk.example:8765"]),
+                           (command, ["env.example"])):  # fmt: skip
+        with cli_dashboard(started, {**env, "KURALLE_ALLOWED_HOSTS": "env.example"}) as (c, _):
+            for host in [*names, "localhost"]:
+                assert c.request("/", headers={"Host": host})[0] == 200, host
+            assert c.request("/", headers={"Host": "attacker.example"})[0] == 400
+
+
+def test_malformed_cookies_and_form_fields_are_4xx_never_5xx(ledger_path: Path) -> None:
+    from starlette.testclient import TestClient
+
+    store = RunStore.memory()
+    maker = Maker(store)
+    paused = maker.refund_paused("s-malformed", "9")
+    app = create_app(store, lambda s: maker.runtime, token=TOKEN)
+    client = TestClient(
+        app, base_url="http://127.0.0.1", raise_server_exceptions=False, follow_redirects=False
+    )
+    page = client.get("/login").text
+    client.post("/login", data={"csrf_token": hidden(page, "csrf_token"), "operator": OPERATOR,
+                                "token": TOKEN})  # fmt: skip
+    good = client.cookies["kuralle_dashboard_session"]
+    client.cookies.clear()
+    other = TestClient(create_app(store, lambda s: maker.runtime, token=TOKEN),
+                       base_url="http://127.0.0.1")  # fmt: skip
+    other_cookie = other.get("/login").cookies["kuralle_dashboard_session"]
+    approve = f"/runs/{paused.run_id}/approve"
+    cookies = [
+        "é".encode(),
+        "sesión=✓".encode(),
+        b"\xff\xfe\x00",
+        good[:-7].encode(),
+        good[:20].encode(),
+        (good[:-1] + ("A" if good[-1] != "A" else "B")).encode(),
+        other_cookie.encode(),
+        b'"unterminated',
+        b"=",
+        b"%%%",
+        b"x" * 4000,
+        b"a.b.c",
+    ]
+    requests: list[tuple[str, str, Any]] = [
+        ("GET", "/", None), ("GET", f"/runs/{paused.run_id}", None), ("GET", "/login", None),
+        ("GET", approve, None), ("POST", "/login", {"csrf_token": "x", "token": TOKEN}),
+        ("POST", approve, {"csrf_token": "x", "signal_id": "dash-" + "0" * 32}),
+        ("POST", "/logout", {"csrf_token": "x"}),
+    ]  # fmt: skip
+    for cookie in cookies:
+        for method, path, form in requests:
+            client.cookies.clear()  # the malformed cookie alone, not the one last answered
+            reply = client.request(
+                method, path, data=form, headers={"cookie": b"kuralle_dashboard_session=" + cookie}
+            )
+            assert reply.status_code < 500, (cookie, method, path, reply.text[:300])
+            assert method == "GET" or 400 <= reply.status_code < 500, (cookie, path)
+            assert reply.status_code != 200 or path == "/login", (cookie, path)
+
+    # Logged in, with a valid session: malformed fields of every form.
+    client.cookies.clear()
+    client.cookies.set("kuralle_dashboard_session", good)
+    csrf = hidden(client.get(approve).text, "csrf_token")
+    signal = {"csrf_token": csrf, "signal_id": "dash-" + "1" * 32}
+    forms: list[tuple[str, Any]] = [
+        (approve, {**signal, "csrf_token": "é" * 40}), (approve, {**signal, "csrf_token": "\x00"}),
+        (approve, {**signal, "csrf_token": csrf[:-3]}), (approve, {"signal_id": "dash-é"}),
+        (approve, {**signal, "signal_id": "dash-" + "é" * 32}),
+        (approve, {**signal, "raise_max_cost": "NaN"}),
+        (approve, {**signal, "raise_max_cost": "1e999"}),
+        (approve, {**signal, "raise_max_model_calls": "٣"}),
+        (approve, {**signal, "request_id": "é\u202e"}),
+        ("/login", {"csrf_token": csrf, "operator": "Zoë\u202e\x00", "token": TOKEN}),
+        ("/login", {"csrf_token": csrf, "operator": OPERATOR, "token": "tökén"}),
+        ("/logout", {"csrf_token": "é"}),
+        (approve, b"csrf_token=%ff%fe&signal_id=%ed%a0%80"), (approve, b"\xff\xfe=\xff&&=&"),
+        ("/login", b"csrf_token=" + csrf.encode() + b"&operator=%ff&token=%ff"),
+    ]  # fmt: skip
+    for path, form in forms:
+        kind = "application/x-www-form-urlencoded"
+        body = form if isinstance(form, bytes) else None
+        reply = client.post(path, data=None if body else form, content=body,
+                            headers={"content-type": kind} if body else {})  # fmt: skip
+        assert 400 <= reply.status_code < 500, (path, form, reply.status_code, reply.text[:300])
+    for kind, body in (
+        ("multipart/form-data; boundary=x", b"--x\r\nContent-Disposition: form"),
+        ("multipart/form-data", b"--x--"),
+        ("multipart/form-data; boundary=x", b""),
+    ):
+        reply = client.post(approve, content=body, headers={"content-type": kind})
+        assert 400 <= reply.status_code < 500, (kind, reply.status_code, reply.text[:300])
+    assert maker.session_runs("s-malformed")[0].status == "paused"  # nothing was delivered
+    assert refunds(ledger_path) == []
 
 
 @contextlib.contextmanager
@@ -810,6 +962,7 @@ def test_the_usage_page_shows_usage_per_agent_and_per_run_and_a_run_shows_its_ow
     dashboard = serve(prices=prices)
 
     # Linked from the overview.
+    login(browser, dashboard)
     visit(browser, dashboard.url + "/")
     click_and_wait(browser, "usage-link")
     assert urllib.parse.urlparse(browser.current_url).path == "/usage"

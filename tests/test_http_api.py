@@ -463,6 +463,87 @@ def test_without_a_token_the_server_reads_and_refuses_every_change(tmp_path: Pat
         server.stop()
 
 
+# ------------------------------------------------------------ who knocks
+#: What a page on another site sends after pointing its own name at 127.0.0.1 (DNS
+#: rebinding), and other Host headers that name no host this server serves.
+FOREIGN_HOSTS = ("attacker.example", "attacker.example:8000", "127.0.0.1.attacker.example",
+                 "localhost@attacker.example", "[::2]", "")  # fmt: skip
+
+
+def loopback_hosts(server: Server) -> list[str]:
+    port = server.base.rsplit(":", 1)[1]
+    return ["localhost", f"localhost:{port}", "127.0.0.1", f"127.0.0.1:{port}",
+            "[::1]", f"[::1]:{port}", f"LOCALHOST:{port}"]  # fmt: skip
+
+
+def test_a_request_for_another_host_is_400_and_reads_nothing(served: Served) -> None:
+    run_id = served.start("ship", session())["run_id"]
+    for host in FOREIGN_HOSTS:
+        for path in (runs(f"/{run_id}"), runs(""), "/openapi.json", "/api/nothing"):
+            reply = served.refused(400, "UnservedHostError", "GET", path, headers={"Host": host})
+            assert run_id.encode() not in reply.raw
+        # A state change is refused the same way, before its token is even looked at.
+        served.refused(
+            400, "UnservedHostError", "POST", runs(f"/{run_id}/cancel"), {"reason": "x"},
+            headers={"Host": host},
+        )  # fmt: skip
+    assert "--allowed-host" in reply.body["message"]
+    for host in loopback_hosts(served.server):
+        assert served.ok("GET", runs(f"/{run_id}"), headers={"Host": host})["run_id"] == run_id
+
+
+def test_serve_without_a_token_answers_no_other_host_dns_rebinding(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'runs.db'}"
+    with_token = start_server(url, tmp_path, name="writer")
+    try:
+        run_id = with_token.call("POST", "/api/runs", {"session_id": "s", "flow": "ship"}).body
+    finally:
+        with_token.stop()
+    server = start_server(url, tmp_path, token=None)
+    try:
+        for path in ("/api/runs", f"/api/runs/{run_id['run_id']}"):
+            reply = server.call("GET", path, headers={"Host": "attacker.example"})
+            assert reply.is_refusal(400, "UnservedHostError"), reply.body
+            assert run_id["run_id"].encode() not in reply.raw
+            assert server.call("GET", path, headers={"Host": "localhost"}).status == 200
+    finally:
+        server.stop()
+
+
+def test_allowed_host_names_are_answered_besides_the_loopback_ones(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'runs.db'}"
+    flags = start_server(
+        url, tmp_path, name="flags", args=("--allowed-host", "api.example", "--allowed-host",
+                                           "runs.example.com:443"),
+    )  # fmt: skip
+    env = start_server(url, tmp_path, name="env", KURALLE_ALLOWED_HOSTS="api.example, [::5]")
+    try:
+        for server, names in ((flags, ["api.example", "API.example:8000", "runs.example.com"]),
+                              (env, ["api.example:80", "[::5]"])):  # fmt: skip
+            for host in [*names, *loopback_hosts(server)]:
+                assert server.call("GET", "/api/runs", headers={"Host": host}).status == 200
+            reply = server.call("GET", "/api/runs", headers={"Host": "attacker.example"})
+            assert reply.is_refusal(400, "UnservedHostError")
+    finally:
+        flags.stop()
+        env.stop()
+
+
+def test_serve_on_a_public_interface_needs_the_names_it_answers_for(tmp_path: Path) -> None:
+    db = tmp_path / "runs.db"
+    for extra, env in (((), {}), (("--allowed-host", "a b"), {}),
+                       ((), {"KURALLE_ALLOWED_HOSTS": " , "})):  # fmt: skip
+        done = subprocess.run(
+            [*COMMAND, "serve", "--app", "http_app:build_agents", "--store", f"sqlite:///{db}",
+             "--host", "0.0.0.0", "--port", "1", *extra],
+            cwd=PROCS, env=clean_env(KURALLE_API_TOKEN=TOKEN, **env), capture_output=True,
+            text=True, timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 1, done.stderr
+        assert "--allowed-host" in done.stderr or "not a host name" in done.stderr, done.stderr
+        assert not db.exists()  # refused before anything was opened
+
+
 def test_serve_refuses_a_public_interface_without_a_token(tmp_path: Path) -> None:
     db = tmp_path / "runs.db"
     done = subprocess.run(

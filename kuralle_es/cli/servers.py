@@ -1,5 +1,5 @@
 """The commands that serve over HTTP until stopped (internal): ``dashboard`` (the web
-pages) and ``serve`` (the JSON API); each imports the ``dashboard`` extra only when run.
+pages) and ``serve`` (the JSON API); each imports its extra only when run.
 """
 
 from __future__ import annotations
@@ -12,14 +12,25 @@ from .common import CliError, SubParsers, add_command, load_agents, open_store, 
 
 
 def _add_bind(parser: argparse.ArgumentParser, token_env: str, port: int) -> None:
-    """``--host`` and ``--port``: both servers bind the loopback interface by default,
-    and any other only with a token in ``token_env`` (checked before anything opens)."""
+    """``--host``, ``--port`` and ``--allowed-host``: both servers bind the loopback
+    interface by default, and any other only with a token in ``token_env`` and the
+    names clients reach it by (checked before anything opens)."""
     parser.add_argument(
         "--host",
         default="127.0.0.1",
         help=f"the interface to bind (default 127.0.0.1; another needs {token_env})",
     )
     parser.add_argument("--port", type=int, default=port, help=f"the port (default {port})")
+    parser.add_argument(
+        "--allowed-host",
+        action="append",
+        dest="allowed_hosts",
+        metavar="NAME",
+        help=(
+            "a host name clients reach the server by, answered besides the loopback names "
+            "(repeatable; default KURALLE_ALLOWED_HOSTS, comma-separated); any other Host is 400"
+        ),
+    )
 
 
 # --------------------------------------------------------------- dashboard
@@ -36,7 +47,7 @@ async def _dashboard(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise CliError(f"the dashboard needs: pip install 'kuralle_es[dashboard]' ({e})") from None
     token = os.environ.get(TOKEN_ENV) or None
-    check_bind(args.host, token)  # before anything is opened
+    check_bind(args.host, token, args.allowed_hosts)  # before anything is opened
     # Only a dashboard with a token can deliver decisions, so only it needs the agents.
     agents = load_agents(args.app) if token else []
     with open_store(args, must_exist=True) as store:
@@ -46,6 +57,7 @@ async def _dashboard(args: argparse.Namespace) -> int:
             args.host,
             args.port,
             token,
+            allowed_hosts=args.allowed_hosts,
             store_label=store_label(args),
         )
     return 0
@@ -60,15 +72,17 @@ def add_serve(sub: SubParsers) -> None:
 
 
 async def _serve(args: argparse.Namespace) -> int:
-    try:  # the `dashboard` extra (Starlette, uvicorn): imported only by this command
+    try:  # the `http` extra (FastAPI, uvicorn): imported only by this command
         from ..http import TOKEN_ENV, check_bind, serve
     except ImportError as e:
-        raise CliError(f"serve needs: pip install 'kuralle_es[dashboard]' ({e})") from None
+        raise CliError(f"serve needs: pip install 'kuralle_es[http]' ({e})") from None
     token = os.environ.get(TOKEN_ENV) or None
-    check_bind(args.host, token)  # before anything is opened
+    check_bind(args.host, token, args.allowed_hosts)  # before anything is opened
     agents = load_agents(args.app)  # starts and deliveries drive runs in this process
     with open_store(args) as store:
+        runtime = Runtime(agents, store=store)
         await serve(
-            Runtime(agents, store=store), args.host, args.port, token, store_label=store_label(args)
-        )
+            runtime, args.host, args.port, token,
+            allowed_hosts=args.allowed_hosts, store_label=store_label(args),
+        )  # fmt: skip
     return 0

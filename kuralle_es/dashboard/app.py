@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -26,7 +26,7 @@ from starlette.applications import Starlette
 from starlette.datastructures import MutableHeaders
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import RedirectResponse, Response
+from starlette.responses import PlainTextResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
@@ -35,8 +35,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from .._journal.spending import PRICES_ENV, Prices, prices_from_json, validate_prices
 from .._journal.store import RunStore
 from .._runtime.runtime import Runtime
-from .._serving import Server, is_loopback, refuse_open_bind
+from .._serving import HostGate, Server, UnservedHostError, refuse_open_bind, served_hosts
 from ..errors import KuralleError
+from ..http.errors import status_of  # the statuses of the HTTP API's refusals, one mapping
 from ..shapes import RunState
 from ..views import RunViews
 from ..views.timeline import read_deliveries
@@ -47,11 +48,10 @@ from .decisions import (
     deliver,
     new_signal_id,
     raise_to_of,
-    refusal_status,
     valid_signal_id,
 )
 from .overview import overview, tool_overview, usage_overview
-from .security import CSRF_COOKIE, SESSION_COOKIE, TOKEN_ENV, Gate, Operator
+from .security import TOKEN_ENV, Gate, Operator
 from .security import valid_operator_name as _valid_name
 from .timeline import pretty_json, timeline_rows
 
@@ -73,9 +73,17 @@ _SECURITY_HEADERS = {
 }
 
 
-def check_bind(host: str, token: str | None) -> None:
-    """Refuse to expose run data beyond this machine without a token."""
+def check_bind(
+    host: str, token: str | None, allowed_hosts: Iterable[str] | None = None
+) -> frozenset[str]:
+    """Refuse to expose run data beyond this machine without a token, or on an interface
+    with no host name to answer for; the names it answers for (``served_hosts``)."""
     refuse_open_bind(host, token, server="the dashboard", data="run data", token_env=TOKEN_ENV)
+    return served_hosts(host, allowed_hosts)
+
+
+def _unserved(error: UnservedHostError) -> Response:
+    return PlainTextResponse(str(error), status_code=400)
 
 
 def _when(value: datetime | None) -> str:
@@ -131,7 +139,6 @@ class _Dashboard:
     store: RunStore
     runtime_factory: RuntimeFactory
     gate: Gate
-    private_reads: bool
     refresh_seconds: int
     prices: Prices | None = None
     templates: Jinja2Templates = field(default_factory=_templates, init=False)
@@ -141,7 +148,7 @@ class _Dashboard:
 
     # ------------------------------------------------------------- plumbing
     def operator(self, request: Request) -> Operator | None:
-        return self.gate.operator(request.cookies.get(SESSION_COOKIE))
+        return self.gate.operator(request.session)
 
     def render(
         self,
@@ -151,32 +158,24 @@ class _Dashboard:
         status: int = 200,
         refresh: bool = False,
     ) -> Response:
-        nonce = request.cookies.get(CSRF_COOKIE)
-        fresh = not nonce or len(nonce) > 64
-        if fresh:
-            nonce = Gate.new_csrf_nonce()
-        assert nonce is not None
         page = {
             "operator": self.operator(request),
             "writable": self.gate.writable,
-            "csrf_token": self.gate.csrf_token(nonce),
+            "csrf_token": self.gate.csrf_token(request.session),
             "refresh": self.refresh_seconds if refresh else None,
             "path": request.url.path,
             **context,
         }
-        response = self.templates.TemplateResponse(request, name, page, status_code=status)
-        if fresh:
-            response.set_cookie(CSRF_COOKIE, nonce, httponly=True, samesite="strict")
-        return response
+        return self.templates.TemplateResponse(request, name, page, status_code=status)
 
     def problem(self, request: Request, status: int, title: str, detail: str) -> Response:
         return self.render(request, "problem.html", {"title": title, "detail": detail}, status)
 
     def page(self, handler: Handler) -> Handler:
-        """A read page: behind the login when the dashboard is reachable from elsewhere."""
+        """A read page: behind the login whenever there is a token to log in with."""
 
         async def guarded(request: Request) -> Response:
-            if self.private_reads and self.operator(request) is None:
+            if self.gate.writable and self.operator(request) is None:
                 target = quote(str(request.url.path), safe="/")
                 return RedirectResponse(f"/login?next={target}", status_code=303)
             return await handler(request)
@@ -202,7 +201,7 @@ class _Dashboard:
         if origin is not None and origin != f"{request.url.scheme}://{request.url.netloc}":
             return self.problem(request, 403, "Refused", "This form was posted from another site.")
         fields = {k: v for k, v in (await request.form()).items() if isinstance(v, str)}
-        if not self.gate.csrf_ok(request.cookies.get(CSRF_COOKIE), fields.get("csrf_token")):
+        if not self.gate.csrf_ok(request.session, fields.get("csrf_token")):
             return self.problem(
                 request, 403, "Refused: stale or forged form",
                 "The form's CSRF token is missing or wrong. Reload the page and try again.",
@@ -325,7 +324,7 @@ class _Dashboard:
         except KuralleError as error:
             now = await self.load(run_id) or run
             context = {"run": now, "error_type": type(error).__name__, "message": str(error)}
-            return self.render(request, "refused.html", context, refusal_status(error))
+            return self.render(request, "refused.html", context, status_of(error))
         return RedirectResponse(f"/runs/{run_id}?delivered={signal_id}", status_code=303)
 
     # ---------------------------------------------------------------- login
@@ -344,19 +343,16 @@ class _Dashboard:
         elif not _valid_name(name):
             failed, status = "Give your name (letters, digits, spaces, . @ + - _).", 400
         else:
-            response = RedirectResponse(target, status_code=303)
-            cookie = self.gate.session_cookie(Operator(name))
-            response.set_cookie(SESSION_COOKIE, cookie, httponly=True, samesite="strict")
-            return response
+            self.gate.log_in(request.session, Operator(name))
+            return RedirectResponse(target, status_code=303)
         return self.render(request, "login.html", {"next": target, "failed": failed}, status)
 
     async def logout(self, request: Request) -> Response:
         fields = await self.form(request, needs_operator=False)
         if isinstance(fields, Response):
             return fields
-        response = RedirectResponse("/", status_code=303)
-        response.delete_cookie(SESSION_COOKIE)
-        return response
+        request.session.clear()  # the session cookie goes with it
+        return RedirectResponse("/", status_code=303)
 
 
 class _SecurityHeaders:
@@ -380,6 +376,7 @@ def create_app(
     *,
     host: str = "127.0.0.1",
     token: str | None = None,
+    allowed_hosts: Iterable[str] | None = None,
     refresh_seconds: int = REFRESH_SECONDS,
     prices: Prices | None = None,
 ) -> Starlette:
@@ -388,14 +385,13 @@ def create_app(
     ``runtime_factory(store)`` builds the ``Runtime`` (with the user's agents)
     that delivers decisions; it is called once, at the first decision.
     ``prices`` (``{"model-name": (input_per_1k, output_per_1k)}``) give the
-    usage page its costs.
+    usage page its costs. It answers only requests whose ``Host`` is a loopback
+    name (when ``host`` is loopback) or one of ``allowed_hosts`` (default:
+    ``KURALLE_ALLOWED_HOSTS``); any other is 400.
     """
-    check_bind(host, token)
+    hosts = check_bind(host, token, allowed_hosts)
     gate = Gate(token)
-    dash = _Dashboard(
-        store, runtime_factory, gate, not is_loopback(host), refresh_seconds,
-        validate_prices(prices),
-    )  # fmt: skip
+    dash = _Dashboard(store, runtime_factory, gate, refresh_seconds, validate_prices(prices))
     routes = [
         Route("/", dash.page(dash.index)),
         Route("/tools", dash.page(dash.tools)),
@@ -407,7 +403,12 @@ def create_app(
         Route("/logout", dash.logout, methods=["POST"]),
         Mount("/static", StaticFiles(packages=[("kuralle_es.dashboard", "static")])),
     ]
-    return Starlette(routes=routes, middleware=[Middleware(_SecurityHeaders)])
+    middleware = [
+        Middleware(_SecurityHeaders),
+        Middleware(HostGate, hosts=hosts, refuse=_unserved),
+        gate.session_middleware(),
+    ]
+    return Starlette(routes=routes, middleware=middleware)
 
 
 async def serve(
@@ -417,16 +418,21 @@ async def serve(
     port: int = 8765,
     token: str | None = None,
     *,
+    allowed_hosts: Iterable[str] | None = None,
     store_label: str | None = None,
     prices: Prices | None = None,
 ) -> None:
-    """Serve the dashboard until SIGINT/SIGTERM; ``token`` defaults to the environment's.
-    ``store_label`` (no password in it) names the store on the start line; ``prices``
-    default to ``KURALLE_PRICES`` (JSON: model -> [input_per_1k, output_per_1k])."""
+    """Serve the dashboard until SIGINT/SIGTERM; ``token`` defaults to the environment's,
+    ``allowed_hosts`` to ``KURALLE_ALLOWED_HOSTS``. ``store_label`` (no password in it)
+    names the store on the start line; ``prices`` default to ``KURALLE_PRICES`` (JSON:
+    model -> [input_per_1k, output_per_1k])."""
     token = token if token is not None else os.environ.get(TOKEN_ENV) or None
     if prices is None and os.environ.get(PRICES_ENV):
         prices = prices_from_json(os.environ[PRICES_ENV])
-    app = create_app(store, runtime_factory, host=host, token=token, prices=prices)
+    app = create_app(
+        store, runtime_factory, host=host, token=token, allowed_hosts=allowed_hosts,
+        prices=prices,
+    )  # fmt: skip
     mode = "approve/deny need a login" if token else f"read-only: {TOKEN_ENV} is unset"
     over = f", store {store_label}" if store_label else ""
     print(f"kuralle-es: dashboard on http://{host}:{port}/ ({mode}{over})", file=sys.stderr)

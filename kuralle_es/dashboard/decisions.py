@@ -19,11 +19,6 @@ from uuid import uuid4
 from .._journal.wait import BUDGET
 from .._runtime.deliveries import approval_delivery
 from .._runtime.runtime import Runtime
-from ..errors import (
-    InvalidSignalError,
-    KuralleError,
-    RunNotFoundError,
-)
 from ..shapes import RunState, SignalDelivery, TurnResult
 
 __all__ = [
@@ -33,7 +28,6 @@ __all__ = [
     "deliver",
     "new_signal_id",
     "raise_to_of",
-    "refusal_status",
     "valid_signal_id",
 ]
 
@@ -102,6 +96,8 @@ def raise_to_of(fields: Mapping[str, str]) -> dict[str, int | float] | None:
         if not text:
             continue
         try:
+            if not text.isascii():  # int() would read other scripts' digits ("٣" as 3)
+                raise ValueError(text)
             raised[name] = number(text)
         except ValueError:
             kind = "a whole number" if number is int else "a number"
@@ -116,12 +112,3 @@ async def deliver(runtime: Runtime, session_id: str, decision: Decision) -> Turn
         session_id=session_id, run_id=decision.run_id, signal_delivery=decision.delivery()
     )
     return await handle.result()
-
-
-def refusal_status(error: KuralleError) -> int:
-    """The HTTP status that says what kind of refusal this was."""
-    if isinstance(error, RunNotFoundError):
-        return 404
-    if isinstance(error, InvalidSignalError):
-        return 422
-    return 409

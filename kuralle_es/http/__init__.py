@@ -1,6 +1,6 @@
 """The HTTP API over runs and webhooks: ``create_app(runtime)`` and ``kuralle-es serve`` (API).
 
-Install with the ``dashboard`` extra (Starlette, uvicorn). docs/http.md says
+Install with the ``http`` extra (FastAPI, uvicorn). docs/http.md says
 what each route does, how refusals look, and how the token keeps it safe;
 ``/openapi.json`` describes it for machines.
 """

@@ -1,9 +1,11 @@
 """The HTTP API's routes: each one call of the Python API, JSON in and out (internal).
 
-``create_app(runtime)`` builds the ASGI app (docs/http.md). A route that
-names only the run finds its session in the store, as the CLI's operator
-commands do (``kuralle-es approve``): the caller holds the API token, so it
-acts on behalf of the run's session. Starts and deliveries are turns of
+``create_app(runtime)`` builds the ASGI app (docs/http.md) with FastAPI,
+which reads and validates each request from the models of ``http/shapes.py``
+and writes ``/openapi.json`` from the same models. A route that names only
+the run finds its session in the store, as the CLI's operator commands do
+(``kuralle-es approve``): the caller holds the API token, so it acts on
+behalf of the run's session. Starts and deliveries are turns of
 ``Runtime.run``, driven within the request to the run's next pause or end.
 
 A turn refused before it opened its run (unknown run, mismatch, held lease,
@@ -17,43 +19,36 @@ repeated ``GET`` would show it; the node's error is the run's ``RunState.error``
 from __future__ import annotations
 
 import os
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Callable, Coroutine, Iterable
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ValidationError
-from starlette.applications import Starlette
+from fastapi import APIRouter, Depends, FastAPI, Header, Path, Query
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.responses import Response
 
-from .._journal.json_data import encode_json
+from .._journal.json_data import encode_json, max_payload_bytes
 from .._journal.wait import INPUT, TIMER
 from .._runtime.deliveries import approval_delivery
 from .._runtime.handle import TurnHandle
-from .._runtime.input_checks import check_id
+from .._runtime.input_checks import MAX_ID_LENGTH
 from .._runtime.runtime import Runtime
 from .._runtime.turn import result_of
-from ..errors import InvalidSignalError
-from ..shapes import SignalDelivery
-from .auth import TOKEN_ENV, BearerGate
-from .errors import (
-    InvalidRequestError,
-    MethodNotAllowedError,
-    UnknownRouteError,
-    error_response,
-    invalid_request,
-    unknown_run,
-)
-from .openapi import openapi_document
-from .reading import IDEMPOTENCY_HEADER, read_body
-from .shapes import Approval, Cancel, Input, ListQuery, Signal, StartRun
+from .._serving import HostGate
+from ..errors import InvalidSignalError, PayloadTooLargeError
+from ..shapes import RunState, SignalDelivery, StepRecord, TurnResult
+from ..views import RunSummary
+from .auth import TOKEN_ENV, BearerGate, check_bind
+from .errors import error_response, refusal_response, unknown_run
+from .shapes import ID_PATTERN, Approval, Cancel, ErrorBody, Input, ListQuery, Signal, StartRun
 
-__all__ = ["create_app"]
+__all__ = ["BODY_SLACK_BYTES", "IDEMPOTENCY_HEADER", "create_app"]
 
-Handler = Callable[[Request], Awaitable[Response]]
-
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+#: Room in a body for what surrounds its payload (a signal's name, an approver, a reason).
+BODY_SLACK_BYTES = 64 * 1024
 
 #: Waits the library delivers to itself: a signal of that name would be taken for them.
 _NOT_SIGNALS = {
@@ -62,10 +57,121 @@ _NOT_SIGNALS = {
 }
 
 
-def _json(value: BaseModel | list[Any]) -> JSONResponse:
-    if isinstance(value, BaseModel):
-        return JSONResponse(value.model_dump(mode="json"))
-    return JSONResponse([item.model_dump(mode="json") for item in value])
+class _BoundedRequest(Request):
+    """A request whose body is read up to the bound and no further: one payload of
+    ``KURALLE_MAX_PAYLOAD_BYTES`` (README, "Configuration") and room for the short
+    fields around it. Past it, ``PayloadTooLargeError`` (413). (Starlette's own
+    body limit answers in plain text, and the API's every refusal is a JSON error.)"""
+
+    async def body(self) -> bytes:
+        if not hasattr(self, "_body"):
+            limit = max_payload_bytes() + BODY_SLACK_BYTES
+            declared = self.headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > limit:
+                raise PayloadTooLargeError("the request body", int(declared), limit)
+            raw = bytearray()
+            async for chunk in self.stream():
+                raw += chunk
+                if len(raw) > limit:
+                    raise PayloadTooLargeError("the request body", len(raw), limit)
+            self._body = bytes(raw)
+        return self._body
+
+
+class _AnsweredRoute(APIRoute):
+    """A route that reads its body within the bound, and whose refusals and failures are
+    answered here, as JSON errors: FastAPI's own (the request does not fit its model)
+    and the library's alike. (An app-wide handler for ``Exception`` would answer too,
+    but Starlette raises the error again after it, to be logged twice.)"""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def answered(request: Request) -> Response:
+            try:
+                return await handler(_BoundedRequest(request.scope, request.receive))
+            except Exception as error:
+                return refusal_response(request, error)
+
+        return answered
+
+
+async def _routing_refusal(request: Request, error: Exception) -> Response:
+    """A path or method no route serves (404, 405), as the API's JSON error."""
+    return refusal_response(request, error)
+
+
+# ------------------------------------------------------ what the document says
+def _key(what: str) -> Any:
+    """The ``Idempotency-Key`` header as the doors accept an id (an empty one is refused
+    rather than taken for no key)."""
+    return Header(
+        alias=IDEMPOTENCY_HEADER,
+        description=what,
+        min_length=1,
+        max_length=MAX_ID_LENGTH,
+        pattern=ID_PATTERN,
+    )
+
+
+def _runtime(request: Request) -> Runtime:
+    runtime: Runtime = request.app.state.runtime
+    return runtime
+
+
+Served = Annotated[Runtime, Depends(_runtime)]
+RunId = Annotated[str, Path(description="the run's id (TurnResult.run_id)")]
+StartKey = Annotated[str | None, _key("a retried start with the same key returns the same run")]
+DeliveryKey = Annotated[str | None, _key("the delivery's signal_id: a retry with it is a no-op")]
+SignalKey = Annotated[str, _key("the delivery's signal_id (required): a retry is a no-op")]
+InputKey = Annotated[str | None, _key("the turn's idempotency key: a retry is a no-op")]
+
+_REFUSALS = {
+    401: "no or another bearer token (only when the server has KURALLE_API_TOKEN)",
+    403: "a state change on a server without KURALLE_API_TOKEN",
+    404: "RunNotFoundError: no run with this id",
+    409: "the run's state refuses it: SignalMismatchError, LeaseHeldError, FlowDriftError, "
+    "StaleWriteError",
+    413: "PayloadTooLargeError: the body or a payload is over the bound",
+    422: "InvalidArgumentError, InvalidSignalError, FlowNotFoundError: the request is wrong",
+}
+#: What a started run's id leads to (OpenAPI links: clients and fuzzers follow them).
+_RUN_OPERATIONS = ("get_run", "get_steps", "signal", "approve", "deny", "input", "cancel")
+_TURN = "the turn's TurnResult: the run driven to its next pause or its end"
+
+
+def _responses(*statuses: int, links: bool = False) -> dict[int | str, dict[str, Any]]:
+    """The refusals an operation may answer, each an ``ErrorBody``."""
+    responses: dict[int | str, dict[str, Any]] = {
+        status: {"model": ErrorBody, "description": _REFUSALS[status]}
+        for status in (401, 403, *statuses, 422)
+    }
+    responses["default"] = {
+        "model": ErrorBody,
+        "description": "any other refusal or failure, in the same shape",
+    }
+    if links:
+        responses[200] = {
+            "links": {
+                name: {"operationId": name, "parameters": {"run_id": "$response.body#/run_id"}}
+                for name in _RUN_OPERATIONS
+            }
+        }
+    return responses
+
+
+_DELIVERY = _responses(404, 409, 413)
+_RUN = "/api/runs/{run_id}"
+router = APIRouter(route_class=_AnsweredRoute)
+
+
+# ---------------------------------------------------------------- plumbing
+async def _session_of(runtime: Runtime, run_id: str) -> str:
+    """The session of the run, read from the store (404 if there is no such run)."""
+    run = await runtime.store.load_async(run_id)
+    if run is None:
+        raise unknown_run(run_id)
+    return run.session_id
 
 
 def _opened(handle: TurnHandle) -> bool:
@@ -74,189 +180,179 @@ def _opened(handle: TurnHandle) -> bool:
     return run_id.done() and not run_id.cancelled() and run_id.exception() is None
 
 
-class _Api:
-    def __init__(self, runtime: Runtime, bearer: bool) -> None:
-        self.runtime = runtime
-        self.store = runtime.store
-        self.bearer = bearer
-        self._document: dict[str, Any] | None = None
-
-    # ------------------------------------------------------------- plumbing
-    async def session_of(self, run_id: str) -> str:
-        """The session of the run, read from the store (404 if there is no such run)."""
-        run = await self.store.load_async(run_id)
-        if run is None:
-            raise unknown_run(run_id)
-        return run.session_id
-
-    async def turn(self, handle: TurnHandle) -> Response:
-        """The turn's result; its refusal raised; a failure it journaled as the run's result."""
-        try:
-            return _json(await handle.result())
-        except Exception:
-            if not _opened(handle):
-                raise  # refused before its first save: nothing was written
-            run = await self.store.load_async(handle.run_id.result())
-            if run is None or run.status == "running":
-                raise  # cut off, not closed: the lease expires and recovery drives it
-            return _json(result_of(run))
-
-    @staticmethod
-    def key(request: Request) -> str | None:
-        """The ``Idempotency-Key`` header, if sent; an empty or malformed one is refused
-        (422) rather than taken for no key."""
-        value = request.headers.get(IDEMPOTENCY_HEADER)
-        return None if value is None else check_id(value, f"the {IDEMPOTENCY_HEADER} header")
-
-    # ---------------------------------------------------------------- reads
-    async def runs(self, request: Request) -> Response:
-        """``/api/runs``: one route for both methods, so a 405 lists both in ``Allow``."""
-        return await (self.start(request) if request.method == "POST" else self.list_runs(request))
-
-    async def openapi(self, request: Request) -> Response:
-        if self._document is None:
-            flows = {f for a in self.runtime.agents.values() for f in a.flows}
-            self._document = openapi_document(sorted(flows), bearer=self.bearer)
-        return JSONResponse(self._document)
-
-    async def list_runs(self, request: Request) -> Response:
-        params = request.query_params
-        try:
-            query = ListQuery.model_validate(
-                {k: params[k] for k in ListQuery.model_fields if k in params}
-            )
-        except ValidationError as e:
-            raise invalid_request("query", e) from None
-        summaries = await self.runtime.views.list_runs(
-            status=query.status, session_id=query.session_id, flow=query.flow, limit=query.limit
-        )
-        return _json(summaries)
-
-    async def get_run(self, request: Request) -> Response:
-        run_id = request.path_params["run_id"]
-        run = await self.store.load_async(run_id)
-        if run is None:
-            raise unknown_run(run_id)
-        return _json(run.to_state(await self.store.lease_async(run_id)))
-
-    async def get_steps(self, request: Request) -> Response:
-        run_id = request.path_params["run_id"]
-        run = await self.store.load_async(run_id, history=True)
-        if run is None:
-            raise unknown_run(run_id)
-        return _json(run.step_records())
-
-    # --------------------------------------------------------------- writes
-    async def start(self, request: Request) -> Response:
-        body = await read_body(request, StartRun)
-        handle = self.runtime.run(
-            session_id=body.session_id,
-            kind="flow",
-            flow_name=body.flow,
-            input=body.input,
-            idempotency_key=self.key(request),
-        )
-        return await self.turn(handle)
-
-    async def signal(self, request: Request) -> Response:
-        run_id = request.path_params["run_id"]
-        body = await read_body(request, Signal)
-        signal_id = self.key(request)
-        if signal_id is None:
-            problem = {"field": IDEMPOTENCY_HEADER, "problem": "is required"}
-            msg = (
-                f"a signal needs the {IDEMPOTENCY_HEADER} header: it is the delivery's "
-                "signal_id, which makes a retried delivery a no-op"
-            )
-            raise InvalidRequestError(msg, "header", [problem])
-        if body.name in _NOT_SIGNALS:
-            raise InvalidSignalError(body.name, _NOT_SIGNALS[body.name])
-        # Exactly ``Runtime.signal``, through ``run`` for the turn's handle.
-        delivery = SignalDelivery(signal_id=signal_id, name=body.name, payload=body.payload)
-        return await self.deliver(run_id, delivery)
-
-    def decide(self, approved: bool) -> Handler:
-        async def handler(request: Request) -> Response:
-            body = await read_body(request, Approval)
-            # Exactly ``Runtime.approve``/``deny``, through ``run`` for the turn's handle.
-            delivery = approval_delivery(
-                approved=approved,
-                by=body.by,
-                reason=body.reason,
-                signal_id=self.key(request),
-                raise_to=body.raise_to,
-            )
-            return await self.deliver(request.path_params["run_id"], delivery)
-
-        return handler
-
-    async def deliver(self, run_id: str, delivery: SignalDelivery) -> Response:
-        # The library refuses an oversized payload as InvalidSignalError (422); here it
-        # is the 413 of a body too large, measured as the journal will (``encode_json``).
-        encode_json(delivery.payload, f"the payload of signal {delivery.name!r}")
-        session = await self.session_of(run_id)
-        return await self.turn(
-            self.runtime.run(session_id=session, run_id=run_id, signal_delivery=delivery)
-        )
-
-    async def input(self, request: Request) -> Response:
-        run_id = request.path_params["run_id"]
-        body = await read_body(request, Input)
-        session = await self.session_of(run_id)
-        handle = self.runtime.run(
-            session_id=session, run_id=run_id, input=body.text, idempotency_key=self.key(request)
-        )
-        return await self.turn(handle)
-
-    async def cancel(self, request: Request) -> Response:
-        run_id = request.path_params["run_id"]
-        body = await read_body(request, Cancel)
-        return _json(await self.runtime.cancel(run_id, await self.session_of(run_id), body.reason))
+async def _turn(runtime: Runtime, handle: TurnHandle) -> TurnResult:
+    """The turn's result; its refusal raised; a failure it journaled as the run's result."""
+    try:
+        return await handle.result()
+    except Exception:
+        if not _opened(handle):
+            raise  # refused before its first save: nothing was written
+        run = await runtime.store.load_async(handle.run_id.result())
+        if run is None or run.status == "running":
+            raise  # cut off, not closed: the lease expires and recovery drives it
+        return result_of(run)
 
 
-async def _not_found(request: Request, exc: Exception) -> Response:
-    if isinstance(exc, HTTPException) and exc.status_code == 405:
-        error: Exception = MethodNotAllowedError(request.method, request.url.path)
-        return error_response(error, exc.headers)
-    return error_response(UnknownRouteError(request.url.path))
+async def _deliver(runtime: Runtime, run_id: str, delivery: SignalDelivery) -> TurnResult:
+    # The library refuses an oversized payload as InvalidSignalError (422); here it
+    # is the 413 of a body too large, measured as the journal will (``encode_json``).
+    encode_json(delivery.payload, f"the payload of signal {delivery.name!r}")
+    session = await _session_of(runtime, run_id)
+    handle = runtime.run(session_id=session, run_id=run_id, signal_delivery=delivery)
+    return await _turn(runtime, handle)
 
 
-def _answered(handler: Handler) -> Handler:
-    """The route, its refusals and failures answered as JSON errors here (Starlette's own
-    handler for ``Exception`` would raise the error again after answering)."""
-
-    async def route(request: Request) -> Response:
-        try:
-            return await handler(request)
-        except Exception as error:
-            return error_response(error)
-
-    return route
+# ------------------------------------------------------------------- reads
+@router.get("/api/runs", operation_id="list_runs", responses=_responses(),
+            summary="list runs: most recently updated first (the run views)")  # fmt: skip
+async def list_runs(runtime: Served, query: Annotated[ListQuery, Query()]) -> list[RunSummary]:
+    """The run views' ``list_runs``, most recently updated first."""
+    return await runtime.views.list_runs(
+        status=query.status, session_id=query.session_id, flow=query.flow, limit=query.limit
+    )
 
 
-def create_app(runtime: Runtime, *, token: str | None = None) -> Starlette:
+@router.get(_RUN, operation_id="get_run", summary="get run: its RunState",
+            responses=_responses(404))  # fmt: skip
+async def get_run(runtime: Served, run_id: RunId) -> RunState:
+    run = await runtime.store.load_async(run_id)
+    if run is None:
+        raise unknown_run(run_id)
+    return run.to_state(await runtime.store.lease_async(run_id))
+
+
+@router.get(f"{_RUN}/steps", operation_id="get_steps", responses=_responses(404),
+            summary="get steps: the run's journal, every step it recorded")  # fmt: skip
+async def get_steps(runtime: Served, run_id: RunId) -> list[StepRecord]:
+    run = await runtime.store.load_async(run_id, history=True)
+    if run is None:
+        raise unknown_run(run_id)
+    return run.step_records()
+
+
+# ------------------------------------------------------------------ writes
+@router.post("/api/runs", operation_id="start_run", summary=f"start run: {_TURN}",
+             responses=_responses(409, 413, links=True))  # fmt: skip
+async def start_run(runtime: Served, body: StartRun, key: StartKey = None) -> TurnResult:
+    handle = runtime.run(
+        session_id=body.session_id,
+        kind="flow",
+        flow_name=body.flow,
+        input=body.input,
+        idempotency_key=key,
+    )
+    return await _turn(runtime, handle)
+
+
+@router.post(f"{_RUN}/signals", operation_id="signal", responses=_DELIVERY,
+             summary=f"signal: deliver a named signal; {_TURN}")  # fmt: skip
+async def signal(runtime: Served, run_id: RunId, body: Signal, key: SignalKey) -> TurnResult:
+    if body.name in _NOT_SIGNALS:
+        raise InvalidSignalError(body.name, _NOT_SIGNALS[body.name])
+    # Exactly ``Runtime.signal``, through ``run`` for the turn's handle.
+    delivery = SignalDelivery(signal_id=key, name=body.name, payload=body.payload)
+    return await _deliver(runtime, run_id, delivery)
+
+
+def _decision(approved: bool) -> Callable[..., Coroutine[Any, Any, TurnResult]]:
+    async def decide(
+        runtime: Served, run_id: RunId, body: Approval, key: DeliveryKey = None
+    ) -> TurnResult:
+        # Exactly ``Runtime.approve``/``deny``, through ``run`` for the turn's handle.
+        delivery = approval_delivery(
+            approved=approved, by=body.by, reason=body.reason, signal_id=key,
+            raise_to=body.raise_to,
+        )  # fmt: skip
+        return await _deliver(runtime, run_id, delivery)
+
+    return decide
+
+
+for _verb, _approved in (("approve", True), ("deny", False)):
+    router.add_api_route(
+        f"{_RUN}/{_verb}", _decision(_approved), methods=["POST"], operation_id=_verb,
+        responses=_DELIVERY, summary=f"{_verb}: what the run waits for; {_TURN}",
+    )  # fmt: skip
+
+
+@router.post(f"{_RUN}/input", operation_id="input", responses=_DELIVERY,
+             summary=f"input: the user's text for a run waiting for input; {_TURN}")  # fmt: skip
+async def input(runtime: Served, run_id: RunId, body: Input, key: InputKey = None) -> TurnResult:
+    session = await _session_of(runtime, run_id)
+    handle = runtime.run(session_id=session, run_id=run_id, input=body.text, idempotency_key=key)
+    return await _turn(runtime, handle)
+
+
+@router.post(f"{_RUN}/cancel", operation_id="cancel", responses=_responses(404, 409),
+             summary="cancel: stop the run, whoever holds its lease; its RunState after",
+             )  # fmt: skip
+async def cancel(runtime: Served, run_id: RunId, body: Cancel) -> RunState:
+    return await runtime.cancel(run_id, await _session_of(runtime, run_id), body.reason)
+
+
+# HEAD on the reads, as Starlette serves it, left out of the document.
+for _read in [r for r in router.routes if isinstance(r, APIRoute) and "GET" in (r.methods or ())]:
+    router.add_api_route(_read.path, _read.endpoint, methods=["HEAD"], include_in_schema=False)
+
+
+def _describe_server(document: dict[str, Any], flows: list[str], bearer: bool) -> None:
+    """What the generated document cannot know: the flows this server's agents define
+    (an enum on ``StartRun.flow``) and, with a token, the bearer scheme of every request."""
+    start = document["components"]["schemas"][StartRun.__name__]
+    if flows:
+        start["properties"]["flow"]["enum"] = flows
+        start["examples"] = [{**start["examples"][0], "flow": flows[0]}]
+    else:
+        del start["examples"]  # its flow would be one this server does not have
+    if bearer:
+        document["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        document["security"] = [{"bearer": []}]
+
+
+def create_app(
+    runtime: Runtime,
+    *,
+    token: str | None = None,
+    host: str = "127.0.0.1",
+    allowed_hosts: Iterable[str] | None = None,
+) -> FastAPI:
     """The HTTP API over ``runtime`` as an ASGI app (docs/http.md).
 
     ``token`` defaults to ``KURALLE_API_TOKEN``: with one, every request needs
     ``Authorization: Bearer <token>``; without, the app only reads (a state
-    change is answered 403), and ``serve`` binds it to loopback only.
+    change is answered 403), and ``serve`` binds it to loopback only. The app
+    answers only requests whose ``Host`` is a loopback name (``host``, where it
+    is served, is loopback) or one of ``allowed_hosts`` (default:
+    ``KURALLE_ALLOWED_HOSTS``); any other is 400.
     """
     token = token if token is not None else os.environ.get(TOKEN_ENV) or None
-    api = _Api(runtime, bearer=token is not None)
-    served: list[tuple[str, Handler, list[str]]] = [
-        ("/openapi.json", api.openapi, ["GET"]),
-        ("/api/runs", api.runs, ["GET", "POST"]),
-        ("/api/runs/{run_id}", api.get_run, ["GET"]),
-        ("/api/runs/{run_id}/steps", api.get_steps, ["GET"]),
-        ("/api/runs/{run_id}/signals", api.signal, ["POST"]),
-        ("/api/runs/{run_id}/approve", api.decide(True), ["POST"]),
-        ("/api/runs/{run_id}/deny", api.decide(False), ["POST"]),
-        ("/api/runs/{run_id}/input", api.input, ["POST"]),
-        ("/api/runs/{run_id}/cancel", api.cancel, ["POST"]),
-    ]
-    routes = [Route(path, _answered(handler), methods=methods) for path, handler, methods in served]
-    return Starlette(
-        routes=routes,
-        middleware=[Middleware(BearerGate, token=token)],
-        exception_handlers={HTTPException: _not_found},
+    hosts = check_bind(host, token, allowed_hosts)
+    app = FastAPI(
+        title="kuralle_es runs",
+        version="1",
+        description=(
+            "Start flow runs, read them, and deliver approvals, signals, input and "
+            "cancels to them, durably (docs/http.md)."
+        ),
+        docs_url=None,
+        redoc_url=None,
+        # The routes themselves, not include_router's wrapper of them, so that a 405
+        # can list every method of a path (http/errors.py).
+        routes=router.routes,
+        middleware=[
+            Middleware(HostGate, hosts=hosts, refuse=error_response),
+            Middleware(BearerGate, token=token),
+        ],
+        exception_handlers={HTTPException: _routing_refusal},
     )
+    app.state.runtime = runtime
+    flows = sorted({f for a in runtime.agents.values() for f in a.flows})
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            _describe_server(generate(), flows, bearer=token is not None)
+        return app.openapi_schema  # type: ignore[return-value]
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    return app

@@ -17,11 +17,12 @@ or method is refused the same way as a known one.
 from __future__ import annotations
 
 import hmac
+from collections.abc import Iterable
 
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .._serving import refuse_open_bind
+from .._serving import refuse_open_bind, served_hosts
 from .errors import ReadOnlyServerError, UnauthorizedError, error_response
 
 __all__ = ["READ_METHODS", "TOKEN_ENV", "BearerGate", "check_bind"]
@@ -30,9 +31,13 @@ TOKEN_ENV = "KURALLE_API_TOKEN"
 READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 
-def check_bind(host: str, token: str | None) -> None:
-    """Refuse to serve run data beyond this machine without a token."""
+def check_bind(
+    host: str, token: str | None, allowed_hosts: Iterable[str] | None = None
+) -> frozenset[str]:
+    """Refuse to serve run data beyond this machine without a token, or on an interface
+    with no host name to answer for; the names it answers for (``served_hosts``)."""
     refuse_open_bind(host, token, server="the HTTP API", data="runs", token_env=TOKEN_ENV)
+    return served_hosts(host, allowed_hosts)
 
 
 class BearerGate:

@@ -2,8 +2,10 @@
 
 Every refusal is ``{"error": <class>, "message": ..., "fields": {...}}`` with
 a 4xx status (docs/http.md, "Errors"). A refusal is raised before a turn
-opens its run, so it wrote nothing (docs/contract.md, "Bad input"). The
-statuses:
+opens its run, so it wrote nothing (docs/contract.md, "Bad input"). FastAPI's
+and Starlette's own refusals (a request that does not fit its model, a body
+over the bound or not JSON, a path or method no route serves) are answered
+as the library's errors, in the same shape. The statuses:
 
 - 404 ``RunNotFoundError`` (and a path no route serves);
 - 409 the run's state refuses the request: ``SignalMismatchError``,
@@ -14,7 +16,8 @@ statuses:
   fit its model, a bad query parameter or header, a bad id), ``InvalidSignalError``,
   and ``FlowNotFoundError`` (the flow is named in the body, not the path: the
   request is what is wrong, not the URL);
-- 401 ``UnauthorizedError``, 403 ``ReadOnlyServerError``, 405 ``MethodNotAllowedError``;
+- 400 ``UnservedHostError`` (a ``Host`` this server does not serve), 401
+  ``UnauthorizedError``, 403 ``ReadOnlyServerError``, 405 ``MethodNotAllowedError``;
 - 503 ``StoreUnavailableError``; 500 anything else, which the library leaves
   whole: a turn cut off mid-way keeps its lease until it expires, and
   recovery drives it again (README, "Recovery, sweeps and durable sleep").
@@ -23,15 +26,19 @@ statuses:
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
-from pydantic import ValidationError
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
 from starlette.responses import JSONResponse
+from starlette.routing import Match, Route
 
 from .._journal.json_data import plain_json_problem
 from .._runtime.observability import LOGGER_NAME
+from .._serving import UnservedHostError
 from ..errors import (
     FlowDriftError,
     FlowNotFoundError,
@@ -53,7 +60,7 @@ __all__ = [
     "UnauthorizedError",
     "UnknownRouteError",
     "error_response",
-    "invalid_request",
+    "refusal_response",
     "status_of",
     "unknown_run",
 ]
@@ -99,6 +106,7 @@ class InvalidRequestError(InvalidArgumentError):
 
 #: The status of each refusal; the first class an error is an instance of wins.
 _STATUSES: tuple[tuple[type[BaseException], int], ...] = (
+    (UnservedHostError, 400),
     (UnauthorizedError, 401),
     (ReadOnlyServerError, 403),
     (RunNotFoundError, 404),
@@ -163,18 +171,56 @@ def error_response(error: BaseException, headers: Mapping[str, str] | None = Non
     return JSONResponse(body, status_code=status, headers=dict(headers or {}))
 
 
+def refusal_response(request: Request, error: BaseException) -> JSONResponse:
+    """``error_response`` for any error of a request, FastAPI's and Starlette's own
+    refusals (``HTTPException``, ``RequestValidationError``) as the library's errors."""
+    if isinstance(error, RequestValidationError):
+        return error_response(_invalid_request(error.errors()))
+    if not isinstance(error, HTTPException):
+        return error_response(error)
+    path = request.url.path
+    if error.status_code == 404:
+        return error_response(UnknownRouteError(path))
+    if error.status_code == 405:
+        allow = ", ".join(sorted(_methods_of(request)))
+        return error_response(MethodNotAllowedError(request.method, path), {"Allow": allow})
+    # FastAPI's 400 is a body it could not read: over the bound (its cause, a
+    # PayloadTooLargeError), or not UTF-8, or nested past Python's limit.
+    if isinstance(error.__cause__, KuralleError):
+        return error_response(error.__cause__)
+    reason = error.__cause__ or error.detail
+    problem = {"field": "body", "problem": f"not JSON: {reason}"}
+    msg = f"the request body is not JSON ({reason}); send a JSON object"
+    return error_response(InvalidRequestError(msg, "body", [problem]))
+
+
+def _methods_of(request: Request) -> set[str]:
+    """Every method some route takes on this path (each route of FastAPI takes its own)."""
+    return {
+        method
+        for route in request.app.router.routes
+        if isinstance(route, Route) and route.matches(request.scope)[0] is not Match.NONE
+        for method in route.methods or ()
+    }
+
+
+def _invalid_request(errors: Sequence[Any]) -> InvalidRequestError:
+    """FastAPI's validation errors as the API's 422: where (body, query, header) and what."""
+    where = str(errors[0]["loc"][0]) if errors and errors[0]["loc"] else "request"
+    problems = []
+    for e in errors:
+        place, *inside = e["loc"] or (where,)
+        if e["type"] == "json_invalid":
+            problem = {"field": "body", "problem": f"not JSON: {e['ctx']['error']}"}
+        else:
+            problem = {"field": ".".join(str(p) for p in inside) or str(place), "problem": e["msg"]}
+        problems.append(problem)
+    said = "; ".join(f"{p['field']}: {p['problem']}" for p in problems)
+    return InvalidRequestError(f"invalid request {where}: {said}", where, problems)
+
+
 def unknown_run(run_id: str) -> RunNotFoundError:
     """The 404 of a route that names only the run (its session is the store's to say)."""
     error = RunNotFoundError(run_id, "")
     error.args = (f"no run {run_id!r} in this store; check the run id",)
     return error
-
-
-def invalid_request(where: str, error: ValidationError) -> InvalidRequestError:
-    """A pydantic ``ValidationError`` of ``where`` (body, query) as the API's 422."""
-    problems = [
-        {"field": ".".join(str(p) for p in e["loc"]) or where, "problem": e["msg"]}
-        for e in error.errors(include_url=False, include_input=False)
-    ]
-    said = "; ".join(f"{p['field']}: {p['problem']}" for p in problems)
-    return InvalidRequestError(f"invalid request {where}: {said}", where, problems)

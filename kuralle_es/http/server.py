@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterable
 
 import uvicorn
 
 from .._runtime.runtime import Runtime
 from .._serving import Server
 from .app import create_app
-from .auth import TOKEN_ENV, check_bind
+from .auth import TOKEN_ENV
 
 __all__ = ["serve"]
 
@@ -28,14 +29,15 @@ async def serve(
     port: int = 8000,
     token: str | None = None,
     *,
+    allowed_hosts: Iterable[str] | None = None,
     store_label: str | None = None,
 ) -> None:
     """Serve the API over ``runtime`` until SIGINT/SIGTERM; ``token`` defaults to the
-    environment's ``KURALLE_API_TOKEN``; a non-loopback ``host`` needs one.
+    environment's ``KURALLE_API_TOKEN``; a non-loopback ``host`` needs one, and the
+    names clients reach it by (``allowed_hosts``, default ``KURALLE_ALLOWED_HOSTS``).
     ``store_label`` (no password in it) names the store on the start line."""
     token = token if token is not None else os.environ.get(TOKEN_ENV) or None
-    check_bind(host, token)
-    app = create_app(runtime, token=token)
+    app = create_app(runtime, token=token, host=host, allowed_hosts=allowed_hosts)
     mode = "bearer token required" if token else f"read-only: {TOKEN_ENV} is unset"
     over = f", store {store_label}" if store_label else ""
     line = f"kuralle-es: HTTP API on http://{host}:{port}/ ({mode}{over})"

@@ -1,28 +1,30 @@
 """The JSON the HTTP API reads and the error it answers with, as pydantic models (internal).
 
-Every request body is one of these models, validated with extra fields
-forbidden, so a typo in a field name is refused instead of ignored. The id
-rules repeat the library's doors (``kuralle_es/doors.py``: non-empty, not
-only spaces, no control character, at most ``MAX_ID_LENGTH`` characters) so
-that the OpenAPI document says what will be accepted; the doors check again
-behind them. Responses are the library's own models (``TurnResult``,
-``RunState``, ``StepRecord``, ``RunSummary``).
+FastAPI validates every request against these and writes ``/openapi.json``
+from them. A body is validated with extra fields forbidden, so a typo in a
+field name is refused instead of ignored, and must be plain JSON (no NaN,
+no lone surrogate, not nested without end: ``plain_json_problem``) before
+its fields are looked at, so nothing the journal could not store exactly
+gets as far as a turn. The id rules repeat the library's doors (non-empty,
+not only spaces, no control character, at most ``MAX_ID_LENGTH``
+characters) so that the document says what will be accepted; the doors
+check again behind them. Responses are the library's own models
+(``TurnResult``, ``RunState``, ``StepRecord``, ``RunSummary``).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, get_args
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from .._journal.json_data import plain_json_problem
 from .._runtime.input_checks import MAX_ID_LENGTH
 from ..shapes import RunStatus
 
 __all__ = [
     "ID_PATTERN",
     "LIST_LIMIT_MAX",
-    "REQUEST_MODELS",
-    "RUN_STATUSES",
     "TEXT_PATTERN",
     "Approval",
     "Cancel",
@@ -40,13 +42,22 @@ ID_PATTERN = r"^[^\x00-\x1f\x7f-\x9f]*[^\s\x00-\x1f\x7f-\x9f][^\x00-\x1f\x7f-\x9
 TEXT_PATTERN = r"\S"
 #: The most runs one ``GET /api/runs`` returns.
 LIST_LIMIT_MAX = 1000
-RUN_STATUSES: tuple[str, ...] = get_args(RunStatus)
 
 Id = Annotated[str, Field(min_length=1, max_length=MAX_ID_LENGTH, pattern=ID_PATTERN)]
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _plain_json(cls, data: Any) -> Any:
+        if isinstance(data, bytes):  # FastAPI passes a body on unparsed when it is not JSON
+            raise ValueError("the request body is not sent as Content-Type: application/json")
+        problem = plain_json_problem(data)
+        if problem is not None:
+            raise ValueError(f"the request body {problem}; send plain JSON")
+        return data
 
 
 def _example(example: dict[str, Any]) -> ConfigDict:
@@ -116,8 +127,8 @@ class ListQuery(BaseModel):
 
     status: RunStatus | None = None
     session_id: str | None = None
-    flow: str | None = None
-    limit: int = Field(default=100, ge=1, le=LIST_LIMIT_MAX)
+    flow: str | None = Field(default=None, description="runs of this flow, ended ones too")
+    limit: int = Field(default=100, ge=1, le=LIST_LIMIT_MAX, description="at most this many")
 
 
 class ErrorBody(BaseModel):
@@ -126,7 +137,3 @@ class ErrorBody(BaseModel):
     error: str = Field(description="the error's class, e.g. RunNotFoundError")
     message: str = Field(description="what happened and what to do")
     fields: dict[str, Any] = Field(description="the error's attributes (run_id, holder, ...)")
-
-
-#: The request bodies, for the OpenAPI document.
-REQUEST_MODELS: tuple[type[BaseModel], ...] = (StartRun, Signal, Approval, Input, Cancel)
