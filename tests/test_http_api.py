@@ -150,6 +150,12 @@ def test_a_started_flow_run_is_read_back_listed_and_its_steps_shown(served: Serv
         headers={"Idempotency-Key": k},
     )  # fmt: skip
     assert again == started.model_dump(mode="json")
+    # The same key with another input is a conflict, and writes nothing.
+    served.refused(
+        409, "IdempotencyConflictError", "POST", "/api/runs",
+        {"session_id": s, "flow": "refund", "input": "another refund"},
+        headers={"Idempotency-Key": k},
+    )  # fmt: skip
 
     state = RunState.model_validate(served.ok("GET", runs(f"/{started.run_id}")))
     assert (state.run_id, state.session_id, state.kind) == (started.run_id, s, "flow")

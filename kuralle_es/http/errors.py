@@ -42,6 +42,7 @@ from .._serving import UnservedHostError
 from ..errors import (
     FlowDriftError,
     FlowNotFoundError,
+    IdempotencyConflictError,
     InvalidArgumentError,
     InvalidSignalError,
     KuralleError,
@@ -51,6 +52,7 @@ from ..errors import (
     SignalMismatchError,
     StaleWriteError,
     StoreUnavailableError,
+    UnrecordableValueError,
 )
 
 __all__ = [
@@ -112,6 +114,7 @@ _STATUSES: tuple[tuple[type[BaseException], int], ...] = (
     (RunNotFoundError, 404),
     (UnknownRouteError, 404),
     (MethodNotAllowedError, 405),
+    (IdempotencyConflictError, 409),
     (SignalMismatchError, 409),
     (LeaseHeldError, 409),
     (FlowDriftError, 409),
@@ -120,6 +123,7 @@ _STATUSES: tuple[tuple[type[BaseException], int], ...] = (
     (FlowNotFoundError, 422),
     (InvalidSignalError, 422),
     (InvalidArgumentError, 422),
+    (UnrecordableValueError, 422),
     (StoreUnavailableError, 503),
 )
 
