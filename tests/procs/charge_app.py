@@ -35,8 +35,17 @@ from typing import Any
 import psycopg
 from pydantic import BaseModel
 
-from kuralle_es import Agent, Runtime, ToolCall, action, define_agent, define_flow, define_tool, end
-from kuralle_es._journal.store_url import open_store_url
+from kuralle_es import (
+    Agent,
+    RunStore,
+    Runtime,
+    ToolCall,
+    action,
+    define_agent,
+    define_flow,
+    define_tool,
+    end,
+)
 
 FLOW = "charge"
 KILL_POINTS = ("before-intent", "in-tool", "after-result")
@@ -145,7 +154,7 @@ def build_agents() -> list[Agent]:
 
 async def _start(url: str, session: str, runs: str = "1") -> None:
     os.environ["KT_RUNS"] = runs
-    with open_store_url(url) as store:
+    with RunStore.from_url(url) as store:
         runtime = Runtime(
             build_agents(), store=store, lease_ttl=1.0, holder=f"doomed-{os.getpid()}"
         )
