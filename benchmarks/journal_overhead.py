@@ -74,7 +74,6 @@ from kuralle_es import (
     define_tool,
     end,
 )
-from kuralle_es._journal.store_url import postgres_address
 from kuralle_es._runtime.context import RunContext
 
 DEFAULT_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
@@ -82,6 +81,9 @@ DSN_ENV = "KURALLE_BENCH_POSTGRES_DSN"
 
 #: eventsourcing's own PostgreSQL recorder: the rows "without the one-round-trip save".
 DEFAULT_RECORDER = "eventsourcing.postgres:PostgresApplicationRecorder"
+#: The variable that names the recorder of the store's log (eventsourcing reads it
+#: prefixed with the application's name, "RunStore", before the plain one).
+ES_RECORDER_ENV = "RUNSTORE_APPLICATION_RECORDER_TOPIC"
 
 #: Bytes written per floor row: about the size of one stored StepStarted event.
 FLOOR_PAYLOAD = b"x" * 400
@@ -455,17 +457,20 @@ async def run_postgres(
         result = BackendResult("postgres")
         with RunStore.postgres(dsn) as store:  # the one-round-trip recorder (the default)
             await bench_journal(result, store, steps, reps, breakdown)
-        # eventsourcing's own recorder, named in this store's env only (in os.environ
-        # it would reach the SQLite store too).
-        env = postgres_address(dsn).env()
-        env["APPLICATION_RECORDER_TOPIC"] = DEFAULT_RECORDER
-        with ThreadedSaves(env=env) as store:
+        # eventsourcing's own recorder, named in os.environ only while this store is
+        # made (a store reads its environment once; the SQLite store is made already).
+        os.environ[ES_RECORDER_ENV] = DEFAULT_RECORDER
+        try:
+            es_store = ThreadedSaves.postgres(dsn)
+        finally:
+            del os.environ[ES_RECORDER_ENV]
+        with es_store as store:
             await bench_journal(result, store, steps, reps, False, "es recorder")
         # The one-trip recorder's blocking call on a worker thread (the library's save
         # before it sent them from the loop), and on the loop's thread (blocking it).
-        with ThreadedSaves(env=postgres_address(dsn).env()) as store:
+        with ThreadedSaves.postgres(dsn) as store:
             await bench_journal(result, store, steps, reps, False, "saves threaded")
-        with InlineSaves(env=postgres_address(dsn).env()) as store:
+        with InlineSaves.postgres(dsn) as store:
             await bench_journal(result, store, steps, reps, False, "saves inline")
         result.floor_one, result.floor_two = postgres_floors(dsn, steps, reps)
         return result
