@@ -187,9 +187,8 @@ def test_a_store_label_never_shows_a_password() -> None:
     )
     assert "s3cret" not in label("postgresql://ann@db/runs?password=s3cret&sslmode=require")
     assert "s3cret" not in label(KURALLE_STORE="postgresql://ann:s3cret@db/runs")
-    assert label("postgresql://ann:s3cret@h1:5432,h2:5433/runs?target_session_attrs=read-write") == (
-        "postgresql://ann@h1:5432,h2:5433/runs?target_session_attrs=read-write"
-    )
+    multi = "postgresql://ann:s3cret@h1:5432,h2:5433/runs?target_session_attrs=read-write"
+    assert label(multi) == multi.replace("ann:s3cret@", "ann@")
     # A URL that cannot be read is shown redacted, never as given.
     assert label("postgresql://ann:s3cret@db/runs?partitions=abc") == (
         "postgresql://ann:***@db/runs?partitions=abc"

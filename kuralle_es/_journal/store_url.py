@@ -72,10 +72,9 @@ _ES_VARS = {
 _DEFAULTS = {"host": "127.0.0.1", "port": "5432", "user": "postgres", "password": ""}
 
 FORMS = (
-    "postgresql://user[:password]@host[:port][,host2[:port2]]/dbname (?partitions=K, "
-    "?pooler=transaction, libpq parameters such as ?target_session_attrs=read-write; several "
-    "URLs, comma-separated, for a sharded store), sqlite:///relative.db, sqlite:////absolute.db "
-    "or memory:"
+    "postgresql://user[:password]@host[:port][,host2[:port2]]/dbname (?partitions=K, ?pooler=, "
+    "libpq parameters; several URLs, comma-separated: a sharded store), sqlite:///relative.db, "
+    "sqlite:////absolute.db or memory:"
 )
 
 #: A comma before another URL's scheme separates shards; any other comma is the
@@ -377,18 +376,11 @@ def address_from_env(
     environment = Environment(name, {**os.environ, **(env or {})})
     module = environment.get("PERSISTENCE_MODULE") or "eventsourcing.popo"
     if module.startswith("eventsourcing.postgres"):
-        params = {key: environment.get(var) for key, var in _ES_VARS.items()}
+        # Ours first: in a conninfo string the last of a parameter wins.
+        given = {key: environment.get(var) for key, var in _ES_VARS.items()}
+        conninfo = make_conninfo(**{k: v for k, v in given.items() if v})
         options = environment.get(OPTIONS_VAR) or ""
-        try:
-            extra = conninfo_to_dict(options) if options else {}
-        except psycopg.ProgrammingError as e:
-            msg = f"{OPTIONS_VAR} is not a libpq conninfo string: {server_reason(e)}"
-            raise InvalidArgumentError(msg) from None
-        shown = f"the variables {', '.join(_ES_VARS.values())}"  # none of them printed
-        return _postgres(
-            {**extra, **params}, partitions=None, pooler=environment.get(POOLER_VAR) or None,
-            shown=shown,
-        )  # fmt: skip
+        return postgres_address(f"{options} {conninfo}", pooler=environment.get(POOLER_VAR) or None)
     if module.startswith("eventsourcing.sqlite"):
         dbname = environment.get("SQLITE_DBNAME")
         if not dbname:
