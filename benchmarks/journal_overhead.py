@@ -74,7 +74,6 @@ from kuralle_es import (
     define_tool,
     end,
 )
-from kuralle_es._journal.log import postgres_env
 from kuralle_es._runtime.context import RunContext
 
 DEFAULT_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
@@ -82,6 +81,9 @@ DSN_ENV = "KURALLE_BENCH_POSTGRES_DSN"
 
 #: eventsourcing's own PostgreSQL recorder: the rows "without the one-round-trip save".
 DEFAULT_RECORDER = "eventsourcing.postgres:PostgresApplicationRecorder"
+#: The variable that names the recorder of the store's log (eventsourcing reads it
+#: prefixed with the application's name, "RunStore", before the plain one).
+ES_RECORDER_ENV = "RUNSTORE_APPLICATION_RECORDER_TOPIC"
 
 #: Bytes written per floor row: about the size of one stored StepStarted event.
 FLOOR_PAYLOAD = b"x" * 400
@@ -262,7 +264,8 @@ async def break_down(backend: str, runtime: Runtime, store: RunStore, steps: int
     snapshots: list[float] = []
     save_run = store.save_run
     save_run_async = store.save_run_async
-    take_snapshots = store._take_snapshots
+    log = store.partitions[0]  # a store of one log: the application that snapshots
+    take_snapshots = log._take_snapshots
     snapshot_store = store.snapshots
     if snapshot_store is None:
         msg = "RunStore has no snapshot store; nothing to break down"
@@ -307,13 +310,13 @@ async def break_down(backend: str, runtime: Runtime, store: RunStore, steps: int
     hop_us = (time.perf_counter() - start) / hops * 1e6
     store.save_run = threaded_save  # type: ignore[method-assign]
     store.save_run_async = timed_save  # type: ignore[method-assign]
-    store._take_snapshots = timed_snapshots  # type: ignore[method-assign]
+    log._take_snapshots = timed_snapshots  # type: ignore[method-assign]
     snapshot_store.put = counted_put  # type: ignore[method-assign]
     try:
         gc.collect()
         seconds = await one_flow_run(runtime, "tool", steps)
     finally:
-        del store.save_run, store.save_run_async, store._take_snapshots, snapshot_store.put
+        del store.save_run, store.save_run_async, log._take_snapshots, snapshot_store.put
     return Breakdown(backend, steps, seconds / steps * 1e6, saves, snapshots, hop_us, off_loop)
 
 
@@ -454,17 +457,20 @@ async def run_postgres(
         result = BackendResult("postgres")
         with RunStore.postgres(dsn) as store:  # the one-round-trip recorder (the default)
             await bench_journal(result, store, steps, reps, breakdown)
-        # eventsourcing's own recorder, named in this store's env only (in os.environ
-        # it would reach the SQLite store too).
-        env = postgres_env(dsn)
-        env["APPLICATION_RECORDER_TOPIC"] = DEFAULT_RECORDER
-        with ThreadedSaves(env=env) as store:
+        # eventsourcing's own recorder, named in os.environ only while this store is
+        # made (a store reads its environment once; the SQLite store is made already).
+        os.environ[ES_RECORDER_ENV] = DEFAULT_RECORDER
+        try:
+            es_store = ThreadedSaves.postgres(dsn)
+        finally:
+            del os.environ[ES_RECORDER_ENV]
+        with es_store as store:
             await bench_journal(result, store, steps, reps, False, "es recorder")
         # The one-trip recorder's blocking call on a worker thread (the library's save
         # before it sent them from the loop), and on the loop's thread (blocking it).
-        with ThreadedSaves(env=postgres_env(dsn)) as store:
+        with ThreadedSaves.postgres(dsn) as store:
             await bench_journal(result, store, steps, reps, False, "saves threaded")
-        with InlineSaves(env=postgres_env(dsn)) as store:
+        with InlineSaves.postgres(dsn) as store:
             await bench_journal(result, store, steps, reps, False, "saves inline")
         result.floor_one, result.floor_two = postgres_floors(dsn, steps, reps)
         return result

@@ -70,7 +70,7 @@ from kuralle_es import (
     end,
     goto,
 )
-from kuralle_es._journal.log import postgres_env
+from kuralle_es._journal.store_url import postgres_address
 from kuralle_es._runtime.context import RunContext
 
 #: eventsourcing's own recorder, for the row "without the one-round-trip save".
@@ -125,7 +125,7 @@ class Kuralle:
     """kuralle_es over one PostgreSQL database, with a given recorder."""
 
     def __init__(self, dsn: str, recorder: str | None) -> None:
-        env: dict[str, str] = postgres_env(dsn)
+        env: dict[str, str] = postgres_address(dsn).env()
         if recorder is not None:
             # In the env mapping of this store only: in os.environ it would reach SQLite stores.
             env["APPLICATION_RECORDER_TOPIC"] = recorder

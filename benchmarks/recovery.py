@@ -61,7 +61,6 @@ from kuralle_es import (
     end,
 )
 from kuralle_es._journal.run import Run
-from kuralle_es._journal.store_url import open_store_url
 from kuralle_es._journal.wait import Wait
 from kuralle_es.shapes import Message
 
@@ -96,7 +95,7 @@ def build_agents() -> list[Agent]:
 
 
 async def _doomed(url: str, lease_ttl: str) -> None:
-    with open_store_url(url) as store:
+    with RunStore.from_url(url) as store:
         runtime = Runtime(build_agents(), store=store, lease_ttl=float(lease_ttl))
         await runtime.run(f"s-{uuid.uuid4().hex[:8]}", kind="flow", flow_name="charge").result()
 
@@ -104,7 +103,7 @@ async def _doomed(url: str, lease_ttl: str) -> None:
 # ---------------------------------------------------------- death -> done
 def _finished_at(url: str, run_id: str, timeout: float) -> datetime:
     deadline = time.monotonic() + timeout
-    with open_store_url(url) as store:
+    with RunStore.from_url(url) as store:
         while time.monotonic() < deadline:
             run = store.load(run_id)
             if run is not None and run.status == "finished":
@@ -137,7 +136,7 @@ def one_death(url: str, lease_ttl: float, tmp: Path) -> float:
 
 def death_grid(url: str, reps: int, tmp: Path) -> list[tuple[float, float, list[float]]]:
     cells = []
-    with open_store_url(url):
+    with RunStore.from_url(url):
         pass  # the schema exists before the worker and the doomed processes start
     for lease_ttl, interval in GRID:
         command = [
@@ -192,7 +191,7 @@ async def pass_cost(store: RunStore, passes: int) -> tuple[float, list[float]]:
 
 def idle_sweep(url: str, idle: int, passes: int) -> list[tuple[str, int, float, float, float]]:
     rows = []
-    with open_store_url(url) as store:
+    with RunStore.from_url(url) as store:
         first, times = asyncio.run(pass_cost(store, passes))
         rows.append(("empty store", 0, first, statistics.median(times), min(times)))
         started = time.perf_counter()

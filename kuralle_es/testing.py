@@ -154,9 +154,6 @@ class CrashingStore(RunStore):
     """
 
     plan: CrashPlan | None = None
-    #: The tables of ``RunStore`` (eventsourcing names them after the class), so a
-    #: plain ``RunStore`` over the same PostgreSQL database resumes what this one saved.
-    name = RunStore.name
 
     async def save_run_async(self, run: Run, lease: LeaseOp | None = None) -> None:
         plan = self.plan

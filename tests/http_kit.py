@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kuralle_es._journal.store_url import open_store_url
+from kuralle_es import RunStore
 
 PROCS = Path(__file__).resolve().parent / "procs"
 SCRIPT = Path(sys.executable).parent / "kuralle-es"
@@ -178,7 +178,7 @@ class StoreHead:
     """The store's notification log seen from the test process: its last event's id."""
 
     def __init__(self, store_url: str) -> None:
-        self.store = open_store_url(store_url)
+        self.store = RunStore.from_url(store_url)
 
     def head(self) -> int:
         return int(self.store.recorder.max_notification_id() or 0)

@@ -20,8 +20,7 @@ from http_kit import StoreHead, start_server
 from procs import budget_app
 from test_cli_operator import _ok, kuralle
 
-from kuralle_es import Budget, Runtime, TurnResult
-from kuralle_es._journal.store_url import open_store_url
+from kuralle_es import Budget, RunStore, Runtime, TurnResult
 
 SESSION = "s-budget-doors"
 TESTS = str(Path(__file__).resolve().parent)
@@ -29,7 +28,7 @@ TESTS = str(Path(__file__).resolve().parent)
 
 async def paused_on_budget(store_url: str) -> str:
     """A chatty run that made its one allowed model call and waits on ``__budget``."""
-    store = open_store_url(store_url)
+    store = RunStore.from_url(store_url)
     try:
         runtime = Runtime(budget_app.build_agents(), store=store)
         result = await runtime.run(
@@ -47,7 +46,7 @@ async def paused_on_budget(store_url: str) -> str:
 
 async def decided(store_url: str, run_id: str) -> tuple[Any, list[Any], Any]:
     """The run's state, its model steps, and its ``__budget`` decision step."""
-    store = open_store_url(store_url)
+    store = RunStore.from_url(store_url)
     try:
         runtime = Runtime(budget_app.build_agents(), store=store)
         state = await runtime.get_run(run_id, SESSION)

@@ -111,8 +111,8 @@ from kuralle_es import (
     reply,
 )
 from kuralle_es._journal.leases import Lease
-from kuralle_es._journal.log import postgres_env
 from kuralle_es._journal.run import Run, StepData
+from kuralle_es._journal.store_url import postgres_address
 from kuralle_es._runtime.suspensions import approval_decision
 from kuralle_es.testing import BOUNDARIES, Crash, CrashingStore, CrashPlan, ScriptedModel
 
@@ -733,7 +733,7 @@ class CrashMachine(RuleBasedStateMachine):
     def env(self) -> dict[str, str]:
         if self.backend == "postgres":
             assert self.dsn is not None
-            return postgres_env(self.dsn)
+            return postgres_address(self.dsn).env()
         assert self.tmp is not None
         return {
             "PERSISTENCE_MODULE": "eventsourcing.sqlite",

@@ -24,8 +24,7 @@ from procs import deploy_app
 from procs.deploy_app import FLOW
 from test_cli_operator import _ok, kuralle
 
-from kuralle_es import Runtime, ToolExecutionError, TurnResult
-from kuralle_es._journal.store_url import open_store_url
+from kuralle_es import RunStore, Runtime, ToolExecutionError, TurnResult
 from kuralle_es._runtime.migrate import migration_id
 
 SESSION = "s-deploy-cli"
@@ -56,7 +55,7 @@ def app(attr: str) -> tuple[str, str]:
 
 def stored(store_url: str) -> tuple[int, dict[str, int]]:
     """The log's head and every run's version: unchanged means nothing was written."""
-    with open_store_url(store_url) as store:
+    with RunStore.from_url(store_url) as store:
         head = store.recorder.max_notification_id() or 0
         runs = {
             str(n.originator_id): n.originator_version
@@ -67,7 +66,7 @@ def stored(store_url: str) -> tuple[int, dict[str, int]]:
 
 async def _populate(store_url: str) -> dict[str, str]:
     """Version 1 runs: two paused, one errored (its reserve failed), one finished."""
-    with open_store_url(store_url) as store:
+    with RunStore.from_url(store_url) as store:
         runtime = Runtime(deploy_app.v1(), store=store)
         runs = {}
         for name in ("paused", "other"):
@@ -134,7 +133,7 @@ def test_runs_list_shows_the_version_each_run_is_on(store_url: str, ledger_file:
     runs = asyncio.run(_populate(store_url))
 
     async def start_on_v2() -> str:
-        with open_store_url(store_url) as store:
+        with RunStore.from_url(store_url) as store:
             runtime = Runtime(deploy_app.v1_and_v2(), store=store)
             return (await runtime.run(SESSION, kind="flow", flow_name=FLOW).result()).run_id
 

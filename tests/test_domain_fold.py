@@ -235,7 +235,7 @@ def latest_snapshot_version(store: RunStore, run: Run) -> int | None:
 def snapshot_at_head(store: RunStore, run: Run) -> None:
     """Snapshot the saved run at its current version (unless one is already there)."""
     if latest_snapshot_version(store, run) != run.version:
-        store.take_snapshot(run.id)
+        store.partitions[0].take_snapshot(run.id)
     assert latest_snapshot_version(store, run) == run.version
 
 

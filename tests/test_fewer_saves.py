@@ -31,8 +31,8 @@ from kuralle_es import (
     goto,
 )
 from kuralle_es._journal.leases import LeaseOp
-from kuralle_es._journal.log import postgres_env
 from kuralle_es._journal.run import Run
+from kuralle_es._journal.store_url import postgres_address
 
 STORES = ["memory", "sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
 BLOCKING_STORES = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
@@ -40,8 +40,6 @@ BLOCKING_STORES = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres
 
 class CountingStore(RunStore):
     """The real store, keeping the event types of every save it made."""
-
-    name = RunStore.name  # the same tables as a plain RunStore
 
     def __init__(self, env: dict[str, str]) -> None:
         super().__init__(env=env)
@@ -66,7 +64,7 @@ def counting_store(
             "SQLITE_DBNAME": str(tmp_path / "r.db"),
         }
     else:
-        env = postgres_env(request.getfixturevalue("pg_dsn"))
+        env = postgres_address(request.getfixturevalue("pg_dsn")).env()
     opened: list[CountingStore] = []
 
     def open_store() -> CountingStore:

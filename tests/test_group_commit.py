@@ -28,7 +28,7 @@ pytestmark = pytest.mark.postgres
 async def test_saves_made_at_once_go_in_fewer_statements_and_all_land(pg_dsn: str) -> None:
     with RunStore.postgres(pg_dsn) as store:
         runs = [stored_run(store) for _ in range(40)]
-        saver: Any = store._saver
+        saver: Any = store.partitions[0]._saver
         before = (saver.statements, saver.saves)
         await asyncio.gather(*(store.save_run_async(with_message(r, "hi")) for r in runs))
         statements, saves = saver.statements - before[0], saver.saves - before[1]

@@ -25,9 +25,8 @@ from http_kit import COMMAND, PROCS, TOKEN, Reply, Server, StoreHead, clean_env,
 from procs.http_app import ledger_lines
 from psycopg import sql
 
-from kuralle_es import RunState, RunSummary, StepRecord, TurnResult
+from kuralle_es import RunState, RunStore, RunSummary, StepRecord, TurnResult
 from kuralle_es._journal.leases import LeaseOp
-from kuralle_es._journal.store_url import open_store_url
 
 BACKENDS = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
 #: The servers' payload bound (``KURALLE_MAX_PAYLOAD_BYTES``): small, so 413 is cheap to reach.
@@ -414,7 +413,7 @@ def test_every_refusal_is_a_json_4xx_that_writes_nothing(served: Served) -> None
 
 def test_a_lease_held_by_another_worker_is_409_and_writes_nothing(served: Served) -> None:
     run_id = served.start("ship", session())["run_id"]
-    store = open_store_url(served.store_url)
+    store = RunStore.from_url(served.store_url)
     try:  # another worker takes the run's lease, as a worker mid-turn holds it
         run = store.load(run_id)
         assert run is not None

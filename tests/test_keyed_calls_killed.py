@@ -22,8 +22,7 @@ from pathlib import Path
 import pytest
 from test_kill_recovery import PROCS, _env, start_worker, stop, targets, wait_finished
 
-from kuralle_es import IdempotencyConflictError, Runtime
-from kuralle_es._journal.store_url import open_store_url
+from kuralle_es import IdempotencyConflictError, RunStore, Runtime
 
 sys.path.insert(0, str(PROCS))
 from charge_app import FLOW, build_agents, read_ledger
@@ -72,7 +71,7 @@ def test_a_keyed_call_killed_in_its_tool_and_recovered_is_answered_by_its_run_on
 ) -> None:
     url, ledger = targets(backend, tmp_path, request)
     run_id = kill_inside_the_tool(url, ledger, kind, tmp_path)
-    with open_store_url(url) as store:
+    with RunStore.from_url(url) as store:
         worker = start_worker(url, ledger, "rescuer")
         try:
             wait_finished(store, [run_id], [worker])

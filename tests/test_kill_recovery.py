@@ -24,7 +24,6 @@ from typing import Any
 import pytest
 
 from kuralle_es import RunStore, Runtime
-from kuralle_es._journal.store_url import open_store_url
 
 PROCS = Path(__file__).resolve().parent / "procs"
 sys.path.insert(0, str(PROCS))
@@ -110,7 +109,7 @@ def stop(workers: list[subprocess.Popen[str]]) -> list[str]:
 
 
 def check_recovered_once(url: str, ledger: str, run_ids: list[str], point: str) -> None:
-    with open_store_url(url) as store:
+    with RunStore.from_url(url) as store:
         for run_id in run_ids:
             run = store.load(run_id)
             assert run is not None
@@ -145,7 +144,7 @@ def test_a_worker_killed_mid_run_is_recovered_by_another_and_charges_once(
 ) -> None:
     url, ledger = targets(backend, tmp_path, request)
     (run_id,) = kill_while_standing(url, ledger, point, tmp_path)
-    with open_store_url(url) as store:
+    with RunStore.from_url(url) as store:
         left = store.load(run_id)
         assert left is not None and left.status == "running"
         lease = store.lease(run_id)
@@ -169,7 +168,7 @@ def test_worker_processes_racing_over_one_postgres_recover_each_orphan_once(
 ) -> None:
     run_ids = kill_while_standing(pg_dsn, pg_dsn, "in-tool", tmp_path, runs=4)
     assert len(run_ids) == 4
-    with open_store_url(pg_dsn) as store:
+    with RunStore.from_url(pg_dsn) as store:
         started = [start_worker(pg_dsn, pg_dsn, f"rescuer-{n}") for n in range(workers)]
         try:
             wait_finished(store, run_ids, started)
@@ -197,7 +196,7 @@ async def test_kuralle_es_recover_and_sweep_run_one_pass_and_print_what_they_dro
 ) -> None:
     url, ledger = f"sqlite:///{tmp_path / 'runs.db'}", str(tmp_path / "ledger.db")
     (orphan,) = kill_while_standing(url, ledger, "in-tool", tmp_path)
-    with open_store_url(url) as store:
+    with RunStore.from_url(url) as store:
         runtime = Runtime(build_agents(), store=store)
         held = await runtime.run("s-hold", kind="flow", flow_name="hold").result()
         napping = await runtime.run("s-nap", kind="flow", flow_name="nap").result()
@@ -215,6 +214,6 @@ async def test_kuralle_es_recover_and_sweep_run_one_pass_and_print_what_they_dro
     assert "1 run(s) recovered" in recovered.stderr
     again = cli(url, ledger, "recover")
     assert (again.returncode, again.stdout) == (0, "")
-    with open_store_url(url) as store:
+    with RunStore.from_url(url) as store:
         outcomes = {r: store.load(r).outcome for r in (orphan, held.run_id, napping.run_id)}  # type: ignore[union-attr]
     assert outcomes == {orphan: "charged", held.run_id: "approved=False", napping.run_id: "rested"}

@@ -183,15 +183,21 @@ def test_a_store_label_never_shows_a_password() -> None:
         return store_label(argparse.Namespace(store=store, sqlite=None), env)
 
     assert label("postgresql://ann:s3cret@db.internal:5432/runs") == (
-        "postgresql://ann:***@db.internal:5432/runs"
+        "postgresql://ann@db.internal:5432/runs"
     )
     assert "s3cret" not in label("postgresql://ann@db/runs?password=s3cret&sslmode=require")
     assert "s3cret" not in label(KURALLE_STORE="postgresql://ann:s3cret@db/runs")
+    multi = "postgresql://ann:s3cret@h1:5432,h2:5433/runs?target_session_attrs=read-write"
+    assert label(multi) == multi.replace("ann:s3cret@", "ann@")
+    # A URL that cannot be read is shown redacted, never as given.
+    assert label("postgresql://ann:s3cret@db/runs?partitions=abc") == (
+        "postgresql://ann:***@db/runs?partitions=abc"
+    )
     assert label("memory:").startswith("memory: (this process only")
     assert label(
         PERSISTENCE_MODULE="eventsourcing.postgres", POSTGRES_HOST="db", POSTGRES_USER="ann",
         POSTGRES_DBNAME="runs", POSTGRES_PASSWORD="s3cret",
-    ) == "eventsourcing.postgres ann@db:5432/runs"  # fmt: skip
+    ) == "eventsourcing.postgres postgresql://ann@db:5432/runs"  # fmt: skip
 
 
 # -------------------------------------------------------------------- the app

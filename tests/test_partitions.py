@@ -36,7 +36,6 @@ from procs.child import Child, wait_lease_expired
 from psycopg.conninfo import conninfo_to_dict
 
 from kuralle_es import InvalidArgumentError, RunStore, Runtime, recover_orphaned_runs
-from kuralle_es._journal.store_url import open_store_url
 from kuralle_es.dashboard import create_app
 from kuralle_es.events import RunEvent, RunOpened, RunPaused, follow
 from kuralle_es.examples import approval_notifier, refund
@@ -227,7 +226,7 @@ def two_servers(pg_dsn: str, second_pg_dsn: str) -> str:
 async def test_a_store_sharded_over_two_servers_sees_every_run(
     two_servers: str, ledger: Path
 ) -> None:
-    store = open_store_url(two_servers)
+    store = RunStore.from_url(two_servers)
     try:
         assert [log.partition for log in store.partitions] == [0, 1]
         runs = await refund_runs(store, [f"shopper-{i}" for i in range(10)])
@@ -265,7 +264,7 @@ async def test_a_killed_consumer_applies_each_event_once_on_both_servers(
     """The approval notifier, SIGKILLed mid-stream and restarted over a store sharded
     over two servers: each shard's outbox gets exactly one row per approval pause of
     its runs (the row commits with that shard's position of the consumer)."""
-    store = open_store_url(two_servers)
+    store = RunStore.from_url(two_servers)
     try:
         await asyncio.to_thread(approval_notifier.create_outbox, store)
         runtime = Runtime([refund.build_agent()], store=store)
@@ -323,7 +322,7 @@ async def test_orphans_on_both_servers_are_recovered(two_servers: str, tmp_path:
     """Workers SIGKILLed inside a tool leave running runs on both shards; one sweep
     of ``recover_orphaned_runs`` finishes every one of them, with the same key."""
     ledger = tmp_path / "charges.jsonl"
-    store = open_store_url(two_servers)
+    store = RunStore.from_url(two_servers)
     try:
         orphans: dict[str, str] = {}
         i = 0
@@ -364,7 +363,7 @@ async def test_a_sharded_store_refuses_what_it_cannot_be(pg_dsn: str) -> None:
         with pytest.raises(InvalidArgumentError, match=words):
             RunStore.sharded(bad)  # type: ignore[arg-type]
     with pytest.raises(Exception, match=r"leave \?partitions= out"):
-        open_store_url(f"{pg_dsn},{pg_dsn}?partitions=2")
+        RunStore.from_url(f"{pg_dsn},{pg_dsn}?partitions=2")
     with psycopg.connect(pg_dsn) as conn:  # nothing was written
         tables = conn.execute(
             "SELECT count(*) FROM information_schema.tables WHERE table_schema = 'public'"
@@ -398,7 +397,7 @@ async def test_the_command_line_sees_every_partition(
         if layout == "partitions"
         else f"{pg_dsn},{request.getfixturevalue('second_pg_dsn')}"
     )
-    store = open_store_url(url)
+    store = RunStore.from_url(url)
     try:
         runs = await refund_runs(store, [f"caller-{i}" for i in range(9)])
         count = len(store.partitions)
@@ -445,7 +444,7 @@ async def test_the_dashboard_sees_every_shard(two_servers: str, ledger: Path) ->
     """The dashboard over a sharded store lists the runs of both servers, shows a
     run of the second, and an approval from it resumes that run."""
 
-    store = open_store_url(two_servers)
+    store = RunStore.from_url(two_servers)
     try:
         runs = await refund_runs(store, [f"visitor-{i}" for i in range(6)])
         waiting = [r for r, a in zip(runs, decisions(6), strict=True) if a is None]

@@ -15,8 +15,7 @@ from http_kit import start_server
 from procs import pai_app
 from test_cli_operator import _ok, kuralle
 
-from kuralle_es import Runtime
-from kuralle_es._journal.store_url import open_store_url
+from kuralle_es import RunStore, Runtime
 from kuralle_es.integrations.pydantic_ai import durable
 
 SESSION = "customer-pai"
@@ -32,7 +31,7 @@ def ledger_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 async def paused(store_url: str) -> str:
     """A shop run paused on the refund's approval, started in this process."""
-    store = open_store_url(store_url)
+    store = RunStore.from_url(store_url)
     try:
         shop = durable(pai_app.build_agent(), Runtime(store=store))
         result = await shop.run("Please refund my order A1", session_id=SESSION)
@@ -46,7 +45,7 @@ async def paused(store_url: str) -> str:
 
 
 async def state_of(store_url: str, run_id: str) -> Any:
-    store = open_store_url(store_url)
+    store = RunStore.from_url(store_url)
     try:
         return await Runtime(pai_app.AGENTS, store=store).get_run(run_id, SESSION)
     finally:

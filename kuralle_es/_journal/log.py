@@ -14,12 +14,10 @@ import asyncio
 import contextlib
 import random
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar, TypeVar
-from urllib.parse import unquote, urlparse
 from uuid import UUID
 
-import psycopg
 from eventsourcing.application import AggregateNotFoundError, ProcessingEvent
 from eventsourcing.domain import (
     Snapshot,
@@ -34,16 +32,12 @@ from eventsourcing.persistence import (
     Transcoder,
 )
 from eventsourcing.popo import POPOAggregateRecorder, POPOFactory
+from eventsourcing.postgres import PostgresFactory
 from eventsourcing.utils import Environment, EnvType, get_topic
 from psycopg.errors import DuplicateObject, DuplicateTable, UniqueViolation
 from psycopg.errors import InternalError as PsycopgInternalError
 
-from ..errors import (
-    InvalidArgumentError,
-    LeaseHeldError,
-    StaleWriteError,
-    StoreUnavailableError,
-)
+from ..errors import LeaseHeldError, StaleWriteError
 from .eventsourcing_hooks import AggregatesFirst, SavingApplication
 from .leases import Lease, LeaseOp, LeaseRefused
 from .pg_async import AsyncOneTripSaver
@@ -55,12 +49,12 @@ from .recorders import (
 )
 from .run import Run
 from .sessions import SavedIndexes, SessionRuns, new_session_runs, session_runs_id
+from .store_url import CONNECT_TIMEOUT, PostgresAddress, StoreAddress, address_from_env
 from .transcoding import EscapingJSONTranscoder
 
 __all__ = [
     "RunLog",
     "parse_run_id",
-    "postgres_env",
     "retry_schema_setup",
     "snapshot_due",
     "snapshot_spacing",
@@ -116,91 +110,6 @@ def parse_run_id(run_id: str) -> UUID | None:
         return UUID(run_id)
     except (ValueError, AttributeError, TypeError):
         return None
-
-
-def postgres_env(dsn_or_params: str | Mapping[str, Any]) -> dict[str, str]:
-    """``POSTGRES_*`` variables from a DSN or a mapping of connection params."""
-    if isinstance(dsn_or_params, str):
-        url = urlparse(dsn_or_params)
-        if url.scheme not in ("postgresql", "postgres"):
-            msg = (
-                f"not a PostgreSQL DSN: {dsn_or_params!r}; "
-                "use postgresql://user[:password]@host[:port]/dbname"
-            )
-            raise InvalidArgumentError(msg)
-        params: dict[str, Any] = {
-            "dbname": url.path.lstrip("/") or None,
-            "host": url.hostname,
-            "port": url.port,
-            "user": unquote(url.username) if url.username else None,
-            "password": unquote(url.password) if url.password else None,
-        }
-    else:
-        params = dict(dsn_or_params)
-    unknown = set(params) - {"dbname", "host", "port", "user", "password"}
-    if unknown:
-        msg = (
-            f"unknown PostgreSQL parameters {sorted(unknown)!r}; "
-            "use dbname, host, port, user, password"
-        )
-        raise InvalidArgumentError(msg)
-    if not params.get("dbname"):
-        msg = "a PostgreSQL store needs a database name (dbname)"
-        raise InvalidArgumentError(msg)
-    env = {
-        "PERSISTENCE_MODULE": "eventsourcing.postgres",
-        "POSTGRES_DBNAME": str(params["dbname"]),
-        "POSTGRES_HOST": str(params.get("host") or "127.0.0.1"),
-        "POSTGRES_PORT": str(params.get("port") or 5432),
-        "POSTGRES_USER": str(params.get("user") or "postgres"),
-        "POSTGRES_PASSWORD": str(params.get("password") or ""),
-    }
-    return env
-
-
-#: Seconds one connection attempt may take before the store counts as unreachable.
-CONNECT_TIMEOUT = 3
-
-
-def check_postgres(env: Mapping[str, str]) -> None:
-    """Raise ``StoreUnavailableError`` unless the server in ``POSTGRES_*`` answers."""
-    get = env.get
-    missing = [k for k in ("POSTGRES_DBNAME", "POSTGRES_HOST", "POSTGRES_USER") if not get(k)]
-    if missing:
-        msg = (
-            f"the PostgreSQL store needs {', '.join(missing)}; or give "
-            "RunStore.postgres('postgresql://user@host:port/dbname') (KURALLE_STORE for the CLI)"
-        )
-        raise StoreUnavailableError(msg)
-    host, port, dbname = (
-        str(get("POSTGRES_HOST")),
-        get("POSTGRES_PORT") or "5432",
-        get("POSTGRES_DBNAME"),
-    )
-    try:
-        with psycopg.connect(
-            host=host,
-            port=port,
-            dbname=dbname,
-            user=get("POSTGRES_USER"),
-            password=get("POSTGRES_PASSWORD") or None,
-            connect_timeout=CONNECT_TIMEOUT,
-        ):
-            pass
-    except psycopg.Error as e:
-        msg = f"cannot reach PostgreSQL at {host}:{port}, database {dbname!r}: {server_reason(e)}"
-        raise StoreUnavailableError(msg) from None
-
-
-def server_reason(error: BaseException) -> str:
-    """The server's (or driver's) reason, on one line, without the boilerplate."""
-    text = " ".join(str(error).split())
-    for marker in ("failed: ", "FATAL: "):
-        if marker in text:
-            text = text.rsplit(marker, 1)[1]
-    return text.removesuffix(
-        " Is the server running on that host and accepting TCP/IP connections?"
-    )
 
 
 _T = TypeVar("_T")
@@ -261,6 +170,13 @@ class RunLog(SavingApplication):
 
     #: The loop-side sender of saves: on the one-trip PostgreSQL recorder only.
     _saver: AsyncOneTripSaver | None = None
+    #: Where the log is, read from its environment (None: another persistence module).
+    address: StoreAddress | None = None
+
+    def __repr__(self) -> str:
+        where = self.address.label() if self.address is not None else "?"
+        return f"<{type(self).__name__} partition {self.partition} of {where}>"
+
     snapshotting_intervals: ClassVar[dict[type[Any], int]] = {
         Run: SNAPSHOT_INTERVAL,
         SessionRuns: SNAPSHOT_INTERVAL,
@@ -294,15 +210,16 @@ class RunLog(SavingApplication):
         return due
 
     def construct_factory(self, env: Environment) -> InfrastructureFactory[Any]:
-        """The persistence factory, after one short connection attempt on PostgreSQL:
-        a server that is away is a ``StoreUnavailableError`` in seconds, not a pool
-        retrying for thirty."""
-        module = env.get("PERSISTENCE_MODULE") or ""
-        if module.startswith("eventsourcing.postgres"):
-            check_postgres(env)
-            if not env.get("POSTGRES_CONNECT_TIMEOUT"):
-                env["POSTGRES_CONNECT_TIMEOUT"] = str(CONNECT_TIMEOUT + 2)
-        return super().construct_factory(env)
+        """The persistence factory of the log's address (``store_url``), read from
+        its environment; on PostgreSQL its pool given libpq's other parameters (a
+        multi-host URL's ``target_session_attrs``, ...) before it first connects."""
+        self.address = address_from_env(env, env.name)
+        if isinstance(self.address, PostgresAddress) and not env.get("POSTGRES_CONNECT_TIMEOUT"):
+            env["POSTGRES_CONNECT_TIMEOUT"] = str(CONNECT_TIMEOUT + 2)
+        factory = super().construct_factory(env)
+        if isinstance(self.address, PostgresAddress) and isinstance(factory, PostgresFactory):
+            self.address.configure(factory.datastore.pool)
+        return factory
 
     def construct_env(self, name: str, env: EnvType | None = None) -> Environment:
         """The environment, with the recorder that keeps lease records beside the

@@ -1,7 +1,10 @@
 """``RunStore``: the runs of a deployment, in one event log or several (API).
 
-A store is the ``eventsourcing`` application that holds runs (its first log,
-``RunLog``), and, when partitioned, the router over every log it has:
+A store is made of its logs (``RunLog``, each an ``eventsourcing``
+application: one partition) and a router (``routing``) that says which log
+holds a run or a session. Where it is comes from one parsed address
+(``store_url``): ``RunStore.from_url(url)``, the shortcuts, or the
+``eventsourcing`` variables of ``RunStore(env)``.
 
 - ``RunStore.postgres(dsn, partitions=K)`` keeps K logs in one database,
   each with its own tables, its own lock and its own notification log, so
@@ -14,296 +17,271 @@ A store is the ``eventsourcing`` application that holds runs (its first log,
   in the list.
 
 A run lives in one log for its whole life, and so do all the runs of its
-session (the session's index of runs is saved with each of them, in one
-transaction): a new session goes to the log its id hashes to, among the
-logs the store has when it first appears; a session already stored stays
-where it is, so adding a log never moves a run. Every call that names a run
-or a session is routed to its log (looked up once, then remembered); the
-views, the followers and the sweeps read every log (docs/scaling.md).
+session; every call that names a run or a session is routed to its log
+(looked up once, then remembered); the views, the followers and the sweeps
+read every log (docs/scaling.md).
 """
 
 from __future__ import annotations
 
-import asyncio
-import hashlib
-import threading
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
-from uuid import UUID
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
 
-import psycopg
-from eventsourcing.postgres import PostgresApplicationRecorder
+from eventsourcing.persistence import ApplicationRecorder, EventStore, Mapper
 from eventsourcing.utils import EnvType
 from psycopg.sql import SQL, Identifier
 
 from ..errors import InvalidArgumentError
 from .leases import Lease, LeaseOp
-from .log import RunLog, parse_run_id, postgres_env
+from .log import RunLog
+from .routing import Router
 from .run import Run
-from .sessions import session_runs_id
-from .urls import locate
+from .store_url import (
+    MemoryAddress,
+    PostgresAddress,
+    ShardedAddress,
+    SqliteAddress,
+    address_from_env,
+    parse_store_url,
+    postgres_address,
+    redact,
+    shards_of,
+)
 
 __all__ = ["RunStore"]
-
-#: What the store routes to a log: a run's aggregate id, or a session's id.
-_Key = TypeVar("_Key", UUID, str)
 
 #: The table of a partitioned database that records how many logs it has.
 PARTITIONS_TABLE = "kuralle_partitions"
 
 
-class RunStore(RunLog):
-    """Holds runs (see the module docstring): the first log, and the router over all."""
+class RunStore:
+    """Holds runs (see the module docstring): its logs, one per partition, and the
+    router that says which of them holds a run or a session."""
 
     def __init__(self, env: EnvType | None = None, *, partitions: int | None = None) -> None:
-        """A store over ``env`` (the ``eventsourcing`` environment); on PostgreSQL,
-        every partition its database records, or ``partitions`` (see ``postgres``)."""
-        if partitions is not None and (
-            isinstance(partitions, bool) or not isinstance(partitions, int) or partitions < 1
-        ):
-            msg = f"partitions must be a whole number, 1 or more, got {partitions!r}"
-            raise InvalidArgumentError(msg)
-        super().__init__(env=env)
-        #: Every log of the store, by partition number (this one first).
-        self.partitions: tuple[RunLog, ...] = (self,)
-        self._runs: dict[UUID, RunLog] = {}
-        self._sessions: dict[str, RunLog] = {}
-        self._routing = threading.Lock()
-        try:
-            if isinstance(self.recorder, PostgresApplicationRecorder):
-                count = _agree_partitions(self.env, partitions)
-                self.partitions = (
-                    self,
-                    *(RunLog(env=self.env, partition=i, own_tables=True) for i in range(1, count)),
+        """A store over ``env`` (the ``eventsourcing`` environment, over the process's);
+        on PostgreSQL, every partition its database records, or ``partitions`` (see
+        ``postgres``)."""
+        address = address_from_env(env)
+        if partitions is not None:
+            if not isinstance(address, PostgresAddress):
+                if partitions != 1 or isinstance(partitions, bool):
+                    msg = (
+                        "partitions are logs of a PostgreSQL database: open the store with "
+                        "RunStore.postgres(dsn, partitions=...), or leave partitions out"
+                    )
+                    raise InvalidArgumentError(msg)
+            else:
+                address = postgres_address(
+                    address.params, partitions=partitions, pooler=address.pooler
                 )
-            elif partitions not in (None, 1):
-                msg = (
-                    "partitions are logs of a PostgreSQL database: open the store with "
-                    "RunStore.postgres(dsn, partitions=...), or leave partitions out"
-                )
-                raise InvalidArgumentError(msg)
-        except BaseException:
-            self.close()
-            raise
+        base = {**(env or {}), **(address.env() if address is not None else {})}
+        self._use(_open_database(address, base))
+
+    def _use(self, logs: Sequence[RunLog]) -> None:
+        #: Every log of the store, by partition number.
+        self.partitions: tuple[RunLog, ...] = tuple(logs)
+        self._router = Router(self.partitions)
+
+    def __repr__(self) -> str:
+        labels = dict.fromkeys(str(log.address and log.address.label()) for log in self.partitions)
+        return f"<{type(self).__name__} {','.join(labels)} ({len(self.partitions)} partitions)>"
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, err: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
 
     # ------------------------------------------------------------ shortcuts
     @classmethod
-    def memory(cls) -> RunStore:
-        return cls(env={"PERSISTENCE_MODULE": "eventsourcing.popo"})
+    def memory(cls) -> Self:
+        return cls(env=MemoryAddress().env())
 
     @classmethod
-    def sqlite(cls, path: str) -> RunStore:
-        return cls(env={"PERSISTENCE_MODULE": "eventsourcing.sqlite", "SQLITE_DBNAME": path})
+    def sqlite(cls, path: str) -> Self:
+        return cls(env=SqliteAddress(Path(path)).env())
 
     @classmethod
     def postgres(
-        cls, dsn_or_params: str | Mapping[str, Any], *, partitions: int | None = None
-    ) -> RunStore:
-        """A store in one PostgreSQL database; ``partitions`` (K logs) as the module's
-        docstring says: None opens the logs the database has (one if it is new)."""
-        return cls(env=postgres_env(dsn_or_params), partitions=partitions)
+        cls,
+        dsn_or_params: str | Mapping[str, Any],
+        *,
+        partitions: int | None = None,
+        pooler: str | None = None,
+    ) -> Self:
+        """A store in one PostgreSQL database (a URL, several hosts allowed, a conninfo
+        string or a mapping of libpq parameters); ``partitions`` (K logs) as the
+        module's docstring says: None opens the logs the database has (one if it is
+        new); ``pooler`` (``"transaction"`` or ``"session"``) is reserved."""
+        address = postgres_address(dsn_or_params, partitions=partitions, pooler=pooler)
+        return cls(env=address.env(), partitions=address.partitions)
 
     @classmethod
-    def sharded(cls, urls: Sequence[str]) -> RunStore:
+    def sharded(cls, urls: Sequence[str]) -> Self:
         """A store of one log per database of ``urls`` (``postgresql://...``, which may
         be on several servers), partition i being ``urls[i]``."""
         if isinstance(urls, str) or not urls or not all(isinstance(u, str) for u in urls):
-            msg = f"sharded takes a list of store URLs, got {urls!r}"
+            what = repr(redact(urls)) if isinstance(urls, str) else type(urls).__name__
+            msg = f"sharded takes a list of store URLs, got {what}"
             raise InvalidArgumentError(msg)
-        if len(set(urls)) != len(urls):
-            msg = f"a sharded store lists each database once, got {list(urls)!r}"
-            raise InvalidArgumentError(msg)
-        places = [locate(url) for url in urls]
-        for url, place in zip(urls, places, strict=True):
-            if place.partitions is not None:
-                msg = f"a shard is a database of one partition: leave ?partitions= out of {url!r}"
-                raise InvalidArgumentError(msg)
-            if place.env["PERSISTENCE_MODULE"] == "eventsourcing.popo":
-                msg = f"a shard is a database: {url!r} is not one"
-                raise InvalidArgumentError(msg)
-        first = cls(env=places[0].env)
-        opened: list[RunLog] = [first]
+        return cls._over_shards(shards_of(urls))
+
+    @classmethod
+    def from_url(cls, url: str) -> Self:
+        """The store ``url`` names: ``memory:``, ``sqlite:///relative.db``,
+        ``sqlite:////absolute.db``, ``postgresql://user[:pw]@host[:port][,host2...]/db``
+        (``?partitions=K``, ``?pooler=``, libpq parameters), or several URLs separated
+        by commas for a sharded store. ``InvalidArgumentError`` for anything else;
+        ``StoreUnavailableError`` within seconds when a server cannot be reached."""
+        address = parse_store_url(url)
+        if isinstance(address, ShardedAddress):
+            return cls._over_shards(address)
+        partitions = address.partitions if isinstance(address, PostgresAddress) else None
+        return cls(env=address.env(), partitions=partitions)
+
+    @classmethod
+    def _over_shards(cls, address: ShardedAddress) -> Self:
+        """A store whose partition i is the database of ``address.shards[i]``. Made
+        without ``__init__``, which opens one database."""
+        logs: list[RunLog] = []
         try:
-            if len(first.partitions) > 1:
-                msg = (
-                    f"{urls[0]!r} is a partitioned database ({len(first.partitions)} "
-                    "partitions): a shard of a sharded store is a database of one"
-                )
-                raise InvalidArgumentError(msg)
-            for i, place in enumerate(places[1:], start=1):
-                opened.append(RunLog(env=place.env, partition=i))
+            for i, shard in enumerate(address.shards):
+                if isinstance(shard, PostgresAddress) and _agree_partitions(shard) > 1:
+                    msg = (
+                        f"{shard.label()!r} is a partitioned database: a shard of a sharded "
+                        "store is a database of one"
+                    )
+                    raise InvalidArgumentError(msg)
+                logs.append(RunLog(env=shard.env(), partition=i))
         except BaseException:
-            for log in opened:
-                log.close()
+            _close(logs)
             raise
-        first.partitions = tuple(opened)
-        return first
+        store = cls.__new__(cls)
+        store._use(logs)
+        return store
 
-    # ------------------------------------------------------------- routing
-    def _log_of_run(self, run_id: str) -> RunLog | None:
-        """The log that holds the run, looked up once (each log asked in turn)."""
-        aggregate_id = parse_run_id(run_id)
-        if aggregate_id is None:
-            return None
-        known = self._known(self._runs, aggregate_id)
-        if known is not None:
-            return known
-        return self._run_found(aggregate_id, self._holder(aggregate_id))
+    # ------------------------------------------------- the first log's parts
+    # A store of one partition reads like the eventsourcing application it is;
+    # a partitioned store's other logs are ``partitions``.
+    @property
+    def recorder(self) -> ApplicationRecorder:
+        """The first partition's recorder (``max_notification_id``, ...)."""
+        return self.partitions[0].recorder
 
-    async def _log_of_run_async(self, run_id: str) -> RunLog | None:
-        """``_log_of_run`` for async code."""
-        aggregate_id = parse_run_id(run_id)
-        return None if aggregate_id is None else await self._log_of_id_async(aggregate_id)
+    @property
+    def events(self) -> EventStore[Any]:
+        return self.partitions[0].events
 
-    async def _log_of_id_async(self, aggregate_id: UUID) -> RunLog | None:
-        """The log that holds the run with this aggregate id: every log asked at once,
-        from the loop, the first time."""
-        known = self._known(self._runs, aggregate_id)
-        if known is not None:
-            return known
-        return self._run_found(aggregate_id, await self._holder_async(aggregate_id))
+    @property
+    def snapshots(self) -> EventStore[Any] | None:
+        return self.partitions[0].snapshots
 
-    def _run_found(self, run_id: UUID, log: RunLog | None) -> RunLog | None:
-        if log is not None:
-            self._remember(self._runs, run_id, log)
-        return log
+    @property
+    def mapper(self) -> Mapper[Any]:
+        return self.partitions[0].mapper
 
-    def _holder(self, aggregate_id: UUID) -> RunLog | None:
-        """The first log that holds an event of ``aggregate_id``, or None (each
-        log asked in turn)."""
-        return next((log for log in self.partitions if log.holds(aggregate_id)), None)
-
-    async def _holder_async(self, aggregate_id: UUID) -> RunLog | None:
-        """``_holder`` for async code: every log asked at once, from the loop."""
-        held = await asyncio.gather(*(log.holds_async(aggregate_id) for log in self.partitions))
-        return next((log for log, holds in zip(self.partitions, held, strict=True) if holds), None)
-
-    def _known(self, routes: dict[_Key, RunLog], key: _Key) -> RunLog | None:
-        """The log of ``key`` (a run's aggregate id in ``_runs``, a session's id in
-        ``_sessions``) if it is known without asking a database."""
-        if len(self.partitions) == 1:
-            return self
-        with self._routing:
-            return routes.get(key)
-
-    def _remember(self, routes: dict[_Key, RunLog], key: _Key, log: RunLog) -> None:
-        with self._routing:
-            routes[key] = log
-
-    def _log_of_session(self, session_id: str) -> RunLog:
-        """The log of the session's runs: where its index is, else where its id hashes."""
-        known = self._known(self._sessions, session_id)
-        if known is not None:
-            return known
-        return self._session_found(session_id, self._holder(session_runs_id(session_id)))
-
-    async def _log_of_session_async(self, session_id: str) -> RunLog:
-        """``_log_of_session`` for async code: every log asked at once, from the loop."""
-        known = self._known(self._sessions, session_id)
-        if known is not None:
-            return known
-        found = await self._holder_async(session_runs_id(session_id))
-        return self._session_found(session_id, found)
-
-    def _session_found(self, session_id: str, log: RunLog | None) -> RunLog:
-        """Where a session's runs go: the log that holds its index, else (a new
-        session) the log its id hashes to."""
-        if log is not None:
-            self._remember(self._sessions, session_id, log)
-            return log
-        digest = hashlib.sha256(session_id.encode("utf-8")).digest()
-        return self.partitions[int.from_bytes(digest[:8], "big") % len(self.partitions)]
-
-    def _log_of(self, run: Run) -> RunLog:
-        log = self._log_of_run(run.run_id)
-        return log if log is not None else self._log_of_session(run.session_id)
+    @property
+    def saves_block(self) -> bool:
+        """Whether a save waits on I/O (SQLite, Postgres) and so belongs off the loop."""
+        return self.partitions[0].saves_block
 
     # ---------------------------------------------------------------- runs
     def load(self, run_id: str) -> Run | None:
         """The run with this public id, or None if there is none."""
-        log = self._log_of_run(run_id)
-        return None if log is None else RunLog.load(log, run_id)
+        log = self._router.of_run(run_id)
+        return None if log is None else log.load(run_id)
 
     def load_history(self, run_id: str) -> Run | None:
         """The run folded from all its events (see ``RunLog.load_history``)."""
-        log = self._log_of_run(run_id)
-        return None if log is None else RunLog.load_history(log, run_id)
+        log = self._router.of_run(run_id)
+        return None if log is None else log.load_history(run_id)
 
     async def load_async(self, run_id: str, *, history: bool = False) -> Run | None:
-        log = await self._log_of_run_async(run_id)
-        return None if log is None else await RunLog.load_async(log, run_id, history=history)
+        log = await self._router.of_run_async(run_id)
+        return None if log is None else await log.load_async(run_id, history=history)
 
     def create_run(self, run: Run, lease: LeaseOp | None = None) -> None:
         """Save a new run in its session's log, with its entry in the session's index."""
-        log = self._log_of_session(run.session_id)
-        RunLog.create_run(log, run, lease)
-        self._created_in(run, log)
+        log = self._router.of_session(run.session_id)
+        log.create_run(run, lease)
+        self._router.created(run, log)
 
     async def create_run_async(self, run: Run, lease: LeaseOp | None = None) -> None:
         """``create_run`` for async code, without blocking the event loop."""
-        log = await self._log_of_session_async(run.session_id)
-        await RunLog.create_run_async(log, run, lease)
-        self._created_in(run, log)
-
-    def _created_in(self, run: Run, log: RunLog) -> None:
-        """Route the new run, and its session, to ``log`` from now on."""
-        if log is not self:
-            self._remember(self._runs, run.id, log)
-            self._remember(self._sessions, run.session_id, log)
+        log = await self._router.of_session_async(run.session_id)
+        await log.create_run_async(run, lease)
+        self._router.created(run, log)
 
     def session_run_ids(self, session_id: str) -> list[str]:
-        return RunLog.session_run_ids(self._log_of_session(session_id), session_id)
+        return self._router.of_session(session_id).session_run_ids(session_id)
 
     def save_run(self, run: Run, lease: LeaseOp | None = None) -> None:
-        RunLog.save_run(self._log_of(run), run, lease)
+        self._router.of(run).save_run(run, lease)
 
     async def save_run_async(self, run: Run, lease: LeaseOp | None = None) -> None:
-        log = await self._log_of_id_async(run.id)
-        if log is None:
-            log = await self._log_of_session_async(run.session_id)
-        await RunLog.save_run_async(log, run, lease)
+        log = await self._router.of_async(run)
+        await log.save_run_async(run, lease)
 
     def stored_events(self, run_id: str) -> list[Any]:
-        log = self._log_of_run(run_id)
-        return [] if log is None else RunLog.stored_events(log, run_id)
+        log = self._router.of_run(run_id)
+        return [] if log is None else log.stored_events(run_id)
 
     def run_events(self, run_id: str) -> list[Any]:
-        log = self._log_of_run(run_id)
-        return [] if log is None else RunLog.run_events(log, run_id)
+        log = self._router.of_run(run_id)
+        return [] if log is None else log.run_events(run_id)
 
     def partition_of(self, run_id: str) -> int | None:
         """The number of the partition that holds the run (None: no such run)."""
-        log = self._log_of_run(run_id)
+        log = self._router.of_run(run_id)
         return None if log is None else log.partition
 
     # --------------------------------------------------------------- leases
     def lease(self, run_id: str) -> Lease | None:
-        log = self._log_of_run(run_id)
-        return None if log is None else RunLog.lease(log, run_id)
+        log = self._router.of_run(run_id)
+        return None if log is None else log.lease(run_id)
 
     async def lease_async(self, run_id: str) -> Lease | None:
-        log = await self._log_of_run_async(run_id)
-        return None if log is None else await RunLog.lease_async(log, run_id)
+        log = await self._router.of_run_async(run_id)
+        return None if log is None else await log.lease_async(run_id)
 
     def close(self) -> None:
-        for log in self.partitions[1:]:
-            log.close()
-        RunLog.close(self)
+        _close(self.partitions)
 
 
-def _agree_partitions(env: Mapping[str, str], wanted: int | None) -> int:
-    """The number of logs of the database: the one it records, raised to ``wanted``
-    (recorded, in one transaction under a lock); a smaller ``wanted`` is refused."""
-    connect: Callable[[], psycopg.Connection[Any]] = lambda: psycopg.connect(  # noqa: E731
-        host=env.get("POSTGRES_HOST"),
-        port=env.get("POSTGRES_PORT") or "5432",
-        dbname=env.get("POSTGRES_DBNAME"),
-        user=env.get("POSTGRES_USER"),
-        password=env.get("POSTGRES_PASSWORD") or None,
-        connect_timeout=5,
-    )
+def _close(logs: Iterable[RunLog]) -> None:
+    for log in logs:
+        log.close()
+
+
+def _open_database(
+    address: MemoryAddress | SqliteAddress | PostgresAddress | None, env: EnvType
+) -> list[RunLog]:
+    """The logs of one database: on PostgreSQL, as many as it records (or as the
+    address asks, which it then records); elsewhere one."""
+    count = _agree_partitions(address) if isinstance(address, PostgresAddress) else 1
+    logs: list[RunLog] = []
+    try:
+        for i in range(count):
+            logs.append(RunLog(env=env, partition=i, own_tables=i > 0))
+    except BaseException:
+        _close(logs)
+        raise
+    return logs
+
+
+def _agree_partitions(address: PostgresAddress) -> int:
+    """The number of logs of the database: the one it records, raised to the
+    address's ``partitions`` (recorded, in one transaction under a lock); a smaller
+    one is refused. Its connection is the store's first: a server that is away is a
+    ``StoreUnavailableError`` in seconds, not a pool retrying for thirty."""
+    wanted = address.partitions
     table = Identifier(PARTITIONS_TABLE)
-    with connect() as conn, conn.transaction():
+    with address.connect() as conn, conn.transaction():
         # The lock first: two stores opened at the same instant on a new database
         # would otherwise both create the table, and one fail on a duplicate
         # catalog key (CREATE TABLE IF NOT EXISTS is not safe against a race).

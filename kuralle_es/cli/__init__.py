@@ -29,8 +29,8 @@ import sys
 from collections.abc import Callable, Sequence
 from importlib.metadata import PackageNotFoundError, version
 
-from .._journal.store_url import STORE_ENV, StoreUnavailableError
-from ..errors import FlowNotFoundError, InvalidArgumentError, KuralleError
+from .._journal.store_url import STORE_ENV
+from ..errors import FlowNotFoundError, InvalidArgumentError, KuralleError, StoreUnavailableError
 from .cancel import add_cancel
 from .common import (
     APP_ENV,

@@ -11,19 +11,27 @@ import json
 import math
 import os
 import sys
-from collections.abc import Callable, Coroutine
-from pathlib import Path
+from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from .._definitions.agents import Agent
 from .._durations import positive_seconds
 from .._journal.run import Run
 from .._journal.store import RunStore
-from .._journal.store_url import STORE_ENV, open_store_from_env, open_store_url
+from .._journal.store_url import (
+    STORE_ENV,
+    MemoryAddress,
+    ShardedAddress,
+    SqliteAddress,
+    StoreAddress,
+    address_from_env,
+    parse_store_url,
+    redact,
+    server_reason,
+)
 from .._runtime.handle import TurnHandle
 from .._runtime.runtime import Runtime
-from ..errors import InvalidArgumentError, KuralleError
+from ..errors import InvalidArgumentError, KuralleError, StoreUnavailableError
 from ..shapes import TurnResult
 
 DEFAULT_APP = "kuralle_es.examples.refund:build_agent"
@@ -41,7 +49,7 @@ NO_STORE = (
 )
 
 
-def store_named(args: argparse.Namespace, environ: dict[str, str] | None = None) -> bool:
+def store_named(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> bool:
     """Whether the options or the environment name a store (``memory:`` included)."""
     env = os.environ if environ is None else environ
     return bool(
@@ -52,60 +60,62 @@ def store_named(args: argparse.Namespace, environ: dict[str, str] | None = None)
     )
 
 
-def _masked(url: str) -> str:
-    """``url`` without its password (in the authority or a ``password=`` parameter;
-    each URL of a sharded store's comma-separated list)."""
-    if "," in url:
-        return ",".join(_masked(part) for part in url.split(","))
-    parts = urlsplit(url)
-    netloc = parts.netloc
-    if "@" in netloc:
-        userinfo, _, hostport = netloc.rpartition("@")
-        user, has_password, _ = userinfo.partition(":")
-        netloc = f"{user}:***@{hostport}" if has_password else netloc
-    query = parts.query
-    if "password=" in query:
-        pairs = parse_qsl(query, keep_blank_values=True)
-        query = urlencode([(k, "***" if k == "password" else v) for k, v in pairs])
-    return urlunsplit(parts._replace(netloc=netloc, query=query))
+def _named_url(args: argparse.Namespace, env: Mapping[str, str]) -> str | None:
+    """The store URL the options or ``KURALLE_STORE`` name (``--sqlite F`` is short
+    for ``sqlite:///F``), or None: the ``eventsourcing`` variables then."""
+    if getattr(args, "store", None):
+        return str(args.store)
+    if getattr(args, "sqlite", None):
+        return f"sqlite:///{args.sqlite}"
+    return env.get(STORE_ENV) or None
 
 
-def store_label(args: argparse.Namespace, environ: dict[str, str] | None = None) -> str:
+def store_label(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> str:
     """The store a command uses, for its start line: never a password."""
     env = os.environ if environ is None else environ
-    url = getattr(args, "store", None)
-    if not url and getattr(args, "sqlite", None):
-        url = f"sqlite:///{args.sqlite}"
-    if not url and env.get(STORE_ENV):
-        url = env[STORE_ENV]
-    if url:
-        if url.startswith("sqlite:///") and len(url) > len("sqlite:///"):
-            return f"{url} ({Path(url[len('sqlite:///') :]).resolve()})"
-        if url in ("memory:", "memory://"):
-            return "memory: (this process only, empty at start)"
-        return _masked(url)
-    module = env.get("PERSISTENCE_MODULE", "")
-    if module.endswith("postgres"):
-        where = (
-            f"{env.get('POSTGRES_USER', '')}@{env.get('POSTGRES_HOST', '')}:"
-            f"{env.get('POSTGRES_PORT', '5432')}/{env.get('POSTGRES_DBNAME', '')}"
-        )
-        return f"{module} {where}"
-    if module.endswith("sqlite"):
-        return f"{module} {env.get('SQLITE_DBNAME', '')}"
-    return f"{module} (in memory: this process only, empty at start)"
+    url = _named_url(args, env)
+    try:
+        address = parse_store_url(url) if url else address_from_env(env)
+    except InvalidArgumentError:
+        return redact(url) if url else "the eventsourcing variables (unreadable)"
+    if isinstance(address, SqliteAddress):
+        where = f"{address.label()} ({address.path.resolve()})"
+    elif isinstance(address, MemoryAddress):
+        where = "memory: (this process only, empty at start)"
+    else:
+        where = address.label() if address is not None else ""
+    return where if url else f"{env.get('PERSISTENCE_MODULE', '')} {where}".strip()
 
 
 def open_store(args: argparse.Namespace, *, must_exist: bool = False) -> RunStore:
-    """The store the options (or the environment) name; ``StoreUnavailableError`` if away,
-    a refusal (exit 2) if nothing names one."""
+    """The store the options (or the environment) name; ``must_exist`` refuses a SQLite
+    file that is not there (a read-only command must not create an empty database by
+    mistake). ``StoreUnavailableError`` if away; a refusal (exit 2) if nothing names
+    one, or what names it cannot be read."""
     if not store_named(args):
         raise CliError(NO_STORE)
-    if getattr(args, "store", None):
-        return open_store_url(args.store, must_exist=must_exist)
-    if getattr(args, "sqlite", None):
-        return open_store_url(f"sqlite:///{args.sqlite}", must_exist=must_exist)
-    return open_store_from_env(must_exist=must_exist)
+    url = _named_url(args, os.environ)
+    try:
+        address = parse_store_url(url) if url else address_from_env(None)
+        if must_exist:
+            _refuse_missing_files(address)
+        return RunStore.from_url(url) if url else RunStore()
+    except (StoreUnavailableError, CliError):
+        raise
+    except InvalidArgumentError as e:
+        raise CliError(str(e)) from None
+    except Exception as e:  # eventsourcing's, SQLite's: one line, never a password
+        reason = server_reason(e)
+        raise StoreUnavailableError(
+            f"cannot open the store: {reason.replace(url, redact(url)) if url else reason}"
+        ) from None
+
+
+def _refuse_missing_files(address: StoreAddress | None) -> None:
+    shards = address.shards if isinstance(address, ShardedAddress) else (address,)
+    for shard in shards:
+        if isinstance(shard, SqliteAddress) and not shard.path.exists():
+            raise StoreUnavailableError(f"no SQLite database at {shard.path.resolve()}")
 
 
 def load_agents(spec: str) -> list[Agent]:

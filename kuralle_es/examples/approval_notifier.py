@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import sqlite3
 import sys
@@ -32,7 +33,7 @@ from typing import Any
 from eventsourcing.sqlite import SQLiteApplicationRecorder
 
 from .._journal.store import RunStore
-from .._journal.store_url import StoreUnavailableError, open_store_from_env, open_store_url
+from ..errors import InvalidArgumentError, StoreUnavailableError
 from ..events import Consumer, RunEvent, RunPaused
 
 __all__ = [
@@ -126,10 +127,9 @@ def open_store(url: str | None, sqlite_path: str | None) -> RunStore:
     """The store named by ``--sqlite``, else a URL (``--store`` / ``KURALLE_STORE``),
     else the ``eventsourcing`` environment variables; ``StoreUnavailableError`` if away."""
     if sqlite_path:
-        return open_store_url(f"sqlite:///{sqlite_path}")
-    if url:
-        return open_store_url(url)
-    return open_store_from_env()
+        return RunStore.sqlite(sqlite_path)
+    url = url or os.environ.get("KURALLE_STORE")
+    return RunStore.from_url(url) if url else RunStore()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -142,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         store = open_store(args.store, args.sqlite)
-    except StoreUnavailableError as e:
+    except (StoreUnavailableError, InvalidArgumentError) as e:
         print(f"approval_notifier: {e}", file=sys.stderr)
         return 2
     try:

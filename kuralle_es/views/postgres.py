@@ -32,6 +32,7 @@ from psycopg.rows import DictRow
 from psycopg.sql import SQL, Composed, Identifier
 
 from .._journal.eventsourcing_hooks import insert_tracking
+from .._journal.store_url import PostgresAddress
 from .backend import StepKey, ViewBackend
 from .fold import RunRow, StepRow, as_utc
 from .query import (
@@ -65,6 +66,9 @@ class PostgresViews(PostgresTrackingRecorder, ViewBackend):
 
     #: The lease records the queries join, when none is named.
     default_leases_table = "runstore_leases"
+    #: The store's address, when ``eventsourcing`` built this view's pool from the
+    #: variables alone (the projection runner): libpq's other parameters for it.
+    address: PostgresAddress | None = None
 
     def __init__(
         self,
@@ -74,6 +78,8 @@ class PostgresViews(PostgresTrackingRecorder, ViewBackend):
         leases_table_name: str | None = None,
         **kwargs: Any,
     ) -> None:
+        if self.address is not None:
+            self.address.configure(datastore.pool)
         super().__init__(datastore, tracking_table_name=tracking_table_name, **kwargs)
         leases_table_name = leases_table_name or self.default_leases_table
         prefix = tracking_table_name.removesuffix(_TRACKING_SUFFIX)

@@ -19,6 +19,7 @@ from eventsourcing.postgres import PostgresApplicationRecorder
 from eventsourcing.projection import ProjectionRunner
 
 from .._journal.log import RunLog
+from .._journal.store_url import PostgresAddress
 from .backend import ViewBackend
 from .postgres import PostgresViews, RunViewsProjection
 from .source import ViewSource, read_after
@@ -150,7 +151,10 @@ def run_projection_runner(
     # The runner builds its upstream and its view itself: this log's tables.
     source = type(f"{store.name}Source", (ViewSource,), {"name": store.name})
     leases = getattr(store.recorder, "leases_table", PostgresViews.default_leases_table)
-    view = type(f"{views}Tables", (PostgresViews,), {"default_leases_table": leases})
+    address = store.address if isinstance(store.address, PostgresAddress) else None
+    view = type(
+        f"{views}Tables", (PostgresViews,), {"default_leases_table": leases, "address": address}
+    )
     runner: ProjectionRunner[ViewSource, PostgresViews] = ProjectionRunner(
         application_class=source,
         projection_class=projection,

@@ -47,6 +47,7 @@ from kuralle_es import (
     Agent,
     ModelRequest,
     ModelResponse,
+    RunStore,
     Runtime,
     ToolCall,
     ToolCallRequest,
@@ -56,7 +57,6 @@ from kuralle_es import (
     define_tool,
     end,
 )
-from kuralle_es._journal.store_url import open_store_url
 from kuralle_es.testing import ScriptedModel
 
 FLOW = "charge"
@@ -176,7 +176,7 @@ def _clerk(request: ModelRequest) -> ModelResponse | str:
 
 
 async def _start_keyed(url: str, session: str, key: str, kind: str) -> None:
-    with open_store_url(url) as store:
+    with RunStore.from_url(url) as store:
         runtime = Runtime(
             build_agents(), store=store, lease_ttl=1.0, holder=f"doomed-{os.getpid()}"
         )
@@ -192,7 +192,7 @@ async def _start_keyed(url: str, session: str, key: str, kind: str) -> None:
 
 async def _start(url: str, session: str, runs: str = "1") -> None:
     os.environ["KT_RUNS"] = runs
-    with open_store_url(url) as store:
+    with RunStore.from_url(url) as store:
         runtime = Runtime(
             build_agents(), store=store, lease_ttl=1.0, holder=f"doomed-{os.getpid()}"
         )

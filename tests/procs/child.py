@@ -60,7 +60,6 @@ from types import TracebackType
 from typing import Any
 
 from kuralle_es import Agent, RunStore, Runtime, SignalDelivery, TurnHandle
-from kuralle_es._journal.store_url import open_store_url
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
 
@@ -90,7 +89,7 @@ def open_store(backend: str, target: str) -> RunStore:
     if backend == "postgres":
         return RunStore.postgres(target)
     if backend == "url":  # a store URL: sharded (comma-separated), ?partitions=K, ...
-        return open_store_url(target)
+        return RunStore.from_url(target)
     msg = f"backend {backend!r} cannot be shared with another process"
     raise ValueError(msg)
 
