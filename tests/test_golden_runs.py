@@ -1,14 +1,19 @@
 """Golden runs: stored runs written by an earlier release keep loading and resuming.
 
-``tests/golden/runs_0_1_0/`` holds runs that kuralle_es 0.1.0 (commit 014f51e)
+Each generation ``tests/golden/runs_<release>/`` holds runs that one release
 stored with the frozen app of that folder: a SQLite file and a PostgreSQL dump
-of the same set (paused on an approval, on a tool's approval, on a signal with
-a schema, on a durable timer, on a collect node's input, finished, failed,
-cancelled, a conversation, a conversation paused on a model-requested tool's
-approval, a fork, an expired deadline, a retried tool, a run with a snapshot,
-an orphan), and ``manifest.json`` saying how each stands and
-how its resume should end. They are users' data: never regenerated, never
-edited. Each test works on a copy (a temp file, a fresh database), with the
+of the same set, and ``manifest.json`` saying how each stands and how its
+resume should end. ``runs_0_1_0`` (kuralle_es 0.1.0, commit 014f51e): paused
+on an approval, on a tool's approval, on a signal with a schema, on a durable
+timer, on a collect node's input, finished, failed, cancelled, a
+conversation, a conversation paused on a model-requested tool's approval, a
+fork, an expired deadline, a retried tool, a run with a snapshot, an orphan.
+``runs_0_2_0`` (commit ecbe8d2, the 0.2 line) holds the same set, its orphan's
+lease a lease record, and besides: a run pinned to a flow version, a migrated
+run and its fork, a parallel batch, a conversation with a keyed turn, a run
+paused on a budget's approval and one paused on an in-doubt question. They
+are users' data: never regenerated, never edited. Every test runs over every
+generation; each works on a copy (a temp file, a fresh database), with the
 same body for both stores, and checks that today's code
 
 - loads every run as stored (``get_run``, ``get_steps``) and would resume it
@@ -17,25 +22,29 @@ same body for both stores, and checks that today's code
 - answers the run views over the stored view tables (and a rebuild of them);
 - streams the public events of every run, in order (``follow``, ``Consumer``);
 - resumes every run to its end (approvals, signal, timer, input, deadline
-  sweep, orphan recovery, the fork), each effect executed once (the tools'
-  ledger), the orphan's in-doubt step once more under its stored key.
+  sweep, orphan recovery, the fork, a budget raised, an in-doubt step
+  resolved), each effect executed once (the tools' ledger), the orphan's
+  in-doubt step once more under its stored key.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import importlib
+import itertools
 import json
 import shutil
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import Any, overload
 
 import psycopg
 import pytest
-from golden.runs_0_1_0 import app
 
 from kuralle_es import (
     InvalidSignalError,
@@ -52,14 +61,52 @@ from kuralle_es import (
 from kuralle_es.events import Consumer, RunEvent, follow
 from kuralle_es.testing import replay_check
 
-GOLDEN = Path(__file__).resolve().parent / "golden" / "runs_0_1_0"
-MANIFEST: dict[str, Any] = json.loads((GOLDEN / "manifest.json").read_text("utf-8"))
-RUNS: dict[str, dict[str, Any]] = MANIFEST["runs"]
+GOLDEN = Path(__file__).resolve().parent / "golden"
+#: Every generation of golden runs: a folder each, with its manifest and its app.
+GENERATIONS = sorted(p.name for p in GOLDEN.glob("runs_*") if (p / "manifest.json").exists())
 HOLDER = "golden-test"
 #: The status a resume ends in -> the type of the run's last public event.
 LAST_EVENT = {"finished": "RunFinished", "error": "RunErrored", "aborted": "RunAborted"}
 
 BACKENDS = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One generation's folder, its manifest, and its frozen app (imported as
+    ``golden.<name>.app``: the runs store its signal schemas under that topic)."""
+
+    name: str
+    folder: Path
+    manifest: dict[str, Any]
+    app: ModuleType
+
+    @property
+    def runs(self) -> dict[str, dict[str, Any]]:
+        """Per run label: what it is, how it stands, how it resumes."""
+        runs: dict[str, dict[str, Any]] = self.manifest["runs"]
+        return runs
+
+
+@functools.cache
+def load_generation(name: str) -> Generation:
+    folder = GOLDEN / name
+    manifest = json.loads((folder / "manifest.json").read_text("utf-8"))
+    assert manifest["generation"] == name
+    return Generation(name, folder, manifest, importlib.import_module(f"golden.{name}.app"))
+
+
+def flow_key(name: str, version: str | None) -> str:
+    """A flow's key in a manifest's ``flows``: its name, and its version if it has one."""
+    return name if version is None else f"{name}@{version}"
+
+
+def test_every_generation_is_found_with_its_manifest_and_app() -> None:
+    assert {"runs_0_1_0", "runs_0_2_0"} <= set(GENERATIONS)
+    for name in GENERATIONS:
+        generation = load_generation(name)
+        assert set(generation.manifest["stores"]) == {"sqlite", "postgres"}, name
+        assert generation.app.__name__ == f"golden.{name}.app"
 
 
 # ------------------------------------------------------------------ loading
@@ -99,22 +146,48 @@ def load_pg_dump(dsn: str, dump: Path) -> None:
 class Golden:
     """One store's copy of the golden runs, and the ledger its tools write to now."""
 
+    generation: Generation
     backend: str
     target: str
     ledger: Path
     stores: list[RunStore] = field(default_factory=list)
 
     @property
+    def manifest(self) -> dict[str, Any]:
+        return self.generation.manifest
+
+    @property
+    def runs(self) -> dict[str, dict[str, Any]]:
+        return self.generation.runs
+
+    @property
+    def app(self) -> ModuleType:
+        return self.generation.app
+
+    @property
     def own(self) -> dict[str, Any]:
         """The manifest's facts of this store: run ids, states, keys, its ledger."""
-        stores: dict[str, Any] = MANIFEST["stores"]
+        stores: dict[str, Any] = self.manifest["stores"]
         return dict(stores[self.backend])
 
     def run_id(self, label: str) -> str:
         return str(self.own["runs"][label]["run_id"])
 
     def session(self, label: str) -> str:
-        return str(RUNS[label]["session_id"])
+        return str(self.runs[label]["session_id"])
+
+    @overload
+    def labelled(self, text: str) -> str: ...
+    @overload
+    def labelled(self, text: None) -> None: ...
+    def labelled(self, text: str | None) -> str | None:
+        """``text`` with each run id in it written ``{run:<label>}``, as the manifest
+        writes a run id in a fact shared by both stores (their ids differ)."""
+        if text is None:
+            return None
+        for label in self.runs:
+            text = text.replace(self.run_id(label), f"{{run:{label}}}")
+        return text
 
     def open(self) -> RunStore:
         if self.backend == "sqlite":
@@ -125,7 +198,7 @@ class Golden:
         return store
 
     def runtime(self, holder: str = HOLDER) -> Runtime:
-        return Runtime(app.build_agents(), store=self.open(), holder=holder)
+        return Runtime(self.app.build_agents(), store=self.open(), holder=holder)
 
     def generated_ledger(self, label: str) -> list[dict[str, Any]]:
         """The effects the generation executed for this run."""
@@ -133,36 +206,46 @@ class Golden:
         return [e for e in self.own["ledger"] if e["run_id"] == run_id]
 
 
+@pytest.fixture(params=GENERATIONS)
+def generation(request: pytest.FixtureRequest) -> Generation:
+    return load_generation(str(request.param))
+
+
 @pytest.fixture(params=BACKENDS)
-def golden(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Golden]:
+def golden(
+    request: pytest.FixtureRequest, generation: Generation, tmp_path: Path
+) -> Iterator[Golden]:
     backend = str(request.param)
     if backend == "sqlite":
         target = tmp_path / "runs.sqlite"
-        shutil.copyfile(GOLDEN / "runs.sqlite", target)  # never touch the committed file
+        # never touch the committed file
+        shutil.copyfile(generation.folder / "runs.sqlite", target)
         copy = str(target)
     else:
         copy = str(request.getfixturevalue("pg_dsn"))  # a fresh database, dropped after
-        load_pg_dump(copy, GOLDEN / "runs.pg.sql")
+        load_pg_dump(copy, generation.folder / "runs.pg.sql")
     ledger = tmp_path / "ledger.jsonl"
-    app.use_ledger(ledger)
-    found = Golden(backend, copy, ledger)
+    generation.app.use_ledger(ledger)
+    found = Golden(generation, backend, copy, ledger)
     try:
         yield found
     finally:
-        app.use_ledger(None)
+        generation.app.use_ledger(None)
         for store in found.stores:
             with contextlib.suppress(Exception):
                 store.close()
 
 
-def test_the_golden_flows_digests_are_computed_as_they_were() -> None:
-    assert {flow.name: flow.digest for flow in app.FLOWS} == MANIFEST["flows"]
+def test_the_golden_flows_digests_are_computed_as_they_were(generation: Generation) -> None:
+    flows = {flow_key(flow.name, flow.version): flow.digest for flow in generation.app.FLOWS}
+    assert flows == generation.manifest["flows"]
 
 
 # -------------------------------------------------------------------- loads
 async def test_every_golden_run_loads_as_it_was_stored(golden: Golden) -> None:
     runtime = golden.runtime()
-    for label, expected in RUNS.items():
+    app, manifest = golden.app, golden.manifest
+    for label, expected in golden.runs.items():
         own = golden.own["runs"][label]
         state = await runtime.get_run(own["run_id"], expected["session_id"])
         assert state is not None, f"{label}: run {own['run_id']} not found"
@@ -173,7 +256,7 @@ async def test_every_golden_run_loads_as_it_was_stored(golden: Golden) -> None:
             "status": state.status,
             "active_flow": state.active_flow,
             "active_node": state.active_node,
-            "outcome": state.outcome,
+            "outcome": golden.labelled(state.outcome),
             "error": None if state.error is None else state.error.type,
             "waiting_for": None if wait is None else {
                 "kind": wait.kind,
@@ -188,12 +271,19 @@ async def test_every_golden_run_loads_as_it_was_stored(golden: Golden) -> None:
             "steps": [app.step_signature(s) for s in steps],
             "messages": [m.role for m in state.messages],
         }  # fmt: skip
+        if "flow_version" in expected:  # recorded from generation runs_0_2_0 on
+            seen["flow_version"] = state.flow_version
         assert seen == {k: expected[k] for k in seen}, label
         assert state.state == own["state"], label
         assert [s.key for s in steps] == own["step_keys"], label
         assert state.flow_digest == own["flow_digest"], label
+        forked = None if state.forked_from is None else dict(state.forked_from)
+        assert forked == own["forked_from"], label
+        if "migrated_to" in own:
+            assert state.migrated_to == own["migrated_to"], label
         if state.active_flow is not None:
-            assert state.flow_digest == MANIFEST["flows"][state.active_flow], label
+            key = flow_key(state.active_flow, state.flow_version)
+            assert state.flow_digest == manifest["flows"][key], label
         if wait is not None and wait.deadline is not None:
             assert wait.deadline.tzinfo is not None, label
 
@@ -204,15 +294,18 @@ async def test_every_golden_run_loads_as_it_was_stored(golden: Golden) -> None:
     assert orphan is not None and orphan.lease_expires_at is not None
     assert orphan.lease_expires_at < datetime.now(UTC)
 
-    # Today's code would resume every live run as recorded: no drift, no non-determinism.
+    # Today's code would resume every live run as recorded: no drift, no non-determinism
+    # (each flow checked with all its versions).
     store = golden.open()
-    for flow in app.FLOWS:
-        assert await replay_check(store, flow, agents=app.build_agents()) == [], flow.name
+    by_name = sorted(app.FLOWS, key=lambda flow: flow.name)
+    for name, versions in itertools.groupby(by_name, key=lambda flow: flow.name):
+        found = await replay_check(store, list(versions), agents=app.build_agents())
+        assert found == [], name
 
 
 # -------------------------------------------------------------------- views
 def summaries_by_label(golden: Golden, summaries: list[Any]) -> dict[str, Any]:
-    labels = {golden.run_id(label): label for label in RUNS}
+    labels = {golden.run_id(label): label for label in golden.runs}
     return {labels.get(s.run_id, s.run_id): s for s in summaries}
 
 
@@ -221,21 +314,24 @@ async def test_the_views_of_the_golden_runs_answer_as_stored_and_rebuilt(golden:
     await views.wait_until_caught_up(30.0)
     now = datetime.now(UTC)
 
+    runs = golden.runs
     listed = summaries_by_label(golden, await views.list_runs(limit=100))
     assert {label: s.status for label, s in listed.items()} == {
-        label: run["status"] for label, run in RUNS.items()
+        label: run["status"] for label, run in runs.items()
     }
     for label, summary in listed.items():
-        run = RUNS[label]
+        run = runs[label]
         assert summary.session_id == run["session_id"], label
         assert (summary.kind, summary.step_count) == (run["kind"], run["step_count"]), label
         assert summary.active_flow == run["active_flow"], label
+        if "flow_version" in run:
+            assert summary.flow_version == run["flow_version"], label
         wait = run["waiting_for"]
         assert (None if summary.waiting_for is None else summary.waiting_for.kind) == (
             None if wait is None else wait["kind"]
         ), label
 
-    paused = {label for label, run in RUNS.items() if run["status"] == "paused"}
+    paused = {label for label, run in runs.items() if run["status"] == "paused"}
     assert set(summaries_by_label(golden, await views.waiting_runs())) == paused
     assert list(summaries_by_label(golden, await views.orphaned_runs(now))) == ["orphan"]
     assert list(summaries_by_label(golden, await views.due_timers(now))) == ["timer"]
@@ -248,7 +344,7 @@ async def test_the_views_of_the_golden_runs_answer_as_stored_and_rebuilt(golden:
     }  # fmt: skip
     stats = {s.name: s for s in await views.step_stats()}
     assert {"charge", "quote", "explode", "flaky", "double", "settle", "lookup"} <= set(stats)
-    assert stats["explode"].errors == 1 and stats["double"].count == app.LONG_VISITS
+    assert stats["explode"].errors == 1 and stats["double"].count == golden.app.LONG_VISITS
 
     # The stored view tables say what a projection of the stored events says.
     before = [s.model_dump() for s in await views.list_runs(limit=100)]
@@ -265,19 +361,19 @@ async def take_all(events: AsyncIterator[RunEvent], count: int) -> list[RunEvent
 
 
 def by_label(golden: Golden, events: list[RunEvent]) -> dict[str, list[str]]:
-    labels = {golden.run_id(label): label for label in RUNS}
+    labels = {golden.run_id(label): label for label in golden.runs}
     grouped: dict[str, list[str]] = {}
     for event in events:
         assert event.run_id in labels, f"an event of an unknown run: {event}"
         label = labels[event.run_id]
-        assert event.session_id == RUNS[label]["session_id"], event
-        grouped.setdefault(label, []).append(app.event_signature(event))
+        assert event.session_id == golden.runs[label]["session_id"], event
+        grouped.setdefault(label, []).append(golden.labelled(golden.app.event_signature(event)))
     return grouped
 
 
 async def test_the_public_events_of_the_golden_runs_stream_in_order(golden: Golden) -> None:
     store = golden.open()
-    expected = {label: run["events"] for label, run in RUNS.items()}
+    expected = {label: run["events"] for label, run in golden.runs.items()}
     count = sum(len(events) for events in expected.values())
 
     streamed = await take_all(follow(store), count)
@@ -299,10 +395,13 @@ Action = Callable[[Runtime, Golden, str], Any]
 
 
 async def approve(runtime: Runtime, golden: Golden, label: str) -> TurnResult:
-    spec = RUNS[label]["resume"]
+    spec = golden.runs[label]["resume"]
     run_id, session = golden.run_id(label), golden.session(label)
     signal_id = f"golden-{label}"
-    result = await runtime.approve(run_id, session, by=spec["by"], signal_id=signal_id)
+    raise_to = spec.get("raise_to")  # a budget's approval: the limits it raises
+    result = await runtime.approve(
+        run_id, session, by=spec["by"], signal_id=signal_id, raise_to=raise_to
+    )
     # The same decision again (a webhook retry) is a no-op.
     version = await state_version(runtime, golden, label)
     again = await runtime.approve(run_id, session, by=spec["by"], signal_id=signal_id)
@@ -314,7 +413,7 @@ async def approve(runtime: Runtime, golden: Golden, label: str) -> TurnResult:
 
 
 async def signal(runtime: Runtime, golden: Golden, label: str) -> TurnResult:
-    spec = RUNS[label]["resume"]
+    spec = golden.runs[label]["resume"]
     run_id, session = golden.run_id(label), golden.session(label)
     if "bad_payload" in spec:  # the stored schema topic still resolves: a bad payload is refused
         version = await state_version(runtime, golden, label)
@@ -339,14 +438,14 @@ async def recover(runtime: Runtime, golden: Golden, label: str) -> None:
 
 
 async def give_input(runtime: Runtime, golden: Golden, label: str) -> TurnResult:
-    spec = RUNS[label]["resume"]
+    spec = golden.runs[label]["resume"]
     return await runtime.run(
         golden.session(label), run_id=golden.run_id(label), input=spec["input"]
     ).result()
 
 
 async def converse(runtime: Runtime, golden: Golden, label: str) -> TurnResult:
-    spec = RUNS[label]["resume"]
+    spec = golden.runs[label]["resume"]
     await readdress(runtime, golden, label)
     result = await runtime.run(golden.session(label), input=spec["input"]).result()
     assert (result.run_id, result.output) == (golden.run_id(label), spec["output"])
@@ -355,7 +454,7 @@ async def converse(runtime: Runtime, golden: Golden, label: str) -> TurnResult:
 
 async def readdress(runtime: Runtime, golden: Golden, label: str) -> None:
     """A run that ended, addressed again: it executes nothing."""
-    spec = RUNS[label]["resume"]
+    spec = golden.runs[label]["resume"]
     run_id, session = golden.run_id(label), golden.session(label)
     before = await state_version(runtime, golden, label)
     if spec.get("raises") == "ToolExecutionError":
@@ -366,14 +465,21 @@ async def readdress(runtime: Runtime, golden: Golden, label: str) -> None:
     if spec.get("refused_approval"):
         with pytest.raises(SignalMismatchError):
             await runtime.approve(run_id, session, by="late")
+    status = golden.runs[label]["status"]
     result = await runtime.run(session, run_id=run_id).result()
-    assert result.status == RUNS[label]["status"]
-    if "restart_key" in spec:  # a retried start with the same key finds the stored run
-        flow = RUNS[label]["flow"]
-        again = await runtime.run(
-            session, kind="flow", flow_name=flow, idempotency_key=spec["restart_key"]
-        ).result()
-        assert (again.run_id, again.status) == (run_id, RUNS[label]["status"])
+    assert result.status == status
+    if "restart_key" in spec:  # a retried start or turn with the same key finds the stored run
+        flow = golden.runs[label]["flow"]
+        if flow is None:  # a conversation's keyed turn: its stored result, nothing run again
+            again = await runtime.run(
+                session, input=spec["restart_input"], idempotency_key=spec["restart_key"]
+            ).result()
+            assert again.output == spec["restart_output"], label
+        else:
+            again = await runtime.run(
+                session, kind="flow", flow_name=flow, idempotency_key=spec["restart_key"]
+            ).result()
+        assert (again.run_id, again.status) == (run_id, status)
     assert await state_version(runtime, golden, label) == before
 
 
@@ -401,8 +507,9 @@ async def final_state(runtime: Runtime, golden: Golden, label: str) -> RunState:
 
 async def test_every_golden_run_resumes_to_its_end_with_each_effect_once(golden: Golden) -> None:
     runtime = golden.runtime()
+    app, runs = golden.app, golden.runs
     added: dict[str, list[dict[str, Any]]] = {}
-    for label, run in RUNS.items():
+    for label, run in runs.items():
         spec = run["resume"]
         before = len(app.read_ledger())
         stored = await runtime.get_steps(golden.run_id(label), golden.session(label))
@@ -416,8 +523,11 @@ async def test_every_golden_run_resumes_to_its_end_with_each_effect_once(golden:
             if was.status != "running":
                 assert is_now == was, (label, was.index)
 
+        if "steps" in spec:
+            assert [app.step_signature(s) for s in steps] == spec["steps"], label
         state = await final_state(runtime, golden, label)
-        assert (state.status, state.outcome) == (spec["status"], spec["outcome"]), label
+        outcome = golden.labelled(state.outcome)
+        assert (state.status, outcome) == (spec["status"], spec["outcome"]), label
         assert state.waiting_for is None and state.lease_holder is None, label
         new = app.read_ledger()[before:]
         assert {e["run_id"] for e in new} <= {golden.run_id(label)}, (label, new)
@@ -433,7 +543,7 @@ async def test_every_golden_run_resumes_to_its_end_with_each_effect_once(golden:
     assert [app.step_signature(s) for s in steps] == ["tool settle finished x2"]
     # The frozen refund executed with the arguments its approver saw.
     (refund,) = added["tool_approval"]
-    assert refund["args"] == RUNS["tool_approval"]["waiting_for"]["operation"]["args"]
+    assert refund["args"] == runs["tool_approval"]["waiting_for"]["operation"]["args"]
     # The retried tool and the fork's quote replayed; the long run's total is its own.
     retried = await runtime.get_steps(golden.run_id("retried"), golden.session("retried"))
     assert [app.step_signature(s) for s in retried] == [
@@ -444,6 +554,10 @@ async def test_every_golden_run_resumes_to_its_end_with_each_effect_once(golden:
     fork = await runtime.get_steps(golden.run_id("fork"), golden.session("fork"))
     assert [s.name for s in fork] == ["quote", "__approval", "charge"]
     assert added["long"][0]["args"] == {"cents": sum(2 * n for n in range(app.LONG_VISITS))}
+    if "in_doubt" in runs:  # the in-doubt step holds the result the human gave, unexecuted
+        (resolved,) = await runtime.get_steps(golden.run_id("in_doubt"), golden.session("in_doubt"))
+        assert resolved.result == runs["in_doubt"]["resume"]["payload"]["result"]
+        assert resolved.key == golden.own["runs"]["in_doubt"]["step_keys"][0]
 
     # Every effect once: no key twice now, and none the generation executed, but the
     # in-doubt steps the manifest says re-execute (the orphan's settle), each under a
@@ -451,7 +565,7 @@ async def test_every_golden_run_resumes_to_its_end_with_each_effect_once(golden:
     now_keys = [e["key"] for label in added for e in added[label]]
     assert len(now_keys) == len(set(now_keys))
     reexecuted: set[str] = set()
-    for label, run in RUNS.items():
+    for label, run in runs.items():
         again = [e for e in added[label] if e["tool"] in run["resume"].get("reexecutes", [])]
         assert [e["tool"] for e in again] == run["resume"].get("reexecutes", []), label
         assert {e["key"] for e in again} <= {e["key"] for e in golden.generated_ledger(label)}
@@ -468,7 +582,7 @@ async def test_every_golden_run_resumes_to_its_end_with_each_effect_once(golden:
     assert await runtime.views.orphaned_runs(datetime.now(UTC)) == []
     listed = summaries_by_label(golden, await runtime.views.list_runs(limit=100))
     assert {label: s.status for label, s in listed.items()} == {
-        label: run["resume"]["status"] for label, run in RUNS.items()
+        label: run["resume"]["status"] for label, run in runs.items()
     }
     store = golden.open()
     events: list[RunEvent] = []
@@ -476,22 +590,22 @@ async def test_every_golden_run_resumes_to_its_end_with_each_effect_once(golden:
     positions = [e.position for e in events]
     assert positions == sorted(positions)
     grouped = by_label(golden, events)
-    for label, run in RUNS.items():
+    for label, run in runs.items():
         assert grouped[label][: len(run["events"])] == run["events"], label
         assert grouped[label][-1].split()[0] == LAST_EVENT[run["resume"]["status"]], label
-    assert len(app.read_ledger()) == sum(len(run["resume"]["adds"]) for run in RUNS.values())
+    assert len(app.read_ledger()) == sum(len(run["resume"]["adds"]) for run in runs.values())
 
 
-async def test_a_keyed_start_of_the_first_release_retried_now_finds_its_run_and_runs_nothing(
+async def test_a_keyed_start_of_an_earlier_release_retried_now_finds_its_run_and_runs_nothing(
     golden: Golden,
 ) -> None:
-    """0.1.0 derived a keyed start's run id from its session, flow and key; starts
-    now derive it from the key alone, and still find the runs keyed before."""
+    """Earlier releases derived a keyed start's run id from its session, flow and key;
+    starts now derive it from the key alone, and still find the runs keyed before."""
     runtime = golden.runtime()
-    before = len(app.read_ledger())
+    before = len(golden.app.read_ledger())
     session = golden.session("finished")
     retry = await runtime.run(
         session, kind="flow", flow_name="checkout", idempotency_key="checkout-1"
     ).result()
     assert (retry.run_id, retry.status) == (golden.run_id("finished"), "finished")
-    assert len(app.read_ledger()) == before
+    assert len(golden.app.read_ledger()) == before
