@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, ClassVar, dataclass_transform
 
+from ._unicode import printable
+
 if TYPE_CHECKING:
     from ._journal.wait import Wait
 
@@ -403,12 +405,6 @@ class DeadlineExpiredError(_FieldsError):
 
 def _finite(value: object) -> bool:
     return isinstance(value, float) and math.isfinite(value)
-
-
-def printable(text: str) -> str:
-    """``text`` with any lone surrogate written as its escape, so an error message
-    (whose text the journal records, whatever raised it) can always be stored."""
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def error_fields(exc: BaseException) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
 
-from .errors import printable
+from ._unicode import printable
 
 StepKind = Literal["tool", "approval", "signal", "now", "uuid", "model", "timer"]
 StepStatus = Literal["running", "finished", "error"]

@@ -142,6 +142,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "kuralle_es._callables",
         "kuralle_es._durations",
         "kuralle_es._crash",
+        "kuralle_es._unicode",
         "kuralle_es._lookup",
     ),
     ("kuralle_es._journal",),
