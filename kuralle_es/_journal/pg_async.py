@@ -257,8 +257,8 @@ class AsyncOneTripSaver:
         rows = await self._execute(self._recorder.select_lease_statement, (run_id,), None)
         if not rows:
             return None
-        holder, token, expires_at = rows[0]
-        return Lease(holder, expires_at, token)
+        holder, token, expires_at, live = rows[0]
+        return Lease(holder, expires_at, token, live)
 
     async def _execute(
         self,

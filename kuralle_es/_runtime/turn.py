@@ -23,7 +23,7 @@ from .flow_driver import Driven, drive
 from .handle import TurnSink
 from .observability import log_event, set_status, span
 from .turn_calls import Command, Opening, TurnEnv
-from .writer import RunStopped, RunWriter, result_of, utcnow
+from .writer import RunStopped, RunWriter, result_of
 
 __all__ = ["drive_turn", "result_of"]
 
@@ -97,7 +97,7 @@ class _Turn:
         # refused before anything the call delivers is checked. (The lease is read
         # after the run: a holder that opened its turn in between may have
         # answered this very call, so read the run again before refusing.)
-        if held is not None and held.holder != env.holder and held.live(utcnow()):
+        if held is not None and held.holder != env.holder and held.live:
             latest = await env.store.load_async(run.run_id)
             done = self._done_already(latest, fresh) if latest is not None else None
             if latest is not None and done is not None:

@@ -31,6 +31,7 @@ import copy
 import inspect
 import json
 import random
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -210,9 +211,12 @@ class RunWriter:
         self.run_id = run.run_id
         self._holder = holder
         self.lease_ttl = timedelta(seconds=lease_ttl)
-        #: This turn's token on the run's lease record, and the lease once taken.
+        #: This turn's token on the run's lease record.
         self._token = uuid4().hex
-        self._lease: Lease | None = None
+        #: When (monotonic) the latest take or renewal of the lease was sent, None
+        #: while none is held: the expiry is the store's, by the store's clock, so
+        #: the age of the lease is measured here from the moment it was asked for.
+        self._renewed_at: float | None = None
         #: The lease op the next save carries (a take, or a release), if any.
         self._lease_op: LeaseOp | None = None
         #: A durable sleep that wakes within this many seconds waits inline.
@@ -228,7 +232,7 @@ class RunWriter:
         #: ended the run with, or the replay mismatch that refused an effect.
         self._stopped: Wait | str | NonDeterminismError | None = None
         self._closed = False
-        self._beat_every = timedelta(seconds=lease_ttl / 3)
+        self._beat_every = lease_ttl / 3
         self._heartbeat = Heartbeat(self._beat, lease_ttl / 3)
         #: Whether this turn's steps make spans (a provider set meanwhile counts
         #: from the next turn).
@@ -280,10 +284,7 @@ class RunWriter:
 
     def take_lease(self) -> None:
         """Take the run's lease with the next save (refused: ``LeaseHeldError``)."""
-        now = utcnow()
-        self._lease_op = LeaseOp.take(
-            self._run.id, self._holder, self._token, now + self.lease_ttl, now
-        )
+        self._lease_op = LeaseOp.take(self._run.id, self._holder, self._token, self.lease_ttl)
 
     def take_over(self, previous_holder: str | None) -> None:
         """Record that this turn takes the running run over from ``previous_holder``:
@@ -340,8 +341,9 @@ class RunWriter:
     async def create(self) -> None:
         """Save a new run (with its session's index, and the lease taken)."""
         op, self._lease_op = self._lease_op, None
+        sent_at = time.monotonic()
         await self._store.create_run_async(self._run, op)
-        self._hold(op)
+        self._hold(op, sent_at)
 
     async def close_turn(self, idempotency_key: str | None, paused_output: Any) -> TurnResult:
         """Save the turn's end (the run's closing events) with the lease released;
@@ -365,11 +367,12 @@ class RunWriter:
         if self._broken is not None:
             raise self._broken
         op, self._lease_op = self._lease_op, None
-        lease = self._lease
-        if op is None and lease is not None:
-            now = utcnow()
-            if renew or lease.expires_at - now < self.lease_ttl / 2:
-                op = LeaseOp.renew(run.id, self._token, now + self.lease_ttl)
+        sent_at = time.monotonic()
+        renewed_at = self._renewed_at
+        if op is None and renewed_at is not None:
+            age = sent_at - renewed_at
+            if renew or age > self.lease_ttl.total_seconds() / 2:
+                op = LeaseOp.renew(run.id, self._token, self.lease_ttl)
         if not run.pending_events and op is None:
             return
         try:
@@ -384,17 +387,13 @@ class RunWriter:
                 run.run_id, f"a save of this turn failed with {exc!r}", clash=False
             )
             raise
-        self._hold(op)
+        self._hold(op, sent_at)
 
-    def _hold(self, op: LeaseOp | None) -> None:
-        """What this turn holds after a save that carried ``op``."""
+    def _hold(self, op: LeaseOp | None, sent_at: float) -> None:
+        """What this turn holds after a save, sent at ``sent_at``, that carried ``op``."""
         if op is None:
             return
-        if op.kind in ("take", "renew"):
-            assert op.expires_at is not None
-            self._lease = Lease(self._holder, op.expires_at, self._token)
-        else:
-            self._lease = None
+        self._renewed_at = sent_at if op.kind in ("take", "renew") else None
 
     async def _save_intent(self) -> None:
         """Save an effect's intent (with whatever else is pending) before it executes.
@@ -416,10 +415,8 @@ class RunWriter:
         """The heartbeat: renew the lease record (nothing is appended to the journal),
         unless a save renewed it within the last beat interval."""
         async with self._lock:
-            lease = self._lease
-            if lease is None:
-                return
-            if lease.expires_at - utcnow() > self.lease_ttl - self._beat_every:
+            renewed_at = self._renewed_at
+            if renewed_at is None or time.monotonic() - renewed_at < self._beat_every:
                 return
             await self._persist_locked(renew=True)
 
@@ -801,7 +798,7 @@ class Abandon(RunChange):
     def apply(self, run: Run, lease: Lease | None) -> bool:
         if run.status in ("finished", "aborted"):
             return False
-        if lease is not None and lease.holder != self.holder and lease.live(utcnow()):
+        if lease is not None and lease.holder != self.holder and lease.live:
             raise LeaseHeldError(run.run_id, lease.holder, lease.expires_at)
         run.abort(self.outcome)
         return True
