@@ -10,6 +10,14 @@ connection) that tries to take the run over meanwhile is refused with
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
 from typing import Any
 from uuid import UUID
 
@@ -18,8 +26,10 @@ from pydantic import BaseModel
 
 from kuralle_es import (
     LeaseHeldError,
+    RunStore,
     Runtime,
     StaleWriteError,
+    ToolExecutionError,
     action,
     define_agent,
     define_flow,
@@ -145,3 +155,163 @@ async def test_a_turn_whose_heartbeat_loses_to_another_writer_stops_and_executes
     assert ledger.after == 0  # nothing after the lost heartbeat executed
     stored = list(store.events.get(UUID(run_id)))
     assert type(stored[-1]).__name__ == "Aborted"
+
+
+# ------------------------------------------- whatever the effect does to the loop
+#: The lease of the tests below, and how long their tools block (five leases).
+SHORT_LEASE = 0.3
+BLOCK_SECONDS = 1.5
+PROCS = Path(__file__).resolve().parent / "procs"
+sys.path.insert(0, str(PROCS))
+from lease_app import build_agents, ledger_lines, rival  # noqa: E402
+
+
+def _url(open_store: Any) -> str:
+    """The store URL of the factory's database, for a process of its own."""
+    if open_store.backend == "sqlite":
+        return f"sqlite:///{open_store.target}"
+    return str(open_store.target)
+
+
+class Rival:
+    """A second worker that tries to take the run while worker A drives it: in a
+    process of its own over SQLite and PostgreSQL, on a thread with its own event
+    loop and store over memory (a memory store lives in one process)."""
+
+    def __init__(self, open_store: Any, session: str) -> None:
+        self.tally: dict[str, Any] | None = None
+        self._process: subprocess.Popen[str] | None = None
+        self._thread: threading.Thread | None = None
+        if open_store.backend == "memory":
+            store = open_store()
+            work = rival(store, session, SHORT_LEASE, 60)
+            self._thread = threading.Thread(target=self._in_thread, args=(work,))
+            self._thread.start()
+            return
+        self._process = subprocess.Popen(
+            [sys.executable, str(PROCS / "lease_app.py"), "rival", _url(open_store), session,
+             str(SHORT_LEASE), "60"],
+            env={k: v for k, v in os.environ.items() if not k.startswith("KURALLE_")},
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert self._process.stdout is not None
+        assert self._process.stdout.readline().strip() == "ready", self._process.communicate()
+
+    def _in_thread(self, work: Any) -> None:
+        self.tally = asyncio.run(work)
+
+    def result(self) -> dict[str, Any]:
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+            assert self.tally is not None
+            return self.tally
+        assert self._process is not None
+        out, err = self._process.communicate(timeout=90)
+        assert self._process.returncode == 0, err
+        tally: dict[str, Any] = json.loads(out.splitlines()[-1])
+        return tally
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("flow", ["hold-async", "hold-sync"])
+@pytest.mark.parametrize(
+    "backend", ["memory", "sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+)
+async def test_a_tool_that_blocks_the_event_loop_longer_than_the_lease_is_never_taken_over(
+    open_store: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flow: str
+) -> None:
+    """``hold-async`` calls ``time.sleep`` inside an ``async def``: the turn's loop
+    stands still for five leases. The heartbeat renews from its own thread, so
+    the second worker meets a live lease on every try and the tool runs once."""
+    ledger = tmp_path / "ledger"
+    monkeypatch.setenv("KT_LEDGER", str(ledger))
+    monkeypatch.setenv("KT_HOLD", str(BLOCK_SECONDS))
+    session = f"s-block-{flow}"
+    second = Rival(open_store, session)
+    first = Runtime(build_agents(), store=open_store(), lease_ttl=SHORT_LEASE, holder="worker-a")
+
+    result = await first.run(session, kind="flow", flow_name=flow).result()
+
+    tally = second.result()
+    assert result.status == "finished"
+    assert ledger_lines(ledger) == ["start", "end"], "the tool ran more than once"
+    assert tally["recovered"] == []
+    assert set(tally["refused"]) == {"worker-a"} and tally["refused"]["worker-a"] >= 3, tally
+    # Its last try met the run done (or, racing worker A's closing save, lost to it).
+    assert set(tally["other"]) <= {"returned finished", "StaleWriteError"}, tally
+    steps = await first.get_steps(result.run_id, session)
+    assert [(s.status, s.attempts) for s in steps] == [("finished", 1)]
+    stored = open_store().events.get(UUID(result.run_id))
+    assert "Recovered" not in [type(e).__name__ for e in stored], "the run was taken over"
+
+
+@pytest.mark.parametrize(
+    "backend", ["memory", "sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+)
+async def test_a_tool_past_its_timeout_is_no_longer_kept_alive_by_the_heartbeat(
+    open_store: Any,
+) -> None:
+    """The heartbeat keeps the lease while an attempt runs, up to the tool's
+    ``timeout``: an async tool that blocks the loop past it lets its lease
+    lapse (by the store's clock) before it returns."""
+    blocking = threading.Event()
+    lapsed: list[bool] = []
+    store = open_store()
+    watching_store = open_store()
+
+    async def stuck(args: NoArgs) -> dict[str, Any]:
+        blocking.set()
+        time.sleep(BLOCK_SECONDS)  # noqa: ASYNC251 - blocks the loop past the timeout
+        blocking.clear()
+        return {"done": True}
+
+    def watch(run_id: str) -> None:
+        assert blocking.wait(10)
+        while blocking.is_set():
+            lease = watching_store.lease(run_id)
+            if lease is not None and not lease.live:
+                lapsed.append(True)
+                return
+            time.sleep(0.02)
+
+    async def node(state: dict[str, Any], ctx: Any) -> Any:
+        with contextlib.suppress(ToolExecutionError):  # timed out, or not: either is fine
+            await ctx.tool("stuck")
+        return end("done")
+
+    tool = define_tool("stuck", "blocks the loop", NoArgs, stuck, timeout=0.3)
+    flow = define_flow("stuck", "a tool past its timeout", "n", [action("n", node)])
+    runtime = Runtime(
+        [define_agent("a", "i", None, [tool], [flow])],
+        store=store, lease_ttl=SHORT_LEASE, holder="worker-a",
+    )  # fmt: skip
+    handle = runtime.run("s-timeout", kind="flow", flow_name="stuck")
+    run_id = await handle.run_id
+    watcher = threading.Thread(target=watch, args=(run_id,))
+    watcher.start()
+    await handle.result()
+    watcher.join(timeout=30)
+    assert lapsed == [True], "the lease was kept alive past the tool's timeout"
+
+
+async def test_short_steps_start_no_heartbeat_thread_beyond_the_one_of_the_process() -> None:
+    """Steps shorter than the heartbeat's interval share the process's one
+    heartbeat thread (started once), and no step starts another."""
+
+    def quick(args: NoArgs) -> dict[str, Any]:
+        return {"ok": True}
+
+    async def node(state: dict[str, Any], ctx: Any) -> Any:
+        for _ in range(20):
+            await ctx.tool("quick")
+        return end("done")
+
+    tool = define_tool("quick", "returns at once", NoArgs, quick)
+    flow = define_flow("quick", "twenty short steps", "n", [action("n", node)])
+    runtime = Runtime([define_agent("a", "i", None, [tool], [flow])], store=RunStore.memory())
+    results = await asyncio.gather(
+        *(runtime.run(f"s-quick-{i}", kind="flow", flow_name="quick").result() for i in range(5))
+    )
+    assert {r.status for r in results} == {"finished"}
+    beating = [t for t in threading.enumerate() if t.name == "kuralle-lease-heartbeat"]
+    assert len(beating) == 1

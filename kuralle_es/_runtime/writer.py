@@ -19,9 +19,14 @@ execute anything the journal did not admit (docs/node-code.md).
 The journal also owns the run's single writer: one ``asyncio.Lock`` orders
 the appends of a ``gather`` batch, every save is compare-and-set on the
 aggregate version (``StaleWriteError`` for a loser) and renews the lease, and
-a heartbeat renews it while an effect executes. Everything else a turn does
-to the run goes through a few verbs (``append_message``, ``enter_node``,
-``pause``); nobody outside reaches the aggregate through the journal.
+a heartbeat renews it while an effect executes, from a thread of its own,
+whatever the effect does to the turn's event loop (``heartbeat``). The
+writer measures how old its lease is on the monotonic clock, from the moment
+it sent the take or renewal: the expiry is the store's to decide, by the
+store's clock, and is never compared with this machine's. Everything else a
+turn does to the run goes through a few verbs (``append_message``,
+``enter_node``, ``pause``); nobody outside reaches the aggregate through the
+journal.
 """
 
 from __future__ import annotations
@@ -42,7 +47,8 @@ from uuid import uuid4
 from .._definitions.budget import Budget
 from .._definitions.retry import NO_RETRY, RetryPolicy
 from .._journal.json_data import encode_json
-from .._journal.leases import Lease, LeaseOp
+from .._journal.leases import Lease, LeaseOp, LeaseRefused
+from .._journal.recorders import LeasingRecorder
 from .._journal.run import Run, StepData
 from .._journal.sites import Effect
 from .._journal.spending import ModelUsage, Prices, total
@@ -211,12 +217,10 @@ class RunWriter:
         self.run_id = run.run_id
         self._holder = holder
         self.lease_ttl = timedelta(seconds=lease_ttl)
+        #: A save renews the lease when its last renewal is older than this.
+        self._renew_after = lease_ttl / 2
         #: This turn's token on the run's lease record.
         self._token = uuid4().hex
-        #: When (monotonic) the latest take or renewal of the lease was sent, None
-        #: while none is held: the expiry is the store's, by the store's clock, so
-        #: the age of the lease is measured here from the moment it was asked for.
-        self._renewed_at: float | None = None
         #: The lease op the next save carries (a take, or a release), if any.
         self._lease_op: LeaseOp | None = None
         #: A durable sleep that wakes within this many seconds waits inline.
@@ -232,8 +236,7 @@ class RunWriter:
         #: ended the run with, or the replay mismatch that refused an effect.
         self._stopped: Wait | str | NonDeterminismError | None = None
         self._closed = False
-        self._beat_every = lease_ttl / 3
-        self._heartbeat = Heartbeat(self._beat, lease_ttl / 3)
+        self._heartbeat = Heartbeat(self._renew_alone, self._lease_lost, lease_ttl / 3)
         #: Whether this turn's steps make spans (a provider set meanwhile counts
         #: from the next turn).
         self.tracing = tracing_on()
@@ -362,16 +365,15 @@ class RunWriter:
         async with self._lock:
             await self._persist_locked()
 
-    async def _persist_locked(self, *, renew: bool = False) -> None:
+    async def _persist_locked(self) -> None:
         run = self._run
         if self._broken is not None:
             raise self._broken
         op, self._lease_op = self._lease_op, None
         sent_at = time.monotonic()
-        renewed_at = self._renewed_at
-        if op is None and renewed_at is not None:
-            age = sent_at - renewed_at
-            if renew or age > self.lease_ttl.total_seconds() / 2:
+        if op is None:
+            age = self._heartbeat.age(sent_at)
+            if age is not None and age > self._renew_after:
                 op = LeaseOp.renew(run.id, self._token, self.lease_ttl)
         if not run.pending_events and op is None:
             return
@@ -393,7 +395,10 @@ class RunWriter:
         """What this turn holds after a save, sent at ``sent_at``, that carried ``op``."""
         if op is None:
             return
-        self._renewed_at = sent_at if op.kind in ("take", "renew") else None
+        if op.kind in ("take", "renew"):
+            self._heartbeat.renewed(sent_at)
+        else:
+            self._heartbeat.released()
 
     async def _save_intent(self) -> None:
         """Save an effect's intent (with whatever else is pending) before it executes.
@@ -411,27 +416,36 @@ class RunWriter:
         async with self._lock:
             await self._persist_locked()
 
-    async def _beat(self) -> None:
-        """The heartbeat: renew the lease record (nothing is appended to the journal),
-        unless a save renewed it within the last beat interval."""
-        async with self._lock:
-            renewed_at = self._renewed_at
-            if renewed_at is None or time.monotonic() - renewed_at < self._beat_every:
-                return
-            await self._persist_locked(renew=True)
+    def _renew_alone(self) -> bool:
+        """The heartbeat's renewal, on its thread: the lease record alone (nothing is
+        appended to the journal), through the store's own blocking connection, never
+        the turn's loop. False: the lease was taken over (or cleared by a cancel)."""
+        op = LeaseOp.renew(self._run.id, self._token, self.lease_ttl)
+        try:
+            _lease_record(self._store, self.run_id, op).insert_events([], lease=op)
+        except LeaseRefused:
+            return False
+        return True
+
+    def _lease_lost(self) -> None:
+        """A renewal found the lease taken over: the turn's next save raises."""
+        if self._broken is None:
+            self._broken = StaleWriteError(
+                self.run_id, "its lease was taken over by another worker"
+            )
 
     async def hold(self, seconds: float) -> None:
         """Wait inline (a short durable sleep) with the lease kept by the heartbeat."""
-        self._heartbeat.enter()
+        beating = self._heartbeat.enter()
         try:
             await asyncio.sleep(seconds)
         finally:
-            self._heartbeat.leave()
+            self._heartbeat.leave(beating)
 
     async def close(self) -> None:
         """End the turn: no effect is admitted any more, and the heartbeat stops."""
         self._closed = True
-        await self._heartbeat.stop()
+        self._heartbeat.stop()
 
     # ------------------------------------------------------------ admission
     def suspend(self, wait: Wait) -> NoReturn:
@@ -578,6 +592,7 @@ class RunWriter:
         on_executed: Callable[[Any], None] | None = None,
         retry: RetryPolicy = NO_RETRY,
         journal_errors: bool = True,
+        heartbeat_for: float | None = None,
     ) -> Any:
         """Run one effect through the journal; returns its (recorded) JSON result.
 
@@ -591,7 +606,9 @@ class RunWriter:
         triggers ride on that save); ``on_executed`` runs after. With
         ``journal_errors=False`` a failed attempt is not journaled: its error
         propagates and the step stays ``running``, so the next pass runs it
-        again as its next attempt (a model call: nothing is frozen).
+        again as its next attempt (a model call: nothing is frozen). While an
+        attempt executes, the heartbeat keeps the lease ``heartbeat_for``
+        seconds at most (a tool's ``timeout``; None: as long as it runs).
         """
         self.require_open(f"{effect.kind} {effect.name!r}")
         self._enter()
@@ -622,7 +639,9 @@ class RunWriter:
             await self._save_intent()
             if retry_at is not None:
                 await self._next_attempt(index, retry_at)
-            value = await self._attempts(index, execute, retry, counted_from, journal_errors)
+            value = await self._attempts(
+                index, execute, retry, counted_from, journal_errors, heartbeat_for
+            )
             try:
                 result_json = encode_json(value, f"the result of {effect.kind} {effect.name!r}")
             except (TypeError, KuralleError) as exc:
@@ -672,11 +691,11 @@ class RunWriter:
                         return result
             value = make()
             if inspect.isawaitable(value):
-                self._heartbeat.enter()
+                beating = self._heartbeat.enter()
                 try:
                     value = await value
                 finally:
-                    self._heartbeat.leave()
+                    self._heartbeat.leave(beating)
             result_json = encode_json(value, f"the result of {effect.kind} {effect.name!r}")
             result = json.loads(result_json)
             async with self._lock:
@@ -712,6 +731,7 @@ class RunWriter:
         retry: RetryPolicy,
         counted_from: int,
         journal_errors: bool = True,
+        heartbeat_for: float | None = None,
     ) -> Any:
         """Execute until an attempt succeeds; a failure the policy retries is
         journaled (the step stays running) and waited out, the last one frozen.
@@ -719,7 +739,7 @@ class RunWriter:
         Failures count from ``counted_from`` (earlier passes of a ``replay=False``
         read do not use up this pass's attempts)."""
         while True:
-            self._heartbeat.enter()
+            beating = self._heartbeat.enter(heartbeat_for)
             try:
                 return await execute()
             except (SuspendError, asyncio.CancelledError):
@@ -736,7 +756,7 @@ class RunWriter:
                     self._run.fail_attempt(index, error, retry_at)
                     await self._persist_locked()
             finally:
-                self._heartbeat.leave()
+                self._heartbeat.leave(beating)
             await self._next_attempt(index, retry_at)
 
     async def _next_attempt(self, index: int, retry_at: datetime) -> None:
@@ -755,6 +775,16 @@ class RunWriter:
             self._run.fail_step(index, error)
             await self._persist_locked()
             return frozen_error(self._run.step(index))
+
+
+def _lease_record(store: RunStore, run_id: str, op: LeaseOp) -> LeasingRecorder:
+    """The recorder that keeps the run's lease record (its partition's), for a
+    renewal made apart from any save of events (``LeaseRefused``: no such run)."""
+    partition = store.partition_of(run_id)
+    if partition is None:
+        raise LeaseRefused(op, None)
+    recorder: LeasingRecorder = store.partitions[partition].recorder  # type: ignore[assignment]
+    return recorder
 
 
 # ------------------------------------------------------- outside a turn
