@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from uuid import UUID
@@ -30,6 +31,7 @@ from kuralle_es import (
     Runtime,
     StaleWriteError,
     ToolExecutionError,
+    TurnClosedError,
     action,
     define_agent,
     define_flow,
@@ -243,6 +245,100 @@ async def test_a_tool_that_blocks_the_event_loop_longer_than_the_lease_is_never_
     assert [(s.status, s.attempts) for s in steps] == [("finished", 1)]
     stored = open_store().events.get(UUID(result.run_id))
     assert "Recovered" not in [type(e).__name__ for e in stored], "the run was taken over"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "backend", ["memory", "sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+)
+async def test_a_context_called_from_another_thread_or_loop_is_refused_and_the_heartbeat_goes_on(
+    open_store: Any,
+) -> None:
+    """While a slow tool (five leases) executes, node code hands its ``ctx`` to a
+    thread, which calls it plainly and from event loops of its own: every call
+    is ``TurnClosedError`` and executes nothing, and the lease stays live the
+    whole time (a second runtime over the store, on its own thread, is refused
+    on every try)."""
+    ledger = Ledger()
+    charged: list[str] = []
+    session = "s-ctx-thread"
+
+    def charge(args: NoArgs) -> dict[str, Any]:
+        charged.append("charge")
+        return {"charged": True}
+
+    async def slow(args: NoArgs) -> dict[str, Any]:
+        ledger.started += 1
+        ledger.first_started.set()
+        await asyncio.sleep(BLOCK_SECONDS)
+        return {"slept": BLOCK_SECONDS}
+
+    def misuse(ctx: Any, made_on_the_loop: Any) -> list[BaseException | None]:
+        async def on_a_loop_of_its_own() -> Any:
+            return await ctx.tool("charge")
+
+        tries: list[Callable[[], Any]] = [
+            lambda: ctx.tool("charge"),
+            lambda: ctx.now(),
+            lambda: ctx.emit({"from": "a thread"}),
+            lambda: ctx.reserve_callsites(1),
+            lambda: asyncio.run(made_on_the_loop),
+            lambda: asyncio.run(on_a_loop_of_its_own()),
+        ]
+        outcomes: list[BaseException | None] = []
+        for attempt in tries:
+            try:
+                attempt()
+            except BaseException as error:
+                outcomes.append(error)
+            else:
+                outcomes.append(None)
+        return outcomes
+
+    seen: list[BaseException | None] = []
+
+    async def node(state: dict[str, Any], ctx: Any) -> Any:
+        running = asyncio.ensure_future(ctx.tool("slow"))
+        await asyncio.wait_for(ledger.first_started.wait(), 10)
+        seen.extend(await asyncio.to_thread(misuse, ctx, ctx.tool("charge")))
+        await running
+        await ctx.tool("next_step")
+        return end("done")
+
+    tools = [
+        define_tool("slow", "sleeps five leases", NoArgs, slow),
+        define_tool("charge", "must never run", NoArgs, charge),
+        define_tool("next_step", "runs after the slow tool", NoArgs, ledger.next_step),
+    ]
+    flow = define_flow("misused", "ctx handed to a thread", "n", [action("n", node)])
+    agent = define_agent("a", "i", None, tools, [flow])
+    first = Runtime([agent], store=open_store(), lease_ttl=SHORT_LEASE, holder="worker-a")
+    tally: list[dict[str, Any]] = []
+    other_store = open_store()
+    watcher = threading.Thread(
+        target=lambda: tally.append(asyncio.run(rival(other_store, session, SHORT_LEASE, 60)))
+    )
+    watcher.start()
+
+    result = await first.run(session, kind="flow", flow_name="misused").result()
+    watcher.join(timeout=60)
+
+    assert result.status == "finished"
+    assert len(seen) == 6
+    for outcome in seen:
+        assert isinstance(outcome, TurnClosedError), seen
+        assert outcome.elsewhere
+        assert "another thread or event loop" in str(outcome)
+        assert "nothing was executed" in str(outcome)
+    assert charged == []
+    (watched,) = tally
+    assert watched["recovered"] == []
+    assert set(watched["refused"]) == {"worker-a"} and watched["refused"]["worker-a"] >= 3
+    steps = await first.get_steps(result.run_id, session)
+    assert [(s.name, s.status, s.attempts) for s in steps] == [
+        ("slow", "finished", 1),
+        ("next_step", "finished", 1),
+    ]
 
 
 @pytest.mark.parametrize(
