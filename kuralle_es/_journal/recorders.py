@@ -93,12 +93,12 @@ class LeasingPOPORecorder(POPOApplicationRecorder):
     ) -> Sequence[int] | None:
         op: LeaseOp | None = kwargs.pop("lease", None)
         with self._lease_guard:
+            if op is None:
+                return super().insert_events(stored_events, **kwargs) if stored_events else []
             now = store_now()
-            if op is not None:
-                _check(op, self._leases.get(op.run_id), now)
+            _check(op, self._leases.get(op.run_id), now)
             ids = super().insert_events(stored_events, **kwargs) if stored_events else []
-            if op is not None:
-                _apply(op, self._leases, now)
+            _apply(op, self._leases, now)
             return ids
 
     def select_lease(self, run_id: UUID) -> Lease | None:

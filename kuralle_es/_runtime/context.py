@@ -80,7 +80,11 @@ class RunContext(TurnBound):
     def _require_open(self, what: str) -> None:
         if self._closed:
             raise TurnClosedError(self._writer.run_id, what)
-        if _running_loop() is not self._loop:
+        try:
+            on_its_loop = asyncio.get_running_loop() is self._loop
+        except RuntimeError:  # a plain thread: no loop at all
+            on_its_loop = False
+        if not on_its_loop:
             raise TurnClosedError(self._writer.run_id, what, elsewhere=True)
 
     def _admit(self, what: str) -> None:
@@ -115,13 +119,18 @@ class RunContext(TurnBound):
     async def _run_tool(self, site: Site, tool: Tool[Any], args: BaseModel) -> Any:
         try:
             self._require_open(f"tool {tool.name!r}")
+        except TurnClosedError:
+            self._settle_refused()
+            raise
+        try:
             return await run_tool(self._writer, site, tool, args, self._emit)
         finally:
-            self._settle()
+            self._cursor.settled()
 
-    def _settle(self) -> None:
-        """Settle the callsite ``tool`` reserved, on the turn's loop (the cursor is
-        the loop's: an awaitable carried to another loop is refused there)."""
+    def _settle_refused(self) -> None:
+        """Settle the callsite ``tool`` reserved for an effect refused when awaited,
+        on the turn's loop: the cursor is the loop's, and the await may have been
+        on another loop, in another thread."""
         if _running_loop() is self._loop:
             self._cursor.settled()
             return

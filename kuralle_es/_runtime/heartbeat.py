@@ -12,10 +12,11 @@ store call of its own (one small statement on the lease record over a
 connection of the store's pool, never the loop's; nothing is appended to
 the journal).
 
-An effect counts itself in and out (``enter``/``leave``: a lock and a dict
-entry); the pulse is only woken when an effect starts after it went to
-sleep with nothing due sooner, so a step shorter than the interval costs no
-thread and, mostly, no wake-up. An effect with a ``bound`` (a tool's
+An effect counts itself in and out (``enter``/``leave``: an entry in a
+list, no lock); the pulse is only told of it when it would otherwise sleep
+past the heartbeat's next beat, so a step shorter than the interval costs
+no thread, no lock and, mostly, no wake-up (as many Python calls a step as
+before the heartbeat had a thread). An effect with a ``bound`` (a tool's
 ``timeout``) is kept alive that long at most: past it, the lease lapses as
 if nothing executed. A renewal that finds the lease taken over (a
 recovery, a cancel) ends the heartbeat and tells the writer, whose next save
@@ -25,7 +26,6 @@ unreachable) is tried again soon.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import os
@@ -60,46 +60,50 @@ class Heartbeat:
         self._lost = lost
         self.interval = interval
         self._guard = threading.Lock()
-        #: The effects executing, each with the monotonic time its bound ends at.
-        self._effects: dict[int, float] = {}
-        self._entries = itertools.count()
+        #: The effects executing, as the monotonic time each one's bound ends at.
+        #: Changed and read without the guard: an append, a remove and a copy of a
+        #: list are each one step under the interpreter's lock, and ``enter`` and
+        #: ``leave`` are on every step's path.
+        self._effects: list[float] = []
+        #: Whether the pulse watches this heartbeat yet.
+        self._watched = False
         #: Monotonic time the latest renewal was sent (None: no lease held).
-        self._renewed_at: float | None = None
+        self.renewed_at: float | None = None
         self._retry_at = 0.0
         self._over = False
 
     # ------------------------------------------------------------ the turn's
-    def enter(self, bound: float | None = None) -> int:
+    def enter(self, bound: float | None = None) -> float:
         """An effect starts executing (kept alive ``bound`` seconds at most);
-        returns its entry, for ``leave``."""
-        entry = next(self._entries)
+        returns its entry, for ``leave``. A step's cost: keep it to a few calls."""
         until = math.inf if bound is None else time.monotonic() + bound
-        with self._guard:
-            self._effects[entry] = until
-        _PULSE.watch(self)
-        return entry
+        self._effects.append(until)
+        renewed_at = self.renewed_at
+        due = math.inf if renewed_at is None else renewed_at + self.interval
+        # Read after the append: a pulse asleep until no later than ``due`` looks
+        # again by then and finds this effect; one that is awake (its wake time
+        # then reads infinite) or would sleep longer is told.
+        if not self._watched or due < _PULSE.wakes_at:
+            self._watched = True
+            _PULSE.watch(self, due)
+        return until
 
-    def leave(self, entry: int) -> None:
-        """The effect of ``entry`` is done executing."""
-        with self._guard:
-            self._effects.pop(entry, None)
+    def leave(self, entry: float) -> None:
+        """The effect of ``entry`` is done executing (entries with the same bound
+        are alike: any one of them goes)."""
+        self._effects.remove(entry)
 
     def renewed(self, sent_at: float) -> None:
         """A take or renewal sent at ``sent_at`` (monotonic) committed: the lease
         lives at least a TTL from then, by any clock that runs at the same rate."""
         with self._guard:
-            if self._renewed_at is None or sent_at > self._renewed_at:
-                self._renewed_at = sent_at
+            if self.renewed_at is None or sent_at > self.renewed_at:
+                self.renewed_at = sent_at
 
     def released(self) -> None:
         """The lease was released: nothing to renew any more."""
         with self._guard:
-            self._renewed_at = None
-
-    def age(self, now: float) -> float | None:
-        """Seconds since the latest renewal was sent (None: no lease held)."""
-        renewed_at = self._renewed_at
-        return None if renewed_at is None else now - renewed_at
+            self.renewed_at = None
 
     def stop(self) -> None:
         """End the heartbeat (at the end of the turn). A renewal in flight is not
@@ -114,11 +118,11 @@ class Heartbeat:
     def due(self, now: float) -> float:
         """When the next beat is due (monotonic; infinite while none is needed)."""
         with self._guard:
-            if self._over or self._renewed_at is None:
+            if self._over or self.renewed_at is None:
                 return math.inf
-            if not any(until > now for until in self._effects.values()):
+            if not any(until > now for until in self._effects.copy()):
                 return math.inf
-            return max(self._renewed_at + self.interval, self._retry_at)
+            return max(self.renewed_at + self.interval, self._retry_at)
 
     def beat(self) -> None:
         """Renew the lease (on the pulse thread)."""
@@ -151,12 +155,14 @@ class _Pulse:
     def __init__(self) -> None:
         self._wake = threading.Condition(threading.Lock())
         self._watched: set[Heartbeat] = set()
-        #: When the thread will next look (-inf while it is awake and will look).
-        self._wakes_at = -math.inf
+        #: When the thread will next look; infinite while it is awake (it looks
+        #: again before it sleeps) or sleeps with nothing due.
+        self.wakes_at = math.inf
         self._thread: threading.Thread | None = None
 
-    def watch(self, heartbeat: Heartbeat) -> None:
-        due = heartbeat.due(time.monotonic())
+    def watch(self, heartbeat: Heartbeat, due: float) -> None:
+        """Watch ``heartbeat``, whose next beat is due at ``due`` (monotonic): the
+        thread is woken only if it would sleep past that."""
         with self._wake:
             self._watched.add(heartbeat)
             if self._thread is None:
@@ -164,7 +170,7 @@ class _Pulse:
                     target=self._run, name="kuralle-lease-heartbeat", daemon=True
                 )
                 self._thread.start()
-            elif due < self._wakes_at:
+            elif due < self.wakes_at:
                 self._wake.notify()
 
     def forget(self, heartbeat: Heartbeat) -> None:
@@ -179,10 +185,10 @@ class _Pulse:
                 dues = [(h.due(now), h) for h in self._watched]
                 ready = [h for due, h in dues if due <= now]
                 if not ready:
-                    self._wakes_at = min((due for due, _ in dues), default=math.inf)
-                    timeout = None if self._wakes_at == math.inf else self._wakes_at - now
+                    self.wakes_at = min((due for due, _ in dues), default=math.inf)
+                    timeout = None if self.wakes_at == math.inf else self.wakes_at - now
                     self._wake.wait(timeout)
-                    self._wakes_at = -math.inf
+                    self.wakes_at = math.inf
                     continue
             # Beats go one after the other, outside the lock: an effect that starts
             # meanwhile is seen on the next look, which follows at once.

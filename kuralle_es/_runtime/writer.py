@@ -371,10 +371,9 @@ class RunWriter:
             raise self._broken
         op, self._lease_op = self._lease_op, None
         sent_at = time.monotonic()
-        if op is None:
-            age = self._heartbeat.age(sent_at)
-            if age is not None and age > self._renew_after:
-                op = LeaseOp.renew(run.id, self._token, self.lease_ttl)
+        renewed_at = self._heartbeat.renewed_at
+        if op is None and renewed_at is not None and sent_at - renewed_at > self._renew_after:
+            op = LeaseOp.renew(run.id, self._token, self.lease_ttl)
         if not run.pending_events and op is None:
             return
         try:
