@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test docs lint typecheck bench clean browser
+.PHONY: demo test docs lint typecheck bench clean browser faketime
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,7 +27,19 @@ browser:
 		|| echo "make browser: could not install chromium and chromium-driver with apt-get"; \
 	else echo "make browser: no /usr/bin/chromium and not root: the browser tests will skip"; fi
 
-test: $(STAMP) browser
+# The lease tests run a worker under Debian's faketime (libfaketime: a clock that
+# runs ahead) to prove that only the database server's clock decides a lease.
+# Installed here where it is missing and we are root; under CI=true a faketime
+# that cannot be had fails the build, elsewhere those tests skip with the reason.
+faketime:
+	@if command -v faketime >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+		&& apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+			faketime >/dev/null; then :; \
+	elif [ "$$CI" = true ]; then echo "make faketime: cannot install Debian's faketime" >&2; exit 1; \
+	else echo "make faketime: no faketime and cannot install it: the clock-skew lease tests will skip"; fi
+
+test: $(STAMP) browser faketime
 	$(BIN)/ruff check kuralle_es tests benchmarks
 	$(BIN)/mypy kuralle_es
 	$(BIN)/mkdocs build --strict --quiet

@@ -297,20 +297,31 @@ class BudgetExceededError(_FieldsError):
 
 
 class TurnClosedError(_FieldsError):
-    """An effect was asked of a ``RunContext`` after its node visit or turn ended.
+    """An effect was asked of a ``RunContext`` after its node visit or turn ended,
+    or from another thread or event loop than its turn's.
 
-    A task the node left running (or a thread) cannot act for the run once
-    the turn is over: nothing is executed or journaled (docs/node-code.md).
+    A task the node left running, or a thread, cannot act for the run: nothing
+    is executed or journaled (docs/node-code.md). ``elsewhere`` tells the two
+    apart: True for a call from another thread or event loop.
     """
 
     run_id: str
     effect: str
+    elsewhere: bool = field(default=False, kw_only=True)
 
-    _template = (
-        "run {run_id}: {effect} was asked after the node (or turn) that owned "
-        "this RunContext had ended, so nothing was executed; await every effect before "
-        "the node returns (a task the node starts must be awaited by it)"
-    )
+    def _message(self) -> str:
+        if self.elsewhere:
+            return (
+                f"run {self.run_id}: {self.effect} was asked from another thread or event "
+                "loop than the turn that owns this RunContext, so nothing was executed; "
+                "call ctx only from the node's own code on the turn's loop and await every "
+                "effect before the node returns (hand a thread the values, not the context)"
+            )
+        return (
+            f"run {self.run_id}: {self.effect} was asked after the node (or turn) that owned "
+            "this RunContext had ended, so nothing was executed; await every effect before "
+            "the node returns (a task the node starts must be awaited by it)"
+        )
 
 
 class FlowNotFoundError(_UnknownNameError):

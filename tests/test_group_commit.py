@@ -13,7 +13,7 @@ written), and that the notification log stays in commit order.
 from __future__ import annotations
 
 import asyncio
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -69,13 +69,11 @@ async def test_a_clash_in_a_group_commit_fails_that_save_alone_and_writes_none_o
 
 async def test_a_refused_lease_in_a_group_commit_fails_that_save_alone(pg_dsn: str) -> None:
     with RunStore.postgres(pg_dsn) as store:
-        now = datetime.now(UTC)
         held = stored_run(store)
-        until = now + timedelta(minutes=5)
-        store.save_run(held, LeaseOp.take(held.id, "worker-a", "ta", until, now))
+        store.save_run(held, LeaseOp.take(held.id, "worker-a", "ta", timedelta(minutes=5)))
         others = [stored_run(store) for _ in range(5)]
         saves = [store.save_run_async(with_message(r, "x")) for r in others[:2]]
-        take = LeaseOp.take(held.id, "worker-b", "tb", now + timedelta(minutes=5), now)
+        take = LeaseOp.take(held.id, "worker-b", "tb", timedelta(minutes=5))
         saves.append(store.save_run_async(with_message(held, "b"), take))
         saves += [store.save_run_async(with_message(r, "x")) for r in others[2:]]
         outcomes = await asyncio.gather(*saves, return_exceptions=True)

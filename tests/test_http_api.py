@@ -14,7 +14,7 @@ from __future__ import annotations
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 from uuid import uuid4
@@ -417,8 +417,7 @@ def test_a_lease_held_by_another_worker_is_409_and_writes_nothing(served: Served
     try:  # another worker takes the run's lease, as a worker mid-turn holds it
         run = store.load(run_id)
         assert run is not None
-        now = datetime.now(UTC)
-        lease = LeaseOp.take(run.id, "other-worker:1", "t", now + timedelta(minutes=10), now)
+        lease = LeaseOp.take(run.id, "other-worker:1", "t", timedelta(minutes=10))
         store.save_run(run, lease)
     finally:
         store.close()

@@ -10,6 +10,15 @@ connection) that tries to take the run over meanwhile is refused with
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 from uuid import UUID
 
@@ -18,8 +27,11 @@ from pydantic import BaseModel
 
 from kuralle_es import (
     LeaseHeldError,
+    RunStore,
     Runtime,
     StaleWriteError,
+    ToolExecutionError,
+    TurnClosedError,
     action,
     define_agent,
     define_flow,
@@ -146,3 +158,257 @@ async def test_a_turn_whose_heartbeat_loses_to_another_writer_stops_and_executes
     stored = list(store.events.get(UUID(run_id)))
     # The slow tool had run: its outcome is recorded after the abort, then nothing.
     assert [type(e).__name__ for e in stored[-2:]] == ["Aborted", "StepSucceeded"]
+
+
+# ------------------------------------------- whatever the effect does to the loop
+#: The lease of the tests below, and how long their tools block (five leases).
+SHORT_LEASE = 0.3
+BLOCK_SECONDS = 1.5
+PROCS = Path(__file__).resolve().parent / "procs"
+sys.path.insert(0, str(PROCS))
+from lease_app import build_agents, ledger_lines, rival  # noqa: E402
+
+
+def _url(open_store: Any) -> str:
+    """The store URL of the factory's database, for a process of its own."""
+    if open_store.backend == "sqlite":
+        return f"sqlite:///{open_store.target}"
+    return str(open_store.target)
+
+
+class Rival:
+    """A second worker that tries to take the run while worker A drives it: in a
+    process of its own over SQLite and PostgreSQL, on a thread with its own event
+    loop and store over memory (a memory store lives in one process)."""
+
+    def __init__(self, open_store: Any, session: str) -> None:
+        self.tally: dict[str, Any] | None = None
+        self._process: subprocess.Popen[str] | None = None
+        self._thread: threading.Thread | None = None
+        if open_store.backend == "memory":
+            store = open_store()
+            work = rival(store, session, SHORT_LEASE, 60)
+            self._thread = threading.Thread(target=self._in_thread, args=(work,))
+            self._thread.start()
+            return
+        self._process = subprocess.Popen(
+            [sys.executable, str(PROCS / "lease_app.py"), "rival", _url(open_store), session,
+             str(SHORT_LEASE), "60"],
+            env={k: v for k, v in os.environ.items() if not k.startswith("KURALLE_")},
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert self._process.stdout is not None
+        assert self._process.stdout.readline().strip() == "ready", self._process.communicate()
+
+    def _in_thread(self, work: Any) -> None:
+        self.tally = asyncio.run(work)
+
+    def result(self) -> dict[str, Any]:
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+            assert self.tally is not None
+            return self.tally
+        assert self._process is not None
+        out, err = self._process.communicate(timeout=90)
+        assert self._process.returncode == 0, err
+        tally: dict[str, Any] = json.loads(out.splitlines()[-1])
+        return tally
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("flow", ["hold-async", "hold-sync"])
+@pytest.mark.parametrize(
+    "backend", ["memory", "sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+)
+async def test_a_tool_that_blocks_the_event_loop_longer_than_the_lease_is_never_taken_over(
+    open_store: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flow: str
+) -> None:
+    """``hold-async`` calls ``time.sleep`` inside an ``async def``: the turn's loop
+    stands still for five leases. The heartbeat renews from its own thread, so
+    the second worker meets a live lease on every try and the tool runs once."""
+    ledger = tmp_path / "ledger"
+    monkeypatch.setenv("KT_LEDGER", str(ledger))
+    monkeypatch.setenv("KT_HOLD", str(BLOCK_SECONDS))
+    session = f"s-block-{flow}"
+    second = Rival(open_store, session)
+    first = Runtime(build_agents(), store=open_store(), lease_ttl=SHORT_LEASE, holder="worker-a")
+
+    result = await first.run(session, kind="flow", flow_name=flow).result()
+
+    tally = second.result()
+    assert result.status == "finished"
+    assert ledger_lines(ledger) == ["start", "end"], "the tool ran more than once"
+    assert tally["recovered"] == []
+    assert set(tally["refused"]) == {"worker-a"} and tally["refused"]["worker-a"] >= 3, tally
+    # Its last try met the run done (or, racing worker A's closing save, lost to it).
+    assert set(tally["other"]) <= {"returned finished", "StaleWriteError"}, tally
+    steps = await first.get_steps(result.run_id, session)
+    assert [(s.status, s.attempts) for s in steps] == [("finished", 1)]
+    stored = open_store().events.get(UUID(result.run_id))
+    assert "Recovered" not in [type(e).__name__ for e in stored], "the run was taken over"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "backend", ["memory", "sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+)
+async def test_a_context_called_from_another_thread_or_loop_is_refused_and_the_heartbeat_goes_on(
+    open_store: Any,
+) -> None:
+    """While a slow tool (five leases) executes, node code hands its ``ctx`` to a
+    thread, which calls it plainly and from event loops of its own: every call
+    is ``TurnClosedError`` and executes nothing, and the lease stays live the
+    whole time (a second runtime over the store, on its own thread, is refused
+    on every try)."""
+    ledger = Ledger()
+    charged: list[str] = []
+    session = "s-ctx-thread"
+
+    def charge(args: NoArgs) -> dict[str, Any]:
+        charged.append("charge")
+        return {"charged": True}
+
+    async def slow(args: NoArgs) -> dict[str, Any]:
+        ledger.started += 1
+        ledger.first_started.set()
+        await asyncio.sleep(BLOCK_SECONDS)
+        return {"slept": BLOCK_SECONDS}
+
+    def misuse(ctx: Any, made_on_the_loop: Any) -> list[BaseException | None]:
+        async def on_a_loop_of_its_own() -> Any:
+            return await ctx.tool("charge")
+
+        tries: list[Callable[[], Any]] = [
+            lambda: ctx.tool("charge"),
+            lambda: ctx.now(),
+            lambda: ctx.emit({"from": "a thread"}),
+            lambda: ctx.reserve_callsites(1),
+            lambda: asyncio.run(made_on_the_loop),
+            lambda: asyncio.run(on_a_loop_of_its_own()),
+        ]
+        outcomes: list[BaseException | None] = []
+        for attempt in tries:
+            try:
+                attempt()
+            except BaseException as error:
+                outcomes.append(error)
+            else:
+                outcomes.append(None)
+        return outcomes
+
+    seen: list[BaseException | None] = []
+
+    async def node(state: dict[str, Any], ctx: Any) -> Any:
+        running = asyncio.ensure_future(ctx.tool("slow"))
+        await asyncio.wait_for(ledger.first_started.wait(), 10)
+        seen.extend(await asyncio.to_thread(misuse, ctx, ctx.tool("charge")))
+        await running
+        await ctx.tool("next_step")
+        return end("done")
+
+    tools = [
+        define_tool("slow", "sleeps five leases", NoArgs, slow),
+        define_tool("charge", "must never run", NoArgs, charge),
+        define_tool("next_step", "runs after the slow tool", NoArgs, ledger.next_step),
+    ]
+    flow = define_flow("misused", "ctx handed to a thread", "n", [action("n", node)])
+    agent = define_agent("a", "i", None, tools, [flow])
+    first = Runtime([agent], store=open_store(), lease_ttl=SHORT_LEASE, holder="worker-a")
+    tally: list[dict[str, Any]] = []
+    other_store = open_store()
+    watcher = threading.Thread(
+        target=lambda: tally.append(asyncio.run(rival(other_store, session, SHORT_LEASE, 60)))
+    )
+    watcher.start()
+
+    result = await first.run(session, kind="flow", flow_name="misused").result()
+    watcher.join(timeout=60)
+
+    assert result.status == "finished"
+    assert len(seen) == 6
+    for outcome in seen:
+        assert isinstance(outcome, TurnClosedError), seen
+        assert outcome.elsewhere
+        assert "another thread or event loop" in str(outcome)
+        assert "nothing was executed" in str(outcome)
+    assert charged == []
+    (watched,) = tally
+    assert watched["recovered"] == []
+    assert set(watched["refused"]) == {"worker-a"} and watched["refused"]["worker-a"] >= 3
+    steps = await first.get_steps(result.run_id, session)
+    assert [(s.name, s.status, s.attempts) for s in steps] == [
+        ("slow", "finished", 1),
+        ("next_step", "finished", 1),
+    ]
+
+
+@pytest.mark.parametrize(
+    "backend", ["memory", "sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+)
+async def test_a_tool_past_its_timeout_is_no_longer_kept_alive_by_the_heartbeat(
+    open_store: Any,
+) -> None:
+    """The heartbeat keeps the lease while an attempt runs, up to the tool's
+    ``timeout``: an async tool that blocks the loop past it lets its lease
+    lapse (by the store's clock) before it returns."""
+    blocking = threading.Event()
+    lapsed: list[bool] = []
+    store = open_store()
+    watching_store = open_store()
+
+    async def stuck(args: NoArgs) -> dict[str, Any]:
+        blocking.set()
+        time.sleep(BLOCK_SECONDS)  # noqa: ASYNC251 - blocks the loop past the timeout
+        blocking.clear()
+        return {"done": True}
+
+    def watch(run_id: str) -> None:
+        assert blocking.wait(10)
+        while blocking.is_set():
+            lease = watching_store.lease(run_id)
+            if lease is not None and not lease.live:
+                lapsed.append(True)
+                return
+            time.sleep(0.02)
+
+    async def node(state: dict[str, Any], ctx: Any) -> Any:
+        with contextlib.suppress(ToolExecutionError):  # timed out, or not: either is fine
+            await ctx.tool("stuck")
+        return end("done")
+
+    tool = define_tool("stuck", "blocks the loop", NoArgs, stuck, timeout=0.3)
+    flow = define_flow("stuck", "a tool past its timeout", "n", [action("n", node)])
+    runtime = Runtime(
+        [define_agent("a", "i", None, [tool], [flow])],
+        store=store, lease_ttl=SHORT_LEASE, holder="worker-a",
+    )  # fmt: skip
+    handle = runtime.run("s-timeout", kind="flow", flow_name="stuck")
+    run_id = await handle.run_id
+    watcher = threading.Thread(target=watch, args=(run_id,))
+    watcher.start()
+    await handle.result()
+    watcher.join(timeout=30)
+    assert lapsed == [True], "the lease was kept alive past the tool's timeout"
+
+
+async def test_short_steps_start_no_heartbeat_thread_beyond_the_one_of_the_process() -> None:
+    """Steps shorter than the heartbeat's interval share the process's one
+    heartbeat thread (started once), and no step starts another."""
+
+    def quick(args: NoArgs) -> dict[str, Any]:
+        return {"ok": True}
+
+    async def node(state: dict[str, Any], ctx: Any) -> Any:
+        for _ in range(20):
+            await ctx.tool("quick")
+        return end("done")
+
+    tool = define_tool("quick", "returns at once", NoArgs, quick)
+    flow = define_flow("quick", "twenty short steps", "n", [action("n", node)])
+    runtime = Runtime([define_agent("a", "i", None, [tool], [flow])], store=RunStore.memory())
+    results = await asyncio.gather(
+        *(runtime.run(f"s-quick-{i}", kind="flow", flow_name="quick").result() for i in range(5))
+    )
+    assert {r.status for r in results} == {"finished"}
+    beating = [t for t in threading.enumerate() if t.name == "kuralle-lease-heartbeat"]
+    assert len(beating) == 1

@@ -11,7 +11,7 @@ written once and its lease taken, and that nothing else was written.
 from __future__ import annotations
 
 import asyncio
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from uuid import uuid4
 
 import pytest
@@ -27,8 +27,7 @@ def a_run(session_id: str) -> Run:
 
 
 def take(run: Run, holder: str) -> LeaseOp:
-    now = datetime.now(UTC)
-    return LeaseOp.take(run.id, holder, uuid4().hex, now + timedelta(seconds=30), now)
+    return LeaseOp.take(run.id, holder, uuid4().hex, timedelta(seconds=30))
 
 
 async def test_runs_created_by_two_stores_in_turn_are_each_listed_once_in_order(

@@ -198,8 +198,10 @@ def leave_run(
     run = Run(uuid4(), session, "flow", "views", "quick", "digest")
     lease = None
     if lease_until is not None:
-        # The lease record a worker took before it died.
-        lease = LeaseOp.take(run.id, "a-worker-that-died", "its-token", lease_until, lease_until)
+        # The lease record a worker took before it died (a TTL that ends at
+        # ``lease_until``: a negative one for a lease that lapsed already).
+        ttl = lease_until - datetime.now(UTC)
+        lease = LeaseOp.take(run.id, "a-worker-that-died", "its-token", ttl)
     if timer_due is not None:
         wait = WaitingFor(
             name="__timer", callsite=0, request_id=uuid4().hex, kind="timer", deadline=timer_due

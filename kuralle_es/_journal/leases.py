@@ -9,6 +9,13 @@ takes the lease with the events that open it, its close releases it with
 the events that close it), or alone (a heartbeat), so a refused take writes
 nothing at all (docs/concepts.md, "Leases").
 
+One clock decides a lease: the store's. A take or a renewal carries a TTL,
+never an expiry; the store compares the record with its own time and sets
+the expiry to its own time plus the TTL (PostgreSQL: the server's clock, so
+a worker whose clock runs ahead can never take a live lease; SQLite and
+memory: the one machine's). A lease read back says whether it was live by
+that same clock.
+
 What does go into the journal is a takeover: a turn that opens a running
 run whose lease belonged to another holder appends ``Recovered``, so the
 stale writer's next save loses on the run's version (``StaleWriteError``).
@@ -21,55 +28,58 @@ run is ``running`` with no lease record, its folded lease is its lease.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from typing import Literal
 from uuid import UUID
 
-__all__ = ["Lease", "LeaseOp", "LeaseRefused"]
+__all__ = ["Lease", "LeaseOp", "LeaseRefused", "store_now"]
 
 LeaseOpKind = Literal["take", "renew", "release", "clear"]
 
 
+def store_now() -> datetime:
+    """The clock of a store on this machine (memory, SQLite), which decides its leases."""
+    return datetime.now(UTC)
+
+
 @dataclass(frozen=True)
 class Lease:
-    """A run's lease: its holder, until when, and the token of the turn that took it
-    (empty for a lease folded from a journal of 0.1.0)."""
+    """A run's lease: its holder, until when, the token of the turn that took it
+    (empty for a lease folded from a journal of 0.1.0), and whether it was live
+    when it was read, by the store's clock (a refused take's lease is live)."""
 
     holder: str
     expires_at: datetime
     token: str = ""
-
-    def live(self, now: datetime) -> bool:
-        return self.expires_at > now
+    live: bool = True
 
 
 @dataclass(frozen=True)
 class LeaseOp:
     """A change to one run's lease record.
 
-    ``take``: hold it as ``holder`` with ``token`` until ``expires_at``, if it is
-    free at ``now`` (no record, an expired one, or this holder's own); else the
-    save is refused (``LeaseRefused``) and writes nothing. ``renew``: move the
-    expiry of the record this ``token`` took; refused if another took it since.
-    ``release``: drop the record this ``token`` took (a no-op if another took it).
-    ``clear``: drop the record whoever holds it (a cancel).
+    ``take``: hold it as ``holder`` with ``token`` for ``ttl``, if it is free by
+    the store's clock (no record, an expired one, or this holder's own); else
+    the save is refused (``LeaseRefused``) and writes nothing. ``renew``: hold
+    the record this ``token`` took for ``ttl`` from now (the store's now);
+    refused if another took it since. ``release``: drop the record this
+    ``token`` took (a no-op if another took it). ``clear``: drop the record
+    whoever holds it (a cancel).
     """
 
     kind: LeaseOpKind
     run_id: UUID
     holder: str = ""
     token: str = ""
-    expires_at: datetime | None = None
-    now: datetime | None = None
+    ttl: timedelta | None = None
 
     @classmethod
-    def take(cls, run_id: UUID, holder: str, token: str, expires_at: datetime,
-             now: datetime) -> LeaseOp:  # fmt: skip
-        return cls("take", run_id, holder, token, expires_at, now)
+    def take(cls, run_id: UUID, holder: str, token: str, ttl: timedelta) -> LeaseOp:
+        return cls("take", run_id, holder, token, ttl)
 
     @classmethod
-    def renew(cls, run_id: UUID, token: str, expires_at: datetime) -> LeaseOp:
-        return cls("renew", run_id, token=token, expires_at=expires_at)
+    def renew(cls, run_id: UUID, token: str, ttl: timedelta) -> LeaseOp:
+        return cls("renew", run_id, token=token, ttl=ttl)
 
     @classmethod
     def release(cls, run_id: UUID, token: str) -> LeaseOp:

@@ -253,12 +253,13 @@ class AsyncOneTripSaver:
         return bool(await self._execute(self._recorder.holds_statement, (originator_id,), None))
 
     async def select_lease(self, run_id: Any) -> Lease | None:
-        """The run's lease record, read on this loop's connection."""
+        """The run's lease record, read on this loop's connection (live or not by
+        the server's clock)."""
         rows = await self._execute(self._recorder.select_lease_statement, (run_id,), None)
         if not rows:
             return None
-        holder, token, expires_at = rows[0]
-        return Lease(holder, expires_at, token)
+        holder, token, expires_at, live = rows[0]
+        return Lease(holder, expires_at, token, live)
 
     async def _execute(
         self,

@@ -5,7 +5,10 @@ table of lease records (``leases``) beside the events table, and a
 ``lease=`` argument to ``insert_events`` whose ``LeaseOp`` is applied in the
 same transaction as the events (or alone, with no events). A take that
 finds another holder's live lease raises ``LeaseRefused`` and writes
-nothing, events included.
+nothing, events included. Each backend decides a lease by its own clock:
+memory and SQLite by this machine's, PostgreSQL by the server's
+(``clock_timestamp()``), never by a time a worker sends (docs/concepts.md,
+"Leases").
 
 - memory: a dict under the recorder's own lock;
 - SQLite: a table in the same file, changed on the insert's own cursor;
@@ -43,7 +46,7 @@ from eventsourcing.utils import retry
 from psycopg.sql import SQL, Composed, Identifier, Literal
 
 from .eventsourcing_hooks import SQLiteInsertHook
-from .leases import Lease, LeaseOp, LeaseRefused
+from .leases import Lease, LeaseOp, LeaseRefused, store_now
 
 __all__ = [
     "LEASE_HELD",
@@ -90,16 +93,18 @@ class LeasingPOPORecorder(POPOApplicationRecorder):
     ) -> Sequence[int] | None:
         op: LeaseOp | None = kwargs.pop("lease", None)
         with self._lease_guard:
-            if op is not None:
-                _check(op, self._leases.get(op.run_id))
+            if op is None:
+                return super().insert_events(stored_events, **kwargs) if stored_events else []
+            now = store_now()
+            _check(op, self._leases.get(op.run_id), now)
             ids = super().insert_events(stored_events, **kwargs) if stored_events else []
-            if op is not None:
-                _apply(op, self._leases)
+            _apply(op, self._leases, now)
             return ids
 
     def select_lease(self, run_id: UUID) -> Lease | None:
         with self._lease_guard:
-            return self._leases.get(run_id)
+            held = self._leases.get(run_id)
+        return None if held is None else _as_read(held)
 
     def leases(self) -> dict[UUID, Lease]:
         """Every lease record, as it is now (the memory views join these)."""
@@ -107,21 +112,25 @@ class LeasingPOPORecorder(POPOApplicationRecorder):
             return dict(self._leases)
 
 
-def _check(op: LeaseOp, held: Lease | None) -> None:
-    """Refuse ``op`` on a record holding ``held`` (``LeaseRefused``), or let it be."""
+def _as_read(held: Lease) -> Lease:
+    """A record as a reader gets it: live or not by the store's clock, now."""
+    return Lease(held.holder, held.expires_at, held.token, held.expires_at > store_now())
+
+
+def _check(op: LeaseOp, held: Lease | None, now: datetime) -> None:
+    """Refuse ``op`` on a record holding ``held`` at ``now`` (``LeaseRefused``), or let it be."""
     if op.kind == "take":
-        assert op.now is not None
-        if held is not None and held.holder != op.holder and held.live(op.now):
+        if held is not None and held.holder != op.holder and held.expires_at > now:
             raise LeaseRefused(op, held)
     elif op.kind == "renew" and (held is None or held.token != op.token):
         raise LeaseRefused(op, None)
 
 
-def _apply(op: LeaseOp, leases: dict[UUID, Lease]) -> None:
+def _apply(op: LeaseOp, leases: dict[UUID, Lease], now: datetime) -> None:
     if op.kind in ("take", "renew"):
-        assert op.expires_at is not None
+        assert op.ttl is not None
         holder = op.holder if op.kind == "take" else leases[op.run_id].holder
-        leases[op.run_id] = Lease(holder, _as_utc(op.expires_at), op.token)
+        leases[op.run_id] = Lease(holder, now + op.ttl, op.token)
     elif op.kind == "clear" or (
         op.kind == "release" and op.run_id in leases and leases[op.run_id].token == op.token
     ):
@@ -162,23 +171,28 @@ class LeasingSQLiteRecorder(SQLiteInsertHook):
     def _lease_op(self, c: SQLiteCursor, op: LeaseOp) -> None:
         run = str(op.run_id)
         table = self.leases_table
+        # Read before the statement, which may wait for another process's write
+        # lock: a take then meets the record as it stood earlier (it may refuse a
+        # lease that lapsed meanwhile, never take a live one), and the expiry it
+        # sets is at most that wait short of a full TTL.
+        now = store_now()
         if op.kind == "take":
-            assert op.expires_at is not None and op.now is not None
+            assert op.ttl is not None
             c.execute(
                 f"INSERT INTO {table} (run_id, holder, token, expires_at) VALUES (?, ?, ?, ?) "
                 "ON CONFLICT (run_id) DO UPDATE SET holder = excluded.holder, "
                 "token = excluded.token, expires_at = excluded.expires_at "
                 f"WHERE {table}.expires_at <= ? OR {table}.holder = ?",
-                (run, op.holder, op.token, sqlite_time(op.expires_at), sqlite_time(op.now),
+                (run, op.holder, op.token, sqlite_time(now + op.ttl), sqlite_time(now),
                  op.holder),
             )  # fmt: skip
             if c.sqlite_cursor.rowcount == 0:
                 raise LeaseRefused(op, self._held(c, op.run_id))
         elif op.kind == "renew":
-            assert op.expires_at is not None
+            assert op.ttl is not None
             c.execute(
                 f"UPDATE {table} SET expires_at = ? WHERE run_id = ? AND token = ?",
-                (sqlite_time(op.expires_at), run, op.token),
+                (sqlite_time(now + op.ttl), run, op.token),
             )
             if c.sqlite_cursor.rowcount == 0:
                 raise LeaseRefused(op, None)
@@ -195,7 +209,8 @@ class LeasingSQLiteRecorder(SQLiteInsertHook):
         row = c.fetchone()
         if row is None:
             return None
-        return Lease(row[0], datetime.fromisoformat(row[2]).replace(tzinfo=UTC), row[1])
+        expires_at = datetime.fromisoformat(row[2]).replace(tzinfo=UTC)
+        return Lease(row[0], expires_at, row[1], expires_at > store_now())
 
     def select_lease(self, run_id: UUID) -> Lease | None:
         with self.datastore.transaction(commit=False) as c:
@@ -238,8 +253,8 @@ class OneTripPostgresRecorder(PostgresApplicationRecorder):
         self.sql_create_statements.append(
             SQL(
                 "CREATE OR REPLACE FUNCTION {schema}.{function}(events {schema}.{event}[], "
-                "op text, run uuid, holder_ text, token_ text, until timestamptz, "
-                "now_ timestamptz) RETURNS SETOF bigint LANGUAGE plpgsql AS $BODY$ "
+                "op text, run uuid, holder_ text, token_ text, ttl interval) "
+                "RETURNS SETOF bigint LANGUAGE plpgsql AS $BODY$ "
                 "DECLARE held_holder text; held_until timestamptz; "
                 "BEGIN "
                 "IF cardinality(events) > 0 THEN "
@@ -264,17 +279,17 @@ class OneTripPostgresRecorder(PostgresApplicationRecorder):
             SQL(
                 "CREATE OR REPLACE FUNCTION {schema}.{batch}(events {schema}.{event}[], "
                 "starts int[], ends int[], ops text[], runs uuid[], holders text[], "
-                "tokens text[], untils timestamptz[], nows timestamptz[]) "
+                "tokens text[], ttls interval[]) "
                 "RETURNS TABLE (save int, outcome text, ids bigint[], detail text) "
                 "LANGUAGE plpgsql AS $BODY$ "
                 "DECLARE held_holder text; held_until timestamptz; op text; run uuid; "
-                "holder_ text; token_ text; until timestamptz; now_ timestamptz; "
+                "holder_ text; token_ text; ttl interval; "
                 "BEGIN "
                 "SET LOCAL lock_timeout = '{lock_timeout}s'; "
                 "LOCK TABLE {schema}.{table} IN EXCLUSIVE MODE; "
                 "FOR i IN 1 .. cardinality(starts) LOOP "
                 "op := ops[i]; run := runs[i]; holder_ := holders[i]; token_ := tokens[i]; "
-                "until := untils[i]; now_ := nows[i]; "
+                "ttl := ttls[i]; "
                 "BEGIN " + _LEASE_OP + "save := i; outcome := 'ok'; detail := NULL; "
                 "WITH inserted AS (INSERT INTO {schema}.{table} AS t "
                 "(originator_id, originator_version, topic, state) "
@@ -303,12 +318,12 @@ class OneTripPostgresRecorder(PostgresApplicationRecorder):
         # statements run on every save are kept as bytes: psycopg would compose
         # and quote a ``Composed`` again on every execute.
         self.batch_statement = (
-            SQL("SELECT * FROM {schema}.{batch}(%b, %s, %s, %s, %s, %s, %s, %s, %s)")
+            SQL("SELECT * FROM {schema}.{batch}(%b, %s, %s, %s, %s, %s, %s, %s)")
             .format(schema=schema, batch=batch)
             .as_bytes()
         )
         self.one_trip_statement = (
-            SQL("SELECT * FROM {schema}.{function}(%b, %s, %s, %s, %s, %s, %s)")
+            SQL("SELECT * FROM {schema}.{function}(%b, %s, %s, %s, %s, %s)")
             .format(schema=schema, function=function)
             .as_bytes()
         )
@@ -326,8 +341,12 @@ class OneTripPostgresRecorder(PostgresApplicationRecorder):
             .format(schema=schema, table=Identifier(self.events_table_name))
             .as_bytes()
         )
+        # Whether the lease is live is the server's to say, as a take would.
         self.select_lease_statement = (
-            SQL("SELECT holder, token, expires_at FROM {leases} WHERE run_id = %s")
+            SQL(
+                "SELECT holder, token, expires_at, expires_at > clock_timestamp() AS live "
+                "FROM {leases} WHERE run_id = %s"
+            )
             .format(leases=self.leases)
             .as_bytes()
         )
@@ -349,15 +368,15 @@ class OneTripPostgresRecorder(PostgresApplicationRecorder):
     def parameters_of(rows: list[Any], op: LeaseOp | None) -> tuple[Any, ...]:
         """The one-trip statement's parameters, the events already made rows."""
         if op is None:
-            return (rows, "none", None, None, None, None, None)
-        return (rows, op.kind, op.run_id, op.holder, op.token, op.expires_at, op.now)
+            return (rows, "none", None, None, None, None)
+        return (rows, op.kind, op.run_id, op.holder, op.token, op.ttl)
 
     @staticmethod
     def batch_parameters(saves: Sequence[tuple[list[Any], LeaseOp | None]]) -> tuple[Any, ...]:
         """The group commit's parameters: every save's rows, where each save's rows
         start and end in them (1-based, inclusive), and each save's lease op."""
         rows: list[Any] = []
-        starts, ends, ops, runs, holders, tokens, untils, nows = ([] for _ in range(8))
+        starts, ends, ops, runs, holders, tokens, ttls = ([] for _ in range(7))
         for save_rows, op in saves:
             starts.append(len(rows) + 1)
             rows.extend(save_rows)
@@ -366,9 +385,8 @@ class OneTripPostgresRecorder(PostgresApplicationRecorder):
             runs.append(op.run_id if op is not None else None)
             holders.append(op.holder if op is not None else None)
             tokens.append(op.token if op is not None else None)
-            untils.append(op.expires_at if op is not None else None)
-            nows.append(op.now if op is not None else None)
-        return (rows, starts, ends, ops, runs, holders, tokens, untils, nows)
+            ttls.append(op.ttl if op is not None else None)
+        return (rows, starts, ends, ops, runs, holders, tokens, ttls)
 
     @retry((InterfaceError, OperationalError), max_attempts=10, wait=0.2)
     def insert_events(
@@ -409,7 +427,7 @@ class OneTripPostgresRecorder(PostgresApplicationRecorder):
             row = curs.fetchone()
         if row is None:
             return None
-        return Lease(row["holder"], _as_utc(row["expires_at"]), row["token"])
+        return Lease(row["holder"], _as_utc(row["expires_at"]), row["token"], row["live"])
 
 
 def lease_refusal(error: psycopg.Error, op: LeaseOp | None) -> LeaseRefused | None:
@@ -425,14 +443,17 @@ def lease_refusal(error: psycopg.Error, op: LeaseOp | None) -> LeaseRefused | No
 
 
 #: The PL/pgSQL that applies one lease op (``op``, ``run``, ``holder_``, ``token_``,
-#: ``until``, ``now_``): a refused one raises ``LEASE_HELD`` (the holder as the
-#: message, the expiry's epoch as the detail) or ``LEASE_LOST``.
+#: ``ttl``): a refused one raises ``LEASE_HELD`` (the holder as the message, the
+#: expiry's epoch as the detail) or ``LEASE_LOST``. Times are the server's, and
+#: ``clock_timestamp()``, not ``now()``: the transaction may have started before
+#: it waited for the events table's lock, and a lease is decided at the moment
+#: the record is compared and set.
 _LEASE_OP = (
     "IF op = 'take' THEN "
     "INSERT INTO {leases} AS l (run_id, holder, token, expires_at) "
-    "VALUES (run, holder_, token_, until) ON CONFLICT (run_id) DO UPDATE SET "
+    "VALUES (run, holder_, token_, clock_timestamp() + ttl) ON CONFLICT (run_id) DO UPDATE SET "
     "holder = EXCLUDED.holder, token = EXCLUDED.token, expires_at = EXCLUDED.expires_at "
-    "WHERE l.expires_at <= now_ OR l.holder = holder_; "
+    "WHERE l.expires_at <= clock_timestamp() OR l.holder = holder_; "
     "IF NOT FOUND THEN "
     "SELECT l.holder, l.expires_at INTO held_holder, held_until FROM {leases} l "
     "WHERE l.run_id = run; "
@@ -440,7 +461,8 @@ _LEASE_OP = (
     "DETAIL = extract(epoch FROM held_until)::text; "
     "END IF; "
     "ELSIF op = 'renew' THEN "
-    "UPDATE {leases} SET expires_at = until WHERE run_id = run AND token = token_; "
+    "UPDATE {leases} SET expires_at = clock_timestamp() + ttl "
+    "WHERE run_id = run AND token = token_; "
     "IF NOT FOUND THEN "
     "RAISE EXCEPTION USING ERRCODE = '{lost}', MESSAGE = 'lease taken over'; "
     "END IF; "

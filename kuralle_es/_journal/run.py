@@ -38,7 +38,7 @@ from ..shapes import (
 )
 from . import catalogue as stored
 from .json_data import encode_json
-from .leases import Lease
+from .leases import Lease, store_now
 from .sites import Effect, Lane, Site
 from .spending import normalise_usage
 from .wait import Wait
@@ -476,11 +476,13 @@ class Run(Aggregate):
 
     def lease(self, record: Lease | None) -> Lease | None:
         """The run's lease: its lease ``record`` if it has one; else, while the run is
-        running, the lease folded from a journal of 0.1.0 (``LeaseTaken``), if any."""
+        running, the lease folded from a journal of 0.1.0 (``LeaseTaken``), if any,
+        live by this machine's clock (the time it was written with)."""
         if record is not None:
             return record
-        if self.status == "running" and self.lease_holder and self.lease_expires_at:
-            return Lease(self.lease_holder, self.lease_expires_at)
+        expires_at = self.lease_expires_at
+        if self.status == "running" and self.lease_holder and expires_at:
+            return Lease(self.lease_holder, expires_at, live=expires_at > store_now())
         return None
 
     def public_wait(self) -> WaitingFor | None:

@@ -136,11 +136,15 @@ async def _drive_all(
 async def recover_orphaned_runs(runtime: Runtime, now: datetime | None = None) -> list[str]:
     """Drive every orphan (a ``running`` run whose lease expired before ``now``) again.
 
-    Each is re-entered through the resume path with this runtime's holder as
-    its new lease holder, and driven to its next pause or its end. A run
-    another worker holds by then (``LeaseHeldError``), or that refuses
-    (``FlowDriftError``, ...) or errors, is logged and skipped. Returns the ids
-    of the runs this call drove.
+    ``now`` (this machine's time by default) only picks the candidates from
+    the views: whether a lease expired is the store's clock's to say, in the
+    take that opens each recovery, so a run whose lease is live by the
+    store's clock is never taken, however far ahead ``now`` is. Each orphan is
+    re-entered through the resume path with this runtime's holder as its new
+    lease holder, and driven to its next pause or its end. A run another
+    worker holds (``LeaseHeldError``), or that refuses (``FlowDriftError``,
+    ...) or errors, is logged and skipped. Returns the ids of the runs this
+    call drove.
     """
     orphans = await runtime.views.orphaned_runs(now or utcnow())
     return await _drive_all(

@@ -2,13 +2,18 @@
 
 A context is bound to one node visit: once the node has returned (or
 raised), every effect asked of it raises ``TurnClosedError`` and executes
-nothing, so a task the node left running cannot act for the run. While the
+nothing, so a task the node left running cannot act for the run. It is
+bound to its turn's event loop too: a call from another thread or another
+loop is refused the same way, before it reserves a callsite or touches the
+journal (whose lock, cursor and run belong to the turn's loop). While the
 visit lasts, the journal admits each effect (it refuses every effect after
 the turn suspended), docs/node-code.md.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Callable, Coroutine, Mapping
 from datetime import datetime, timedelta
 from typing import Any, Literal
@@ -72,6 +77,8 @@ class RunContext(TurnBound):
         self._tools = tools
         self._schemas = schemas
         self._closed = False
+        #: The turn's event loop, the only one this context answers on.
+        self._loop = asyncio.get_running_loop()
 
     def close(self) -> None:
         """End this context's node visit (the driver calls it when the node is done)."""
@@ -80,6 +87,12 @@ class RunContext(TurnBound):
     def _require_open(self, what: str) -> None:
         if self._closed:
             raise TurnClosedError(self._writer.run_id, what)
+        try:
+            on_its_loop = asyncio.get_running_loop() is self._loop
+        except RuntimeError:  # a plain thread: no loop at all
+            on_its_loop = False
+        if not on_its_loop:
+            raise TurnClosedError(self._writer.run_id, what, elsewhere=True)
 
     def _admit(self, what: str) -> None:
         """Refuse an effect once the visit ended (``TurnClosedError``) or the turn
@@ -113,9 +126,23 @@ class RunContext(TurnBound):
     async def _run_tool(self, site: Site, tool: Tool[Any], args: BaseModel) -> Any:
         try:
             self._require_open(f"tool {tool.name!r}")
+        except TurnClosedError:
+            self._settle_refused()
+            raise
+        try:
             return await run_tool(self._writer, site, tool, args, self._emit)
         finally:
             self._cursor.settled()
+
+    def _settle_refused(self) -> None:
+        """Settle the callsite ``tool`` reserved for an effect refused when awaited,
+        on the turn's loop: the cursor is the loop's, and the await may have been
+        on another loop, in another thread."""
+        if _running_loop() is self._loop:
+            self._cursor.settled()
+            return
+        with contextlib.suppress(RuntimeError):  # the turn's loop is closed: nothing waits
+            self._loop.call_soon_threadsafe(self._cursor.settled)
 
     # ------------------------------------------------------------- waiting
     def approve(
@@ -268,6 +295,14 @@ class RunContext(TurnBound):
         """Reserve ``n`` ordinals now; pass them as ``callsite=`` to later calls."""
         self._require_open("reserve_callsites")
         return self._cursor.reserve(n)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    """The event loop running on this thread, if any (a plain thread has none)."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 def _explicit_site(callsite: int | None, index: int | None) -> int | None:

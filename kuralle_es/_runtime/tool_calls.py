@@ -163,4 +163,5 @@ async def run_tool(
         on_running=ask_in_doubt,
         on_executed=executed,
         retry=tool.retry,
+        heartbeat_for=tool.timeout,
     )

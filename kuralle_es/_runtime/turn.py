@@ -32,7 +32,7 @@ from .flow_driver import Driven, drive
 from .handle import TurnSink
 from .observability import log_event, set_status, span
 from .turn_calls import Command, Opening, Recover, TurnEnv
-from .writer import RunStopped, RunWriter, result_of, utcnow
+from .writer import RunStopped, RunWriter, result_of
 
 __all__ = ["drive_turn", "result_of"]
 
@@ -104,13 +104,13 @@ class _Turn:
         command, env = self.command, self.env
         done = self._done_already(run, fresh)
         held = None if fresh else run.lease(await env.store.lease_async(run.run_id))
-        live_elsewhere = held is not None and held.holder != env.holder and held.live(utcnow())
+        live_elsewhere = held is not None and held.holder != env.holder and held.live
         if done is not None and self._still_running(run):
             # A keyed call retried while the run it started still runs: another
             # holder's turn is refused below; this worker's own is in flight here;
             # a turn cut off by a crash that nobody recovered yet is recovered now,
             # and the call answered as the run then stands.
-            if held is not None and held.holder == env.holder and held.live(utcnow()):
+            if held is not None and held.holder == env.holder and held.live:
                 return self._noop(run, done)
             if not live_elsewhere:
                 self.command = command = Recover(

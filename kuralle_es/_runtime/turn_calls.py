@@ -558,13 +558,13 @@ class Recover(_ForStoredRun):
         if run.status != "running":
             return None
         require_current_flow(run, env.registry)
-        if held is not None and held.holder == env.holder and held.live(utcnow()):
+        if held is not None and held.holder == env.holder and held.live:
             return None  # this worker's own turn still drives it
         return _Recovered(held.holder if held is not None else None)
 
     def won_elsewhere(self, latest: Run, fresh: bool, lease: Lease | None) -> bool:
         # Another sweeper (or the original worker after all) holds it now.
-        return latest.status != "running" or (lease is not None and lease.live(utcnow()))
+        return latest.status != "running" or (lease is not None and lease.live)
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,14 @@ execute anything the journal did not admit (docs/node-code.md).
 The journal also owns the run's single writer: one ``asyncio.Lock`` orders
 the appends of a ``gather`` batch, every save is compare-and-set on the
 aggregate version (``StaleWriteError`` for a loser) and renews the lease, and
-a heartbeat renews it while an effect executes. Everything else a turn does
-to the run goes through a few verbs (``append_message``, ``enter_node``,
-``pause``); nobody outside reaches the aggregate through the journal.
+a heartbeat renews it while an effect executes, from a thread of its own,
+whatever the effect does to the turn's event loop (``heartbeat``). The
+writer measures how old its lease is on the monotonic clock, from the moment
+it sent the take or renewal: the expiry is the store's to decide, by the
+store's clock, and is never compared with this machine's. Everything else a
+turn does to the run goes through a few verbs (``append_message``,
+``enter_node``, ``pause``); nobody outside reaches the aggregate through the
+journal.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import copy
 import inspect
 import json
 import random
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -42,7 +48,8 @@ from .._definitions.budget import Budget
 from .._definitions.retry import NO_RETRY, RetryPolicy
 from .._definitions.tools import ToolExited
 from .._journal.json_data import encode_json
-from .._journal.leases import Lease, LeaseOp
+from .._journal.leases import Lease, LeaseOp, LeaseRefused
+from .._journal.recorders import LeasingRecorder
 from .._journal.run import Run, StepData
 from .._journal.sites import Effect
 from .._journal.spending import ModelUsage, Prices, total
@@ -214,9 +221,10 @@ class RunWriter:
         self.run_id = run.run_id
         self._holder = holder
         self.lease_ttl = timedelta(seconds=lease_ttl)
-        #: This turn's token on the run's lease record, and the lease once taken.
+        #: A save renews the lease when its last renewal is older than this.
+        self._renew_after = lease_ttl / 2
+        #: This turn's token on the run's lease record.
         self._token = uuid4().hex
-        self._lease: Lease | None = None
         #: The lease op the next save carries (a take, or a release), if any.
         self._lease_op: LeaseOp | None = None
         #: A durable sleep that wakes within this many seconds waits inline.
@@ -232,8 +240,7 @@ class RunWriter:
         #: ended the run with, or the replay mismatch that refused an effect.
         self._stopped: Wait | str | NonDeterminismError | None = None
         self._closed = False
-        self._beat_every = timedelta(seconds=lease_ttl / 3)
-        self._heartbeat = Heartbeat(self._beat, lease_ttl / 3)
+        self._heartbeat = Heartbeat(self._renew_alone, self._lease_lost, lease_ttl / 3)
         #: Whether this turn's steps make spans (a provider set meanwhile counts
         #: from the next turn).
         self.tracing = tracing_on()
@@ -284,10 +291,7 @@ class RunWriter:
 
     def take_lease(self) -> None:
         """Take the run's lease with the next save (refused: ``LeaseHeldError``)."""
-        now = utcnow()
-        self._lease_op = LeaseOp.take(
-            self._run.id, self._holder, self._token, now + self.lease_ttl, now
-        )
+        self._lease_op = LeaseOp.take(self._run.id, self._holder, self._token, self.lease_ttl)
 
     def take_over(self, previous_holder: str | None) -> None:
         """Record that this turn takes the running run over from ``previous_holder``:
@@ -348,8 +352,9 @@ class RunWriter:
     async def create(self) -> None:
         """Save a new run (with its session's index, and the lease taken)."""
         op, self._lease_op = self._lease_op, None
+        sent_at = time.monotonic()
         await self._store.create_run_async(self._run, op)
-        self._hold(op)
+        self._hold(op, sent_at)
 
     async def close_turn(self, idempotency_key: str | None, paused_output: Any) -> TurnResult:
         """Save the turn's end (the run's closing events) with the lease released;
@@ -368,16 +373,15 @@ class RunWriter:
         async with self._lock:
             await self._persist_locked()
 
-    async def _persist_locked(self, *, renew: bool = False) -> None:
+    async def _persist_locked(self) -> None:
         run = self._run
         if self._broken is not None:
             raise self._broken
         op, self._lease_op = self._lease_op, None
-        lease = self._lease
-        if op is None and lease is not None:
-            now = utcnow()
-            if renew or lease.expires_at - now < self.lease_ttl / 2:
-                op = LeaseOp.renew(run.id, self._token, now + self.lease_ttl)
+        sent_at = time.monotonic()
+        renewed_at = self._heartbeat.renewed_at
+        if op is None and renewed_at is not None and sent_at - renewed_at > self._renew_after:
+            op = LeaseOp.renew(run.id, self._token, self.lease_ttl)
         if not run.pending_events and op is None:
             return
         try:
@@ -392,17 +396,16 @@ class RunWriter:
                 run.run_id, f"a save of this turn failed with {exc!r}", clash=False
             )
             raise
-        self._hold(op)
+        self._hold(op, sent_at)
 
-    def _hold(self, op: LeaseOp | None) -> None:
-        """What this turn holds after a save that carried ``op``."""
+    def _hold(self, op: LeaseOp | None, sent_at: float) -> None:
+        """What this turn holds after a save, sent at ``sent_at``, that carried ``op``."""
         if op is None:
             return
         if op.kind in ("take", "renew"):
-            assert op.expires_at is not None
-            self._lease = Lease(self._holder, op.expires_at, self._token)
+            self._heartbeat.renewed(sent_at)
         else:
-            self._lease = None
+            self._heartbeat.released()
 
     async def _save_intent(self) -> None:
         """Save an effect's intent (with whatever else is pending) before it executes.
@@ -420,29 +423,36 @@ class RunWriter:
         async with self._lock:
             await self._persist_locked()
 
-    async def _beat(self) -> None:
-        """The heartbeat: renew the lease record (nothing is appended to the journal),
-        unless a save renewed it within the last beat interval."""
-        async with self._lock:
-            lease = self._lease
-            if lease is None:
-                return
-            if lease.expires_at - utcnow() > self.lease_ttl - self._beat_every:
-                return
-            await self._persist_locked(renew=True)
+    def _renew_alone(self) -> bool:
+        """The heartbeat's renewal, on its thread: the lease record alone (nothing is
+        appended to the journal), through the store's own blocking connection, never
+        the turn's loop. False: the lease was taken over (or cleared by a cancel)."""
+        op = LeaseOp.renew(self._run.id, self._token, self.lease_ttl)
+        try:
+            _lease_record(self._store, self.run_id, op).insert_events([], lease=op)
+        except LeaseRefused:
+            return False
+        return True
+
+    def _lease_lost(self) -> None:
+        """A renewal found the lease taken over: the turn's next save raises."""
+        if self._broken is None:
+            self._broken = StaleWriteError(
+                self.run_id, "its lease was taken over by another worker"
+            )
 
     async def hold(self, seconds: float) -> None:
         """Wait inline (a short durable sleep) with the lease kept by the heartbeat."""
-        self._heartbeat.enter()
+        beating = self._heartbeat.enter()
         try:
             await asyncio.sleep(seconds)
         finally:
-            self._heartbeat.leave()
+            self._heartbeat.leave(beating)
 
     async def close(self) -> None:
         """End the turn: no effect is admitted any more, and the heartbeat stops."""
         self._closed = True
-        await self._heartbeat.stop()
+        self._heartbeat.stop()
 
     # ------------------------------------------------------------ admission
     def suspend(self, wait: Wait) -> NoReturn:
@@ -589,6 +599,7 @@ class RunWriter:
         on_executed: Callable[[Any], None] | None = None,
         retry: RetryPolicy = NO_RETRY,
         journal_errors: bool = True,
+        heartbeat_for: float | None = None,
     ) -> Any:
         """Run one effect through the journal; returns its (recorded) JSON result.
 
@@ -602,7 +613,9 @@ class RunWriter:
         triggers ride on that save); ``on_executed`` runs after. With
         ``journal_errors=False`` a failed attempt is not journaled: its error
         propagates and the step stays ``running``, so the next pass runs it
-        again as its next attempt (a model call: nothing is frozen).
+        again as its next attempt (a model call: nothing is frozen). While an
+        attempt executes, the heartbeat keeps the lease ``heartbeat_for``
+        seconds at most (a tool's ``timeout``; None: as long as it runs).
         """
         self.require_open(f"{effect.kind} {effect.name!r}")
         self._enter()
@@ -633,7 +646,9 @@ class RunWriter:
             await self._save_intent()
             if retry_at is not None:
                 await self._next_attempt(index, retry_at)
-            value = await self._attempts(index, execute, retry, counted_from, journal_errors)
+            value = await self._attempts(
+                index, execute, retry, counted_from, journal_errors, heartbeat_for
+            )
             try:
                 result_json = encode_json(value, f"the result of {effect.kind} {effect.name!r}")
             except (TypeError, KuralleError) as exc:
@@ -685,11 +700,11 @@ class RunWriter:
                         return result
             value = make()
             if inspect.isawaitable(value):
-                self._heartbeat.enter()
+                beating = self._heartbeat.enter()
                 try:
                     value = await value
                 finally:
-                    self._heartbeat.leave()
+                    self._heartbeat.leave(beating)
             result_json = encode_json(value, f"the result of {effect.kind} {effect.name!r}")
             result = json.loads(result_json)
             async with self._lock:
@@ -725,6 +740,7 @@ class RunWriter:
         retry: RetryPolicy,
         counted_from: int,
         journal_errors: bool = True,
+        heartbeat_for: float | None = None,
     ) -> Any:
         """Execute until an attempt succeeds; a failure the policy retries is
         journaled (the step stays running) and waited out, the last one frozen.
@@ -732,7 +748,7 @@ class RunWriter:
         Failures count from ``counted_from`` (earlier passes of a ``replay=False``
         read do not use up this pass's attempts)."""
         while True:
-            self._heartbeat.enter()
+            beating = self._heartbeat.enter(heartbeat_for)
             try:
                 return await execute()
             except (SuspendError, asyncio.CancelledError):
@@ -756,7 +772,7 @@ class RunWriter:
 
                 await self._save_outcome(index, attempt_failed, f"step {index}")
             finally:
-                self._heartbeat.leave()
+                self._heartbeat.leave(beating)
             await self._next_attempt(index, retry_at)
 
     async def _next_attempt(self, index: int, retry_at: datetime) -> None:
@@ -822,6 +838,16 @@ class RunWriter:
         return False
 
 
+def _lease_record(store: RunStore, run_id: str, op: LeaseOp) -> LeasingRecorder:
+    """The recorder that keeps the run's lease record (its partition's), for a
+    renewal made apart from any save of events (``LeaseRefused``: no such run)."""
+    partition = store.partition_of(run_id)
+    if partition is None:
+        raise LeaseRefused(op, None)
+    recorder: LeasingRecorder = store.partitions[partition].recorder  # type: ignore[assignment]
+    return recorder
+
+
 # ------------------------------------------------------- outside a turn
 class RunChange(ABC):
     """A change made to a run from outside its turns (cancel, migrate, abandon)."""
@@ -863,7 +889,7 @@ class Abandon(RunChange):
     def apply(self, run: Run, lease: Lease | None) -> bool:
         if run.status in ("finished", "aborted"):
             return False
-        if lease is not None and lease.holder != self.holder and lease.live(utcnow()):
+        if lease is not None and lease.holder != self.holder and lease.live:
             raise LeaseHeldError(run.run_id, lease.holder, lease.expires_at)
         run.abort(self.outcome)
         return True
