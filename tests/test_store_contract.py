@@ -46,6 +46,7 @@ from kuralle_es import (
     idempotency_key,
 )
 from kuralle_es._journal.log import snapshot_spacing
+from kuralle_es.testing import Crash
 
 HEX64 = re.compile(r"[0-9a-f]{64}")
 SESSION = "session-1"
@@ -435,8 +436,9 @@ async def test_step_left_running_by_a_killed_process_executes_again_with_the_sam
     assert step.result == {"charged": 5, "pid": retried_exec["pid"]}
 
 
-class _SimulatedCrash(BaseException):
-    """Stands in for a process death: escapes every ``except Exception``."""
+class _SimulatedCrash(Crash):
+    """Stands in for a process death: the testing kit's ``Crash`` (a tool's other
+    ``BaseException``s fail its attempt; only a ``Crash`` kills the turn)."""
 
 
 async def test_step_left_running_by_an_interrupted_turn_executes_again_with_the_same_key(

@@ -102,7 +102,7 @@ def build_agent(program: list[str]) -> Any:
             "",
             Step,
             _flaky(),
-            retry=RetryPolicy(max_attempts=3, initial_interval=0.0, backoff=1.0),
+            retry=RetryPolicy(max_attempts=3, initial_interval=0.001, backoff=1.0),
         ),
         define_tool("fails", "", Step, _fails),
     ]
