@@ -40,6 +40,7 @@ from kuralle_es import (
     end,
     goto,
 )
+from kuralle_es.testing import Crash
 
 SESSION = "session-props"
 TOOL_NAMES = ("alpha", "beta")
@@ -47,10 +48,6 @@ TOOL_NAMES = ("alpha", "beta")
 
 class Payload(BaseModel):
     payload: Any = None
-
-
-class Crash(BaseException):
-    """A process dying mid-turn: not an ``Exception``, so no error is journaled."""
 
 
 class NodeFailure(RuntimeError):
