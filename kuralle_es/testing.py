@@ -110,7 +110,10 @@ class CrashPlan:
     intent is saved, the effect has not run. ``after_execute``: the effect ran,
     its result is not saved (the step is left in doubt). ``after_finalize``:
     the result is saved, the turn dies before going on. After it fired,
-    ``key`` is the idempotency key of the step it hit.
+    ``key`` is the idempotency key of the step it hit, and ``in_doubt`` the
+    keys of the steps whose results the dying save carried: a step's result
+    rides the turn's next save, so a crash before that save leaves the steps
+    executed since the last save in doubt (re-run under their keys).
     """
 
     boundary: Boundary
@@ -118,6 +121,7 @@ class CrashPlan:
     seen: int = 0
     fired: bool = False
     key: str | None = None
+    in_doubt: list[str] = field(default_factory=list)
 
     def reach(self, boundary: Boundary, key: str) -> None:
         """Called at each boundary; raises ``Crash`` at the planned one."""
@@ -130,15 +134,26 @@ class CrashPlan:
             raise Crash(f"killed {boundary.replace('_', ' ')} #{self.nth} (step {key[:12]})")
 
 
-def _step_keys(run: Run, kinds: tuple[type[Any], ...]) -> list[str]:
-    """Keys of the steps that the run's pending events of ``kinds`` touch."""
+def _step_keys(store: RunStore, run: Run, kinds: tuple[type[Any], ...]) -> list[str]:
+    """Keys of the steps that the run's pending events of ``kinds`` touch (a step
+    a later pending event archived, such as the end of a turn, is read from the
+    run's saved history)."""
     keys: list[str] = []
+    intended = {e.index: e.key for e in run.pending_events if isinstance(e, stored.StepIntended)}
+    history: Run | None = None
     for pending in run.pending_events:
-        if isinstance(pending, kinds):
-            if isinstance(pending, stored.StepIntended):
-                keys.append(pending.key)
-            else:
-                keys.append(run.step(pending.index)["key"])
+        if not isinstance(pending, kinds):
+            continue
+        if isinstance(pending, stored.StepIntended):
+            keys.append(pending.key)
+        elif pending.index in intended:
+            keys.append(intended[pending.index])
+        elif pending.index >= run.step_base:
+            keys.append(run.step(pending.index)["key"])
+        else:
+            history = history or store.load_history(run.run_id)
+            assert history is not None, "a step's result for a run never saved"
+            keys.append(history.step(pending.index)["key"])
     return keys
 
 
@@ -162,12 +177,16 @@ class CrashingStore(RunStore):
             return
         if plan.fired:
             raise Crash("the process is dead: it saves nothing more")
-        intents = _step_keys(run, stored.STARTS)
-        finals = _step_keys(run, stored.RESULTS)
-        for key in intents:
-            plan.reach("before_intent", key)
-        for key in finals:
-            plan.reach("after_execute", key)
+        intents = _step_keys(self, run, stored.STARTS)
+        finals = _step_keys(self, run, stored.RESULTS)
+        try:
+            for key in intents:
+                plan.reach("before_intent", key)
+            for key in finals:
+                plan.reach("after_execute", key)
+        except Crash:
+            plan.in_doubt = [key for key in finals if key not in intents]
+            raise
         await super().save_run_async(run, lease)
         for key in intents:
             plan.reach("after_intent", key)

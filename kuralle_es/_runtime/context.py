@@ -281,7 +281,7 @@ class RunContext(TurnBound):
         self._require_open(kind)
         site = self._cursor.request()
         try:
-            return await self._writer.record_value(Effect(site, kind, kind), make=make)
+            return await self._writer.record_value(Effect(site, kind, kind), make=make, defer=True)
         finally:
             self._cursor.settled()
 

@@ -164,4 +164,7 @@ async def run_tool(
         on_executed=executed,
         retry=tool.retry,
         heartbeat_for=tool.timeout,
+        # A result left unsaved by a crash is re-run under its key: only a tool
+        # that may run again in doubt lets its result ride the next save.
+        defer_result=tool.on_in_doubt == "retry",
     )

@@ -236,6 +236,15 @@ class RunWriter:
         self._idle = asyncio.Event()
         self._idle.set()
         self._broken: StaleWriteError | None = None
+        #: What a save of this turn's own flush raised (a dead store, a simulated
+        #: crash): the turn's next save raises it again.
+        self._flush_failed: BaseException | None = None
+        #: Outcomes recorded on the run and not saved yet (each step's index, how
+        #: it is recorded, what it was): they ride the turn's next save.
+        self._unsaved: list[_Outcome] = []
+        #: The timer that saves those outcomes when no other save comes soon.
+        self._flush_timer: asyncio.TimerHandle | None = None
+        self._flush_task: asyncio.Task[None] | None = None
         #: What stopped the turn first: the wait it suspended on, the outcome it
         #: ended the run with, or the replay mismatch that refused an effect.
         self._stopped: Wait | str | NonDeterminismError | None = None
@@ -375,28 +384,51 @@ class RunWriter:
 
     async def _persist_locked(self) -> None:
         run = self._run
-        if self._broken is not None:
-            raise self._broken
+        if self._flush_failed is not None:
+            raise self._flush_failed
         op, self._lease_op = self._lease_op, None
         sent_at = time.monotonic()
         renewed_at = self._heartbeat.renewed_at
         if op is None and renewed_at is not None and sent_at - renewed_at > self._renew_after:
             op = LeaseOp.renew(run.id, self._token, self.lease_ttl)
-        if not run.pending_events and op is None:
+        if self._broken is None and not run.pending_events and op is None:
             return
         try:
+            if self._broken is not None:
+                raise self._broken
             await self._store.save_run_async(run, op)
         except StaleWriteError as clash:
             # The unsaved events are gone from the aggregate, which is now
             # ahead of the store: no later save of this turn may follow.
             self._broken = clash
+            await self._keep_outcomes(clash)
             raise
         except BaseException as exc:
             self._broken = StaleWriteError(
                 run.run_id, f"a save of this turn failed with {exc!r}", clash=False
             )
+            self._unsaved.clear()  # in doubt: the next turn re-runs them under their keys
             raise
+        self._unsaved.clear()
         self._hold(op, sent_at)
+
+    async def _keep_outcomes(self, lost: StaleWriteError) -> None:
+        """After a lost save: record the executed steps' outcomes it carried on the
+        run as stored, when the run was ended from outside while they ran (a
+        cancel, a migration), and say so (docs/guarantees.md, "At the edges"). A
+        run another worker took over is left to it (it re-runs a step in doubt
+        under the same key)."""
+        unsaved, self._unsaved = self._unsaved, []
+        if not unsaved or not await self._record_on_stored(unsaved):
+            return
+        what = " and ".join(outcome.what for outcome in unsaved)
+        raise StaleWriteError(
+            self.run_id,
+            f"the run ended elsewhere while {what} executed; its outcome is recorded "
+            "and nothing after it ran",
+            clash=lost.clash,
+            recorded=True,
+        ) from None
 
     def _hold(self, op: LeaseOp | None, sent_at: float) -> None:
         """What this turn holds after a save, sent at ``sent_at``, that carried ``op``."""
@@ -452,7 +484,40 @@ class RunWriter:
     async def close(self) -> None:
         """End the turn: no effect is admitted any more, and the heartbeat stops."""
         self._closed = True
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
         self._heartbeat.stop()
+
+    # ------------------------------------------------------- deferred outcomes
+    def _defer(self, outcome: _Outcome) -> None:
+        """Leave a recorded outcome to ride the turn's next save (the next intent,
+        a pause, the turn's end), or a save of its own when none comes within
+        ``FLUSH_AFTER`` seconds: a sequential step costs one commit, and a crash
+        before that save leaves the step in doubt, as a crash between execute and
+        result always did (docs/guarantees.md, "One commit a step")."""
+        self._unsaved.append(outcome)
+        if self._flush_timer is None and not self._closed:
+            loop = asyncio.get_running_loop()
+            self._flush_timer = loop.call_later(FLUSH_AFTER, self._start_flush)
+
+    def _start_flush(self) -> None:
+        self._flush_timer = None
+        if self._unsaved and not self._closed:
+            self._flush_task = asyncio.ensure_future(self._flush())
+
+    async def _flush(self) -> None:
+        """The timer's save of outcomes no other save carried. What it raises is the
+        turn's next save's to raise: nobody awaits this task."""
+        async with self._lock:
+            if not self._unsaved or self._closed:
+                return
+            try:
+                await self._persist_locked()
+            except StaleWriteError:
+                pass  # ``_broken``: the turn's next save raises it
+            except BaseException as exc:  # a dead store or a simulated crash
+                self._flush_failed = exc
 
     # ------------------------------------------------------------ admission
     def suspend(self, wait: Wait) -> NoReturn:
@@ -600,6 +665,7 @@ class RunWriter:
         retry: RetryPolicy = NO_RETRY,
         journal_errors: bool = True,
         heartbeat_for: float | None = None,
+        defer_result: bool = False,
     ) -> Any:
         """Run one effect through the journal; returns its (recorded) JSON result.
 
@@ -615,7 +681,8 @@ class RunWriter:
         propagates and the step stays ``running``, so the next pass runs it
         again as its next attempt (a model call: nothing is frozen). While an
         attempt executes, the heartbeat keeps the lease ``heartbeat_for``
-        seconds at most (a tool's ``timeout``; None: as long as it runs).
+        seconds at most (a tool's ``timeout``; None: as long as it runs). With
+        ``defer_result`` the result rides the turn's next save (``_defer``).
         """
         self.require_open(f"{effect.kind} {effect.name!r}")
         self._enter()
@@ -665,7 +732,9 @@ class RunWriter:
                 if on_recorded is not None and run is self._run:
                     on_recorded(result)
 
-            await self._save_outcome(index, succeeded, f"{effect.kind} {effect.name!r}")
+            await self._save_outcome(
+                _Outcome(index, succeeded, f"{effect.kind} {effect.name!r}"), defer=defer_result
+            )
             if on_executed is not None:
                 on_executed(result)
             return result
@@ -679,6 +748,7 @@ class RunWriter:
         *,
         make: Callable[[], Any],
         on_recorded: Callable[[Any], None] | None = None,
+        defer: bool = False,
     ) -> Any:
         """Journal an effect with no outside side effect (a clock read, a uuid, a
         delivered payload, a model turn) as intent and result in one save.
@@ -687,7 +757,10 @@ class RunWriter:
         intent-before-execute window buys nothing here and costs a save. If
         ``make`` fails, nothing is journaled and the error propagates: the next
         pass asks again. ``on_recorded`` runs only when the value is new, and
-        whatever events it triggers are saved in the same transaction.
+        whatever events it triggers are saved in the same transaction. With
+        ``defer`` (a clock read, a uuid) the value rides the turn's next save,
+        whenever that comes: a crash before it only means the value is made
+        again, and nothing outside can have used a value no save carried.
         """
         self.require_open(f"{effect.kind} {effect.name!r}")
         self._enter()
@@ -712,7 +785,8 @@ class RunWriter:
                 self._run.finish_step(index, result_json)
                 if on_recorded is not None:
                     on_recorded(result)
-                await self._persist_locked()
+                if not defer:
+                    await self._persist_locked()
             return result
         finally:
             self._leave()
@@ -770,7 +844,7 @@ class RunWriter:
                     else:  # the run ended meanwhile: no attempt follows, the error stands
                         run.fail_step(index, failure)
 
-                await self._save_outcome(index, attempt_failed, f"step {index}")
+                await self._save_outcome(_Outcome(index, attempt_failed, f"step {index}"))
             finally:
                 self._heartbeat.leave(beating)
             await self._next_attempt(index, retry_at)
@@ -787,48 +861,42 @@ class RunWriter:
             await self._persist_locked()
 
     async def _record_failure(self, index: int, error: StepError) -> ToolExecutionError:
-        await self._save_outcome(index, lambda run: run.fail_step(index, error), f"step {index}")
+        await self._save_outcome(
+            _Outcome(index, lambda run: run.fail_step(index, error), f"step {index}")
+        )
         return frozen_error(self._run.step(index))
 
-    async def _save_outcome(self, index: int, record: Callable[[Run], None], what: str) -> None:
-        """Save the outcome of step ``index`` (``record`` triggers it on a run).
-
-        An executed effect is always recorded: when the save loses because the
-        run was ended from outside while the effect ran (a cancel, a
-        migration), the outcome is recorded on the run as stored, then the turn
-        stops with a ``StaleWriteError`` that says so (docs/guarantees.md, "At
-        the edges"). A run another worker took over is left to it (it re-runs
-        the step in doubt under the same key).
-        """
+    async def _save_outcome(self, outcome: _Outcome, *, defer: bool = False) -> None:
+        """Record the outcome of a step and save it (with ``defer``, with the turn's
+        next save). An executed effect is always recorded: a save lost because the
+        run was ended from outside meanwhile records it on the run as stored
+        (``_keep_outcomes``)."""
         async with self._lock:
-            record(self._run)
-            try:
-                await self._persist_locked()
+            outcome.record(self._run)
+            if defer:
+                self._defer(outcome)
                 return
-            except StaleWriteError as lost:
-                if not await self._record_on_stored(index, record):
-                    raise
-                raise StaleWriteError(
-                    self.run_id,
-                    f"the run ended elsewhere while {what} executed; its outcome is recorded "
-                    "and nothing after it ran",
-                    clash=lost.clash,
-                    recorded=True,
-                ) from None
+            self._unsaved.append(outcome)
+            await self._persist_locked()
 
-    async def _record_on_stored(self, index: int, record: Callable[[Run], None]) -> bool:
-        """Record a step's outcome on the run as stored, if it ended there with the
-        step still running; whether the outcome is recorded now."""
+    async def _record_on_stored(self, outcomes: list[_Outcome]) -> bool:
+        """Record steps' outcomes on the run as stored, if it ended there with the
+        steps still running; whether they are recorded now."""
         for attempt in range(20):
             latest = await self._store.load_async(self.run_id)
             if latest is None or latest.status not in ("aborted", "finished"):
                 return False
-            position = index - latest.step_base
-            if not 0 <= position < len(latest.steps):
-                return False
-            if latest.steps[position]["status"] != "running":
+            missing = []
+            for outcome in outcomes:
+                position = outcome.index - latest.step_base
+                if not 0 <= position < len(latest.steps):
+                    return False
+                if latest.steps[position]["status"] == "running":
+                    missing.append(outcome)
+            if not missing:
                 return True
-            record(latest)
+            for outcome in missing:
+                outcome.record(latest)
             try:
                 await self._store.save_run_async(latest, None)
             except StaleWriteError:
@@ -836,6 +904,21 @@ class RunWriter:
                 continue
             return True
         return False
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    """A step's outcome on its way to the store: ``record`` triggers it on a run
+    (the turn's, or the run as stored after an outside change)."""
+
+    index: int
+    record: Callable[[Run], None]
+    what: str
+
+
+#: Seconds a deferred step outcome waits for another save to ride before it is
+#: saved alone (docs/guarantees.md, "One commit a step").
+FLUSH_AFTER = 0.005
 
 
 def _lease_record(store: RunStore, run_id: str, op: LeaseOp) -> LeasingRecorder:
