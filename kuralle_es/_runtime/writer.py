@@ -41,7 +41,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any, Generic, Never, NoReturn, TypeVar, overload
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Never, NoReturn, TypeVar, overload
 from uuid import uuid4
 
 from .._definitions.budget import Budget
@@ -49,6 +49,7 @@ from .._definitions.retry import NO_RETRY, RetryPolicy
 from .._definitions.tools import ToolExited
 from .._journal.json_data import encode_json
 from .._journal.leases import Lease, LeaseOp, LeaseRefused
+from .._journal.mail import take_in_mail
 from .._journal.recorders import LeasingRecorder
 from .._journal.run import Run, StepData
 from .._journal.sites import Effect
@@ -87,6 +88,7 @@ __all__ = [
     "Abandon",
     "Cancel",
     "MigrateTo",
+    "Post",
     "RunChange",
     "RunStopped",
     "RunWriter",
@@ -112,6 +114,8 @@ class RunStopped(Exception):
 _UNRECORDABLE = "unrecordable_result"
 #: ``StepError.data`` marker of an attempt cancelled by the tool's timeout.
 _TIMEOUT = "timeout"
+#: How many times one save is made again after messages that arrived meanwhile.
+_MAIL_ROUNDS = 50
 
 _T = TypeVar("_T")
 
@@ -257,6 +261,13 @@ class RunWriter:
     flow_version = _OfRun[str | None]()
     status = _OfRun[RunStatus]()
     outcome = _OfRun[str | None]()
+    #: How many steps the run has journaled: the index its next step gets.
+    step_count = _OfRun[int]()
+
+    def last_recorded_callsite(self) -> int | None:
+        """The highest callsite the active node's (or epoch's) live steps hold: a
+        pass of the node replays until it has asked for that one."""
+        return max((step["callsite"] for step in self._run.steps), default=None)
 
     def state(self) -> dict[str, Any]:
         """A copy of the flow state bag, for a node to change."""
@@ -385,7 +396,7 @@ class RunWriter:
         if not run.pending_events and op is None:
             return
         try:
-            await self._store.save_run_async(run, op)
+            await self._save_taking_in_mail(op)
         except StaleWriteError as clash:
             # The unsaved events are gone from the aggregate, which is now
             # ahead of the store: no later save of this turn may follow.
@@ -397,6 +408,45 @@ class RunWriter:
             )
             raise
         self._hold(op, sent_at)
+
+    async def _save_taking_in_mail(self, op: LeaseOp | None) -> None:
+        """Save the run's pending events (with ``op``). A save that clashes only with
+        messages sent to the run meanwhile takes them in and is made again after
+        them (``mail.take_in_mail``): a message never costs a turn its save."""
+        run = self._run
+        for _ in range(_MAIL_ROUNDS):
+            unsaved = list(run.pending_events)
+            try:
+                await self._store.save_run_async(run, op)
+                return
+            except StaleWriteError:
+                stored_version = run.version - len(unsaved)
+                arrived = await self._store.run_events_async(self.run_id, stored_version)
+                if not unsaved or not take_in_mail(run, arrived, unsaved):
+                    raise
+        raise StaleWriteError(self.run_id, "messages kept arriving faster than it could save")
+
+    async def take_in_mail(self) -> None:
+        """Take in the messages sent to the run since this turn last saved (a
+        ``receive`` that finds none in the run's state looks once more). Anything
+        else stored meanwhile is left for the next save to clash with."""
+        async with self._lock:
+            run = self._run
+            unsaved = list(run.pending_events)
+            stored_version = run.version - len(unsaved)
+            arrived = await self._store.run_events_async(self.run_id, stored_version)
+            take_in_mail(run, arrived, unsaved)
+
+    def unread(self, name: str) -> dict[str, Any] | None:
+        """The oldest message named ``name`` in the run's mailbox, not received yet."""
+        return self._run.unread(name)
+
+    def deliver_mail(self, request_id: str, message_id: str) -> None:
+        """Wake the run from its ``receive``: ``message_id`` arrived for it."""
+        self._run.deliver_mail(request_id, message_id)
+
+    def receive_mail(self, message_id: str, name: str, payload: Any, actor: str | None) -> None:
+        self._run.receive_mail(message_id, name, payload, actor)
 
     def _hold(self, op: LeaseOp | None, sent_at: float) -> None:
         """What this turn holds after a save, sent at ``sent_at``, that carried ``op``."""
@@ -850,7 +900,11 @@ def _lease_record(store: RunStore, run_id: str, op: LeaseOp) -> LeasingRecorder:
 
 # ------------------------------------------------------- outside a turn
 class RunChange(ABC):
-    """A change made to a run from outside its turns (cancel, migrate, abandon)."""
+    """A change made to a run from outside its turns (cancel, migrate, abandon, a message)."""
+
+    #: Whether the change takes the run away from whoever holds its lease (a
+    #: stop does; a message waits in the mailbox and leaves the holder be).
+    clears_lease: ClassVar[bool] = True
 
     @abstractmethod
     def apply(self, run: Run, lease: Lease | None) -> bool:
@@ -895,13 +949,37 @@ class Abandon(RunChange):
         return True
 
 
+@dataclass(frozen=True)
+class Post(RunChange):
+    """Put a message in the run's mailbox (``runtime.send``), whatever the run is
+    doing, its lease left alone: a turn driving the run takes the message into
+    its next save (``mail.take_in_mail``). ``screen`` may refuse the run as
+    stored, raising before anything is triggered; a ``message_id`` the run
+    already has is a no-op."""
+
+    message_id: str
+    name: str
+    payload: Any
+    actor: str | None
+    screen: Callable[[Run], None]
+    clears_lease: ClassVar[bool] = False
+
+    def apply(self, run: Run, lease: Lease | None) -> bool:
+        if self.message_id in run.mail_ids:
+            return False
+        self.screen(run)
+        run.receive_mail(self.message_id, self.name, self.payload, self.actor)
+        return True
+
+
 async def change_run(store: RunStore, run_id: str, session_id: str, change: RunChange) -> Run:
     """Apply ``change`` to the run as stored and save it with the run's lease record
-    cleared: one compare-and-set that wins over whoever holds the lease (a turn
-    driving the run elsewhere loses its next save, and its heartbeat finds the
-    record gone). A save that loses to a turn's reloads what the turn wrote and
-    tries again, until it lands, so a busy turn cannot starve it. Returns the run
-    as it stands after; ``RunNotFoundError`` for an unknown or foreign run.
+    cleared (unless the change leaves the holder be: ``clears_lease``): one
+    compare-and-set that wins over whoever holds the lease (a turn driving the
+    run elsewhere loses its next save, and its heartbeat finds the record gone).
+    A save that loses to a turn's reloads what the turn wrote and tries again,
+    until it lands, so a busy turn cannot starve it. Returns the run as it
+    stands after; ``RunNotFoundError`` for an unknown or foreign run.
     """
     attempt = 0
     while True:
@@ -912,7 +990,7 @@ async def change_run(store: RunStore, run_id: str, session_id: str, change: RunC
         if not change.apply(run, lease):
             return run
         try:
-            await store.save_run_async(run, LeaseOp.clear(run.id))
+            await store.save_run_async(run, LeaseOp.clear(run.id) if change.clears_lease else None)
         except StaleWriteError:
             attempt += 1
             await asyncio.sleep(random.uniform(0, min(0.05, 0.002 * attempt)))
