@@ -173,3 +173,22 @@ async def test_the_logger_is_silent_for_the_replayed_part_of_a_turn_and_speaks_f
     assert [(r.getMessage(), r.levelname) for r in records] == [("received A-1", "WARNING")]
     assert records[0].run_id == paused.run_id and records[0].step == 3
     assert rt.store.load(paused.run_id).status == "finished"  # type: ignore[union-attr]
+
+
+async def test_the_dashboard_run_page_shows_the_published_values_as_text(
+    open_store: Any,
+) -> None:
+    from starlette.testclient import TestClient
+
+    from kuralle_es.dashboard import create_app
+
+    store = open_store()
+    rt = runtime(Checkout(), store)
+    paused = await rt.run(SESSION, kind="flow", flow_name="checkout").result()
+    await rt.approve(paused.run_id, SESSION, by="ann")
+    client = TestClient(create_app(store, lambda s: rt), base_url="http://127.0.0.1")
+    page = await asyncio.to_thread(client.get, f"/runs/{paused.run_id}")
+    assert page.status_code == 200
+    section = page.text.split('id="published"', 1)[1].split("</table>", 1)[0]
+    assert "<code>payment_url</code>" in section and "https://pay.example/abc" in section
+    assert "<code>progress</code>" in section and "90" in section
