@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
 from ._unicode import printable
 
 StepKind = Literal[
-    "tool", "approval", "signal", "now", "uuid", "model", "timer", "publish", "receive"
+    "tool", "approval", "signal", "now", "uuid", "model", "timer", "publish", "receive", "value"
 ]
 StepStatus = Literal["running", "finished", "error"]
 RunKind = Literal["conversation", "flow"]

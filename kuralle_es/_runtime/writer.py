@@ -52,7 +52,7 @@ from .._journal.leases import Lease, LeaseOp, LeaseRefused
 from .._journal.mail import take_in_mail
 from .._journal.recorders import LeasingRecorder
 from .._journal.run import Run, StepData
-from .._journal.sites import Effect
+from .._journal.sites import Effect, Site
 from .._journal.spending import ModelUsage, Prices, total
 from .._journal.store import RunStore
 from .._journal.wait import Wait
@@ -599,6 +599,10 @@ class RunWriter:
             self._idle.set()
 
     # ---------------------------------------------------------------- lookup
+    def holds(self, site: Site) -> bool:
+        """Whether the run holds a step at ``site``, of whatever kind."""
+        return bool(self._run.steps_at(site))
+
     def peek(self, effect: Effect) -> StepData | None:
         """The step recorded for this effect if it matches, else None; refuses nothing."""
         step, mismatch = self._find(effect)

@@ -102,7 +102,8 @@ class StepStarted(_Event):
     index: int
     key: str
     kind: Literal[
-        "tool", "approval", "signal", "now", "uuid", "model", "timer", "publish", "receive"
+        "tool", "approval", "signal", "now", "uuid", "model", "timer", "publish", "receive",
+        "value",
     ]
     name: str
     attempt: int
