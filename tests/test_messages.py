@@ -36,7 +36,7 @@ from kuralle_es import (
     recover_orphaned_runs,
     sweep_deadlines,
 )
-from kuralle_es._journal.catalogue import Paused
+from kuralle_es._journal.catalogue import MailDelivered, Paused
 from kuralle_es._journal.leases import LeaseOp
 from kuralle_es._journal.run import Run
 from kuralle_es.testing import Crash
@@ -290,32 +290,46 @@ class SendsAsItPauses(RunStore):
     land, so the pause loses that race: the message arrives after the receive looked."""
 
     sender: tuple[Runtime, str] | None = None
+    #: Die (the testing kit's Crash) right after the save that woke the run.
+    dies_after_the_wake = False
 
     async def save_run_async(self, run: Run, lease: LeaseOp | None = None) -> None:
         pausing = any(
             isinstance(e, Paused) and e.waiting_for["kind"] == "message"
             for e in run.pending_events
         )
+        woken = any(isinstance(e, MailDelivered) for e in run.pending_events)
         if pausing and self.sender is not None:
             other, message_id = self.sender
             self.sender = None
             late = await other.send(run.run_id, SESSION, "item", "late", message_id=message_id)
             assert late.status == "running"
         await super().save_run_async(run, lease)
+        if woken and self.dies_after_the_wake:
+            self.dies_after_the_wake = False
+            raise Crash("the worker dies right after its close was woken by a message")
+
+
+def racing_stores(
+    backend: str, tmp_path: Any, request: pytest.FixtureRequest
+) -> tuple[SendsAsItPauses, RunStore]:
+    """A store whose pause in a receive loses the race to a send, and the sender's store."""
+    if backend == "memory":
+        store = SendsAsItPauses.memory()
+        return store, store
+    if backend == "sqlite":
+        path = str(tmp_path / "race.db")
+        return SendsAsItPauses.sqlite(path), RunStore.sqlite(path)
+    dsn = request.getfixturevalue("pg_dsn")
+    return SendsAsItPauses.postgres(dsn), RunStore.postgres(dsn)
 
 
 async def test_a_message_that_lands_as_the_turn_pauses_in_receive_wakes_the_run_at_once(
-    backend: str, open_store: Any, tmp_path: Any, request: pytest.FixtureRequest
+    backend: str, tmp_path: Any, request: pytest.FixtureRequest
 ) -> None:
-    if backend == "memory":
-        store = SendsAsItPauses.memory()
-        other_store = store
-    elif backend == "sqlite":
-        store = SendsAsItPauses.sqlite(str(tmp_path / "race.db"))
-        other_store = RunStore.sqlite(str(tmp_path / "race.db"))
-    else:
-        dsn = request.getfixturevalue("pg_dsn")
-        store, other_store = SendsAsItPauses.postgres(dsn), RunStore.postgres(dsn)
+    """The pause's save clashes with the message: it takes it in, and wakes the run
+    in that same save (the receive's step journaled), then drives it on."""
+    store, other_store = racing_stores(backend, tmp_path, request)
     try:
         rt = runtime(Shop(), store)
         store.sender = (runtime(Shop(), other_store, holder="sender"), "m1")
@@ -325,7 +339,52 @@ async def test_a_message_that_lands_as_the_turn_pauses_in_receive_wakes_the_run_
         assert (done.status, done.output) == ("finished", "late")
         events = [type(e).__name__ for e in store.run_events(result.run_id)]
         assert events.count("MailDelivered") == 1 and events.count("Paused") == 2
+        steps = await rt.get_steps(result.run_id, SESSION)
+        assert received(steps) == [("m1", "late")]
     finally:
         store.close()
         if other_store is not store:
             other_store.close()
+
+
+async def test_a_worker_dying_right_after_that_wake_leaves_an_orphan_that_recovery_ends(
+    backend: str, tmp_path: Any, request: pytest.FixtureRequest
+) -> None:
+    """The woken close kept the lease: the run is running, not paused on a wait
+    whose message already came, so a recovery drives it on once the lease lapses."""
+    store, other_store = racing_stores(backend, tmp_path, request)
+    try:
+        rt = runtime(Shop(), store, lease_ttl=0.3, holder="dead")
+        store.sender = (runtime(Shop(), other_store, holder="sender"), "m1")
+        store.dies_after_the_wake = True
+        result = await rt.run(SESSION, kind="flow", flow_name="after_ok").result()
+        with pytest.raises(Crash):
+            await rt.approve(result.run_id, SESSION, by="ann")
+        state = await rt.get_run(result.run_id, SESSION)
+        assert state is not None and (state.status, state.lease_holder) == ("running", "dead")
+        await asyncio.sleep(0.4)
+        sweeper = runtime(Shop(), other_store, holder="sweeper")
+        assert await recover_orphaned_runs(sweeper) == [result.run_id]
+        state = await sweeper.get_run(result.run_id, SESSION)
+        assert state is not None and (state.status, state.outcome) == ("finished", "late")
+    finally:
+        store.close()
+        if other_store is not store:
+            other_store.close()
+
+
+async def test_a_fork_takes_the_messages_the_original_had_where_it_stands(
+    open_store: Any,
+) -> None:
+    """Forked at its second receive, the fork replays the first (the same message)
+    and its second receive takes, from the mailbox copied up to there, the one
+    the original took."""
+    shop = Shop()
+    rt = runtime(shop, open_store())
+    run_id = await start(rt, "two")
+    await rt.send(run_id, SESSION, "item", "A-1", message_id="m1")
+    await rt.send(run_id, SESSION, "item", "B-2", message_id="m2")
+    fork = await rt.fork(run_id, SESSION, 1)
+    assert (fork.status, fork.output) == ("finished", "A-1+B-2")
+    assert received(await rt.get_steps(fork.run_id, SESSION)) == [("m1", "A-1"), ("m2", "B-2")]
+    assert sum(shop.ships.values()) == 2  # the original's ship, and the fork's own key's

@@ -9,7 +9,10 @@ That clash is not a conflict: a message changes nothing the turn decided
 state and saves its unsaved events after it (``take_in_mail``), instead of
 stopping with ``StaleWriteError`` and leaving a step in doubt. Any other
 event appended meanwhile (a cancel, a takeover) is a real conflict and
-still stops the turn. docs/messages.md tells the whole story.
+still stops the turn. A turn whose closing save pauses it in a ``receive``
+that such a message answers wakes the run in that same save (its lease
+kept), so the message is taken even if the process dies right after.
+docs/messages.md tells the whole story.
 """
 
 from __future__ import annotations
@@ -21,7 +24,15 @@ from typing import Any
 from . import catalogue as stored
 from .run import Run
 
-__all__ = ["take_in_mail"]
+__all__ = ["receive_step", "take_in_mail"]
+
+
+def receive_step(mail: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The args and the result of the ``receive`` step that takes ``mail`` (one of
+    ``Run.mailbox``): the args name the message (the fold marks it read), the
+    result is what the receive returns on every pass."""
+    message_id = mail["message_id"]
+    return {"message_id": message_id}, {"message_id": message_id, "payload": mail["payload"]}
 
 
 def take_in_mail(run: Run, arrived: Sequence[Any], unsaved: Sequence[Any]) -> bool:

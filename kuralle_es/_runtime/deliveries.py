@@ -21,6 +21,7 @@ from pydantic import BaseModel, ValidationError
 
 from .._definitions.budget import Budget
 from .._journal.json_data import encode_json, plain_json_problem
+from .._journal.mail import receive_step
 from .._journal.run import CANCELLED, Run
 from .._journal.sites import Effect, Lane, Site
 from .._journal.wait import APPROVAL, BUDGET, IN_DOUBT, Wait
@@ -280,9 +281,10 @@ async def take_message(writer: RunWriter, site: Site, name: str) -> dict[str, An
     mail = writer.unread(name)
     if mail is None:
         return None
-    taken = {"message_id": mail["message_id"], "payload": mail["payload"]}
-    effect = Effect(site, "receive", name, {"message_id": mail["message_id"]})
-    result: dict[str, Any] = await writer.record_value(effect, make=lambda: taken)
+    args, taken = receive_step(mail)
+    result: dict[str, Any] = await writer.record_value(
+        Effect(site, "receive", name, args), make=lambda: taken
+    )
     return result
 
 

@@ -1,13 +1,10 @@
-"""The turns a message opens: a send that wakes a ``receive``, and a late wake (internal).
+"""The turn a message opens: a send that wakes a ``receive`` (internal).
 
 A message goes into the run's mailbox whatever the run is doing
 (``mailbox.send_message``). When the run is paused in ``ctx.receive`` for
 that very name, the send is a turn: ``Send`` takes the run's lease in the
 compare-and-set save that stores the message and wakes the run, then drives
-it on within the sending call, like a signal delivery. A message that came
-while a turn drove the run was taken into that turn's state; if the turn
-then paused in a ``receive`` for it, ``MailWake`` drives the run on at once
-(docs/messages.md).
+it on within the sending call, like a signal delivery (docs/messages.md).
 """
 
 from __future__ import annotations
@@ -17,15 +14,13 @@ from typing import Any
 
 from .._journal.leases import Lease
 from .._journal.run import Run
-from .._journal.sites import Site
 from ..errors import RunNotFoundError, SignalMismatchError
-from .deliveries import take_message, validate_payload
+from .deliveries import validate_payload
 from .turn_calls import Command, Opening, TurnEnv, load_run, require_current_flow
 from .writer import RunWriter, utcnow
 
 __all__ = [
     "Mail",
-    "MailWake",
     "NotWaiting",
     "ReceiveWaits",
     "Send",
@@ -87,29 +82,18 @@ async def addressed(env: TurnEnv, run_id: str, session_id: str) -> Run:
     return run
 
 
-async def _wake(writer: RunWriter) -> None:
-    """Wake the run from the ``receive`` it waits in, with the receive's step
-    journaled at the wait's site (the oldest unread message of its name), in
-    the turn's first save: the node's pass replays up to and through it, as it
-    does a delivered signal's."""
-    wait = writer.waiting
-    assert wait is not None and wait.kind == "message"
-    mail = writer.unread(wait.name)
-    assert mail is not None, "a receive is woken only with a message for it"
-    writer.deliver_mail(wait.request_id, mail["message_id"])
-    await take_message(writer, Site(wait.logical_run, wait.callsite, wait.lane), wait.name)
-
-
 @dataclass
 class _MailArrives(Opening):
-    """The message, and the wake of the receive that waits for it, in one save."""
+    """The message, and the wake of the receive that waits for it (with the
+    receive's step), in the turn's first save."""
 
     mail: Mail
 
-    async def open(self, writer: RunWriter, env: TurnEnv) -> None:
+    def apply(self, writer: RunWriter, env: TurnEnv) -> None:
         mail = self.mail
         writer.receive_mail(mail.message_id, mail.name, mail.payload, mail.actor)
-        await _wake(writer)
+        woken = writer.wake_for_mail()
+        assert woken, "a receive is woken only with a message for it"
 
 
 @dataclass(frozen=True)
@@ -151,35 +135,3 @@ class Send(Command):
     def log_fields(self) -> dict[str, str | None]:
         mail = self.mail
         return {"message": mail.name, "message_id": mail.message_id, "actor": mail.actor}
-
-
-class _Woken(Opening):
-    async def open(self, writer: RunWriter, env: TurnEnv) -> None:
-        await _wake(writer)
-
-
-@dataclass(frozen=True)
-class MailWake(Command):
-    """Wake a run paused in a ``receive`` (the wait ``request_id``) whose message is
-    already in its mailbox: it came while the turn that paused the run drove it."""
-
-    session_id: str
-    run_id: str
-    request_id: str
-    idempotency_key: str | None = None
-
-    async def address(self, env: TurnEnv) -> tuple[Run, bool]:
-        return await addressed(env, self.run_id, self.session_id), False
-
-    def prepare(self, run: Run, fresh: bool, env: TurnEnv, held: Lease | None) -> Opening | None:
-        wait = run.waiting
-        if wait is None or wait.request_id != self.request_id:
-            return None  # woken already (a sender was first), or another wait
-        if run.unread(wait.name) is None or not waits_in_receive(run, wait.name):
-            return None
-        require_current_flow(run, env.registry)
-        return _Woken()
-
-    def won_elsewhere(self, latest: Run, fresh: bool, lease: Lease | None) -> bool:
-        wait = latest.waiting
-        return wait is None or wait.request_id != self.request_id

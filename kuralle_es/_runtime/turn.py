@@ -30,9 +30,8 @@ from ..errors import (
 from ..shapes import StepError, StreamPart, TurnResult
 from .flow_driver import Driven, drive
 from .handle import TurnSink
-from .mail_calls import MailWake
 from .observability import log_event, set_status, span
-from .turn_calls import Command, Opening, Recover, TurnEnv
+from .turn_calls import Command, Opening, Recover, Resume, TurnEnv
 from .writer import RunStopped, RunWriter, result_of
 
 __all__ = ["drive_turn", "result_of"]
@@ -44,17 +43,14 @@ async def drive_turn(
     """Run one turn of ``command`` to its end; its refusals and errors are raised.
 
     ``budget`` (the caller's, for the run) is saved with the turn's opening. A
-    turn that paused in a ``receive`` whose message came while it ran (taken
-    into its state, not there when the receive looked) drives the run on at
-    once, in a turn of its own (docs/messages.md)."""
+    turn whose close was answered by a message (the run was pausing in a
+    ``receive`` when it came: the close woke the run, its lease kept) drives
+    the run on at once, in a turn of its own (docs/messages.md)."""
     turn = _Turn(env, command, sink, budget)
     result = await turn.drive()
-    if turn.mail_wake is None:
+    if turn.woken is None:
         return result
-    try:
-        return await drive_turn(env, turn.mail_wake, sink)
-    except LeaseHeldError:
-        return result  # a sender's turn was first to wake it, and drives it on
+    return await drive_turn(env, turn.woken, sink)
 
 
 class _Turn:
@@ -67,8 +63,8 @@ class _Turn:
         self.budget = budget
         self.last_text: str | None = None
         self.span: Any = None
-        #: The wake of the receive the turn paused in, when its message is already here.
-        self.mail_wake: MailWake | None = None
+        #: The turn that drives the run on when the close was woken by a message.
+        self.woken: Resume | None = None
 
     def emit(self, part: StreamPart) -> None:
         if part.type == "text" and part.text:
@@ -295,9 +291,11 @@ class _Turn:
 
     async def _close(self, writer: RunWriter, part: StreamPart) -> TurnResult:
         result = await writer.close_turn(self.command.idempotency_key, self.last_text)
+        if writer.woken_at_close:
+            # Not paused after all: the run runs on under this worker's lease.
+            self.woken = Resume(self.command.session_id, result.run_id, None)
+            return result
         wait = result.waiting_for
-        if wait is not None and wait.kind == "message" and writer.unread(wait.name) is not None:
-            self.mail_wake = MailWake(self.command.session_id, result.run_id, wait.request_id)
         log_event(
             "turn closed",
             result.run_id,

@@ -49,7 +49,7 @@ from .._definitions.retry import NO_RETRY, RetryPolicy
 from .._definitions.tools import ToolExited
 from .._journal.json_data import encode_json
 from .._journal.leases import Lease, LeaseOp, LeaseRefused
-from .._journal.mail import take_in_mail
+from .._journal.mail import receive_step, take_in_mail
 from .._journal.recorders import LeasingRecorder
 from .._journal.run import Run, StepData
 from .._journal.sites import Effect, Site
@@ -248,6 +248,9 @@ class RunWriter:
         #: Whether this turn's steps make spans (a provider set meanwhile counts
         #: from the next turn).
         self.tracing = tracing_on()
+        #: Whether the turn's close woke the run again, its lease kept: a message
+        #: answered the receive it was pausing in (``_save_taking_in_mail``).
+        self.woken_at_close = False
 
     # ---------------------------------------------------------------- reads
     session_id = _OfRun[str]()
@@ -396,7 +399,7 @@ class RunWriter:
         if not run.pending_events and op is None:
             return
         try:
-            await self._save_taking_in_mail(op)
+            op = await self._save_taking_in_mail(op)
         except StaleWriteError as clash:
             # The unsaved events are gone from the aggregate, which is now
             # ahead of the store: no later save of this turn may follow.
@@ -409,22 +412,50 @@ class RunWriter:
             raise
         self._hold(op, sent_at)
 
-    async def _save_taking_in_mail(self, op: LeaseOp | None) -> None:
-        """Save the run's pending events (with ``op``). A save that clashes only with
-        messages sent to the run meanwhile takes them in and is made again after
-        them (``mail.take_in_mail``): a message never costs a turn its save."""
+    async def _save_taking_in_mail(self, op: LeaseOp | None) -> LeaseOp | None:
+        """Save the run's pending events (with ``op``); the lease op the save carried.
+
+        A save that clashes only with messages sent to the run meanwhile takes
+        them in and is made again after them (``mail.take_in_mail``): a message
+        never costs a turn its save. When that save is the turn's close and
+        pauses the run in a ``receive`` that one of them answers, the run is
+        woken in the same save and the lease kept (``woken_at_close``): the
+        turn drives it on, or, should the process die first, a recovery does.
+        """
         run = self._run
         for _ in range(_MAIL_ROUNDS):
             unsaved = list(run.pending_events)
             try:
                 await self._store.save_run_async(run, op)
-                return
+                return op
             except StaleWriteError:
                 stored_version = run.version - len(unsaved)
                 arrived = await self._store.run_events_async(self.run_id, stored_version)
                 if not unsaved or not take_in_mail(run, arrived, unsaved):
                     raise
+                if op is not None and op.kind == "release" and self.wake_for_mail():
+                    op = LeaseOp.renew(run.id, self._token, self.lease_ttl)
+                    self.woken_at_close = True
         raise StaleWriteError(self.run_id, "messages kept arriving faster than it could save")
+
+    def wake_for_mail(self) -> bool:
+        """Wake the run from the ``receive`` it is paused (or pausing) in, if a message
+        for it is in its mailbox: the wake, and the receive's step at the wait's
+        site taking the oldest such message, saved with the next save. So the
+        node's next pass replays the receive, as it does a delivered signal."""
+        run = self._run
+        wait = run.waiting
+        if run.status != "paused" or wait is None or wait.kind != "message":
+            return False
+        mail = run.unread(wait.name)
+        if mail is None:
+            return False
+        run.deliver_mail(wait.request_id, mail["message_id"])
+        args, taken = receive_step(mail)
+        site = Site(wait.logical_run, wait.callsite, wait.lane)
+        index = run.start_step(Effect(site, "receive", wait.name, args))
+        run.finish_step(index, encode_json(taken, f"the message {wait.name!r}"))
+        return True
 
     async def take_in_mail(self) -> None:
         """Take in the messages sent to the run since this turn last saved (a
@@ -440,10 +471,6 @@ class RunWriter:
     def unread(self, name: str) -> dict[str, Any] | None:
         """The oldest message named ``name`` in the run's mailbox, not received yet."""
         return self._run.unread(name)
-
-    def deliver_mail(self, request_id: str, message_id: str) -> None:
-        """Wake the run from its ``receive``: ``message_id`` arrived for it."""
-        self._run.deliver_mail(request_id, message_id)
 
     def receive_mail(self, message_id: str, name: str, payload: Any, actor: str | None) -> None:
         self._run.receive_mail(message_id, name, payload, actor)
