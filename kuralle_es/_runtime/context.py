@@ -37,6 +37,7 @@ from ..errors import (
 from ..shapes import ApprovalDecision, StreamPart
 from .cursor import Cursor
 from .deliveries import EXPIRED, take_message
+from .input_checks import check_name
 from .replay_logger import ReplayQuietLogger
 from .suspensions import Schemas, WaitRequest, approval_decision, is_deadline_deny, suspend
 from .tool_calls import run_tool
@@ -243,7 +244,7 @@ class RunContext(TurnBound):
         ``sweep_deadlines``) it raises ``DeadlineExpiredError``, which the node
         may catch: a timer that a message can cut short (docs/messages.md).
         """
-        _check_name(name, "message name")
+        check_name(name, "message name")
         deadline_at(deadline, utcnow())  # refused now, not when awaited
         self._admit(f"receive {name!r}")
         return self._receive(name, deadline, schema)
@@ -292,7 +293,7 @@ class RunContext(TurnBound):
         /api/runs/{run_id}/published``, the dashboard. Journaled as a ``publish``
         step, so a replay publishes nothing again; a later publish of the same
         key replaces the value others read (docs/messages.md)."""
-        _check_name(key, "published key")
+        check_name(key, "published key")
         self._admit(f"publish {key!r}")
         return self._publish(key, copy.deepcopy(value))
 
@@ -379,12 +380,6 @@ class RunContext(TurnBound):
         """Reserve ``n`` ordinals now; pass them as ``callsite=`` to later calls."""
         self._require_open("reserve_callsites")
         return self._cursor.reserve(n)
-
-
-def _check_name(name: Any, what: str) -> None:
-    if not isinstance(name, str) or not name or name.startswith("__"):
-        msg = f"{what} must be a non-empty string not starting with '__', got {name!r}"
-        raise InvalidArgumentError(msg)
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

@@ -25,32 +25,22 @@ from typing import Any
 
 from .._durations import positive_seconds
 from .._journal.run import Run
-from ..errors import InvalidArgumentError, LeaseHeldError, NotPublishedError, StaleWriteError
+from ..errors import LeaseHeldError, NotPublishedError, StaleWriteError
 from ..shapes import TurnResult
 from .deliveries import journal_payload
 from .handle import TurnHandle
-from .input_checks import check_id
+from .input_checks import check_id, check_name
 from .mail_calls import Mail, NotWaiting, ReceiveWaits, Send, addressed, ended, waits_in_receive
 from .turn import drive_turn
 from .turn_calls import TurnEnv
 from .writer import Post, change_run, result_of
 
-__all__ = ["check_name", "published_values", "send_message", "wait_published"]
+__all__ = ["published_values", "send_message", "wait_published"]
 
 #: How many times a send is tried again after losing its compare-and-set.
 _SEND_ATTEMPTS = 200
 #: The longest pause between two reads of a run that ``wait_published`` waits on.
 _POLL_MAX = 0.25
-
-
-def check_name(name: Any, what: str) -> str:
-    """A message's (or a published key's) name: an id that does not start with
-    ``__`` (those are the library's own waits); else ``InvalidArgumentError``."""
-    checked = check_id(name, what)
-    if checked.startswith("__"):
-        msg = f"{what} {checked!r} starts with '__', which the library keeps for its own waits"
-        raise InvalidArgumentError(msg)
-    return checked
 
 
 async def _addressed(env: TurnEnv, run_id: str, session_id: str) -> Run:
