@@ -67,6 +67,8 @@ async def test_the_cli_sends_messages_that_drive_a_waiting_run_on(store_url: str
     assert await published(store_url, run_id) == {
         "progress": {"pct": 100}, "items": ["A-1", "B-2"],
     }  # fmt: skip
+    shown = _ok(cli(store_url, "runs", "show", run_id))
+    assert "message  item" in shown and "message_id=m3" in shown and "receive" in shown
     ended = cli(store_url, "send", run_id, "item", "--message-id", "m4")
     assert ended.returncode == 1 and "SignalMismatchError" in ended.stderr
     missing = cli(store_url, "send", run_id, "item")

@@ -120,7 +120,8 @@ def _step_line(step: StepRecord) -> str:
 
 def _delivery_line(delivery: Delivery) -> str:
     by = f"by {delivery.actor}" if delivery.actor else "by (no actor)"
-    sid = f"  signal_id={delivery.signal_id}" if delivery.signal_id else ""
+    label = "message_id" if delivery.kind == "message" else "signal_id"
+    sid = f"  {label}={delivery.signal_id}" if delivery.signal_id else ""
     return (
         f"  {_when(delivery.at)}  <-   {delivery.kind:<8} {delivery.name:<16} {by}  "
         f"{_short(delivery.payload)}{sid}"
