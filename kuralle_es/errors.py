@@ -414,6 +414,28 @@ class DeadlineExpiredError(_FieldsError):
         )
 
 
+class NotPublishedError(_FieldsError, TimeoutError):
+    """``runtime.wait_published`` gave up: the run published nothing under ``key``
+    within ``timeout`` seconds, or it ended (``status``) without publishing it.
+    A ``TimeoutError`` too, so ``except TimeoutError`` catches it."""
+
+    run_id: str
+    key: str
+    timeout: float
+    status: str
+
+    def _message(self) -> str:
+        if self.status in ("finished", "aborted"):
+            return (
+                f"run {self.run_id} is {self.status} and never published {self.key!r}; "
+                "nothing more will be published, read runtime.published() for what was"
+            )
+        return (
+            f"run {self.run_id} published nothing under {self.key!r} within {self.timeout:g} s "
+            f"(it is {self.status}); wait longer, or read runtime.published() later"
+        )
+
+
 def _finite(value: object) -> bool:
     return isinstance(value, float) and math.isfinite(value)
 

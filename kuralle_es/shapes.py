@@ -13,11 +13,13 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
 
 from ._unicode import printable
 
-StepKind = Literal["tool", "approval", "signal", "now", "uuid", "model", "timer"]
+StepKind = Literal[
+    "tool", "approval", "signal", "now", "uuid", "model", "timer", "publish", "receive", "value"
+]
 StepStatus = Literal["running", "finished", "error"]
 RunKind = Literal["conversation", "flow"]
 RunStatus = Literal["running", "paused", "finished", "error", "aborted"]
-WaitKind = Literal["approval", "signal", "input", "timer"]
+WaitKind = Literal["approval", "signal", "input", "timer", "message"]
 PartType = Literal["text", "tool-call", "tool-result", "paused", "finished", "error", "custom"]
 
 

@@ -62,6 +62,8 @@ STORED = {
     "kuralle_es:Run.LeaseTaken": 1,
     "kuralle_es:Run.LeaseReleased": 1,
     "kuralle_es:Run.InboundKeyRecorded": 1,
+    "kuralle_es:Run.MailReceived": 1,
+    "kuralle_es:Run.MailDelivered": 1,
     "kuralle_es:SessionRuns.Created": 1,
     "kuralle_es:SessionRuns.RunAdded": 1,
 }
@@ -125,6 +127,12 @@ def test_every_changed_class_declares_its_version_and_a_path_up_to_it() -> None:
         for version in range(1, cls.class_version):
             upcast = f"upcast_v{version}_v{version + 1}"
             assert callable(getattr(cls, upcast, None)), f"{cls.__name__} lacks {upcast}"
+
+
+def test_a_snapshot_before_mailboxes_has_an_empty_mailbox_and_nothing_published() -> None:
+    state: dict[str, object] = {"inbound_keys": {}}
+    aggregate.Run.upcast_v3_v4(state)
+    assert (state["mailbox"], state["mail_ids"], state["published"]) == ([], {}, {})
 
 
 def test_intents_stored_by_0_1_0_split_their_lane_off_the_logical_run() -> None:

@@ -54,7 +54,7 @@ from kuralle_es.testing import ScriptedModel
 #: Each published revision of the version-1 schema, oldest first: history, never edited.
 GOLDENS = sorted((Path(__file__).resolve().parent / "golden").glob("run_events_v1*.schema.json"))
 #: The newest revision, which the current schema must equal.
-GOLDEN = Path(__file__).resolve().parent / "golden" / "run_events_v1.2.schema.json"
+GOLDEN = Path(__file__).resolve().parent / "golden" / "run_events_v1.3.schema.json"
 
 
 class Nothing(BaseModel):
@@ -233,17 +233,32 @@ def test_the_public_schema_is_the_pinned_version_1() -> None:
     )
 
 
+def _widens(was: dict[str, Any], now: dict[str, Any]) -> bool:
+    """Whether a field's schema ``now`` accepts all it did (``was``): the same, or an
+    enum with values added."""
+    if "enum" in was and "enum" in now:
+        rest = {k: v for k, v in was.items() if k != "enum"}
+        return set(was["enum"]) <= set(now["enum"]) and rest == {
+            k: v for k, v in now.items() if k != "enum"
+        }
+    return was == now
+
+
 @pytest.mark.parametrize("older", GOLDENS, ids=[g.name for g in GOLDENS])
 def test_every_published_revision_of_version_1_still_parses(older: Path) -> None:
-    """A revision only adds optional fields: each event type of an older revision
-    keeps every field with its schema, requires nothing more, and an event written
-    to it (no ``partition``) parses today, in partition 0."""
+    """A revision only adds optional fields, event types and values of an enum
+    (a step kind, a wait kind, a reason to resume): each event type of an older
+    revision keeps every field with its schema (an enum keeping its values),
+    requires nothing more, and an event written to it (no ``partition``) parses
+    today, in partition 0."""
     old = json.loads(older.read_text(encoding="utf-8"))["schema"]["$defs"]
     new = events_json_schema()["schema"]["$defs"]
     for name, shape in old.items():
         assert name in new, f"{name} of {older.name} is gone"
-        kept = {k: v for k, v in new[name]["properties"].items() if k in shape["properties"]}
-        assert kept == shape["properties"], f"a field of {name} changed since {older.name}"
+        for field, was in shape["properties"].items():
+            now = new[name]["properties"].get(field)
+            changed = f"{name}.{field} changed since {older.name}"
+            assert now is not None and _widens(was, now), changed
         assert new[name].get("required", []) == shape.get("required", []), name
         for added in set(new[name]["properties"]) - set(shape["properties"]):
             assert "default" in new[name]["properties"][added], f"{name}.{added} is required"

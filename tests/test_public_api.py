@@ -38,7 +38,8 @@ def test_every_error_of_the_contract_is_exported_as_a_kuralle_error() -> None:
         "ToolResultTypeError", "ToolApprovalDeniedError", "InvalidToolArgsError",
         "UnknownToolError", "FlowNotFoundError", "SignalMismatchError", "InvalidSignalError",
         "PayloadTooLargeError", "ModelResponseError", "RunNotFoundError", "FlowDriftError",
-        "StaleWriteError", "LeaseHeldError", "InvalidArgumentError",
+        "StaleWriteError", "LeaseHeldError", "InvalidArgumentError", "DeadlineExpiredError",
+        "NotPublishedError",
     ]  # fmt: skip
     for name in errors:
         error = getattr(kuralle_es, name)

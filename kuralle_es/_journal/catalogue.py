@@ -35,6 +35,7 @@ from eventsourcing.utils import register_topic
 from .sites import split_lane
 
 __all__ = [
+    "MAIL_EVENTS",
     "RESULTS",
     "RUN_EVENTS",
     "SESSION_EVENTS",
@@ -55,6 +56,8 @@ __all__ = [
     "InputAccepted",
     "LeaseReleased",
     "LeaseTaken",
+    "MailDelivered",
+    "MailReceived",
     "MessageAppended",
     "Migrated",
     "NodeEntered",
@@ -368,6 +371,27 @@ class LeaseReleased(Event):
     """Stored by releases before 0.2 (see ``LeaseTaken``); no longer written."""
 
 
+# ------------------------------------------------------------------ mailbox
+class MailReceived(Event):
+    """A message (``runtime.send``) arrived in the run's mailbox, whatever the run
+    was doing; ``ctx.receive(name)`` takes it later, oldest first. Not a chat
+    message (``MessageAppended``). Appended by the sender alone, so a turn that
+    drives the run meanwhile takes it into its own next save (docs/messages.md)."""
+
+    message_id: str
+    name: str
+    payload: Any
+    actor: str | None
+
+
+class MailDelivered(Event):
+    """A message arrived for the ``receive`` the run waited in (its wait's
+    ``request_id``): the run runs again, and the receive takes its message."""
+
+    request_id: str
+    message_id: str
+
+
 # ----------------------------------------------------------- session index
 class SessionIndexCreated(SessionEvent, Aggregate.Created):
     TOPIC = "kuralle_es:SessionRuns.Created"
@@ -413,7 +437,12 @@ RUN_EVENTS: tuple[type[Event], ...] = (
     LeaseTaken,
     LeaseReleased,
     InboundKeyRecorded,
+    MailReceived,
+    MailDelivered,
 )
+#: The events a sender appends to a run without its lease: a turn driving the
+#: run meanwhile takes them into its own state instead of losing its save.
+MAIL_EVENTS: tuple[type[Event], ...] = (MailReceived,)
 #: Every stored event class of a session's index.
 SESSION_EVENTS: tuple[type[SessionEvent], ...] = (SessionIndexCreated, RunIndexed)
 # Events declared outside an aggregate class are not registered by

@@ -96,7 +96,8 @@ class Run(Aggregate):
     #: 2: usage, budget and budget raises; delivered signal ids as a mapping
     #: (membership in O(1)); the fields older snapshots lacked, set.
     #: 3: every inbound idempotency key seen, with the digest of its request.
-    class_version = 3
+    #: 4: the mailbox (unread messages, every message id seen) and published values.
+    class_version = 4
     #: Set on a run folded for its whole journal (``RunStore.load_history``),
     #: never saved: such a run archives nothing.
     keeps_all_steps: bool = False
@@ -157,6 +158,12 @@ class Run(Aggregate):
         self.budget: dict[str, Any] | None = None
         #: Limits a human raised when approving past the budget.
         self.budget_raises: dict[str, Any] = {}
+        #: Messages sent to the run and not received yet, oldest first (docs/messages.md).
+        self.mailbox: list[dict[str, Any]] = []
+        #: Every ``message_id`` that arrived (the values mean nothing): a resend is a no-op.
+        self.mail_ids: dict[str, None] = {}
+        #: The latest value published under each key (``ctx.publish``), as journaled JSON.
+        self.published: dict[str, str] = {}
 
     @staticmethod
     def upcast_v1_v2(state: dict[str, Any]) -> None:
@@ -181,6 +188,14 @@ class Run(Aggregate):
         turns and its last turn's key) are seen, with no digest to compare."""
         keys = [*state.get("turn_keys", {}), state.get("turn_key")]
         state["inbound_keys"] = {key: None for key in keys if key}
+
+    @staticmethod
+    def upcast_v3_v4(state: dict[str, Any]) -> None:
+        """A snapshot before mailboxes and published values: none of either (no
+        release before them could send or publish)."""
+        state["mailbox"] = []
+        state["mail_ids"] = {}
+        state["published"] = {}
 
     # ------------------------------------------------------------------ ids
     @property
@@ -400,6 +415,28 @@ class Run(Aggregate):
             self.abort(outcome)
         return True
 
+    def receive_mail(self, message_id: str, name: str, payload: Any, actor: str | None) -> None:
+        """Put a message in the mailbox (its payload checked to be journal-able)."""
+        if self.status in ("finished", "aborted"):
+            msg = f"cannot receive a message: run {self.run_id} is {self.status}"
+            raise InvalidArgumentError(msg)
+        encode_json(payload, f"the payload of message {name!r}")
+        self.trigger_event(
+            stored.MailReceived, message_id=message_id, name=name, payload=payload, actor=actor
+        )
+
+    def deliver_mail(self, request_id: str, message_id: str) -> None:
+        """Wake the run from the ``receive`` it waits in: ``message_id`` is for it."""
+        wait = self.waiting
+        if self.status != "paused" or wait is None or wait.kind != "message":
+            msg = f"cannot deliver a message: run {self.run_id} is {self.status} in no receive"
+            raise InvalidArgumentError(msg)
+        self.trigger_event(stored.MailDelivered, request_id=request_id, message_id=message_id)
+
+    def unread(self, name: str) -> dict[str, Any] | None:
+        """The oldest message named ``name`` no receive took yet, or None."""
+        return next((m for m in self.mailbox if m["name"] == name), None)
+
     def record_inbound_key(self, idempotency_key: str, request: str) -> None:
         """Record that a call with ``idempotency_key`` (asking what ``request`` digests)
         opened a turn of this run."""
@@ -442,7 +479,8 @@ class Run(Aggregate):
         state: a live step is about an event's worth; messages and recorded
         turns are small and decode in bulk, about sixteen to an event
         (``RunStore`` spaces snapshots by it; benchmarks/long_conversations.py)."""
-        return len(self.steps) + (len(self.messages) + len(self.turn_keys)) // 16
+        small = len(self.messages) + len(self.turn_keys) + len(self.mailbox) + len(self.published)
+        return len(self.steps) + small // 16
 
     # ----------------------------------------------------------------- steps
     def archive_steps(self) -> None:
@@ -626,6 +664,10 @@ def _step_intended(run: Run, e: stored.StepIntended) -> None:
     run.slots.setdefault(site.slot, []).append(e.index)
     if e.kind == "model":
         run.count_model_call(e.name)
+    elif e.kind == "receive" and isinstance(e.args, dict) and "message_id" in e.args:
+        # The receive took this message: it is read (a replay takes the same one).
+        taken = e.args["message_id"]
+        run.mailbox = [m for m in run.mailbox if m["message_id"] != taken]
 
 
 def _step_succeeded(run: Run, e: stored.StepSucceeded) -> None:
@@ -636,6 +678,8 @@ def _step_succeeded(run: Run, e: stored.StepSucceeded) -> None:
     step["finished_at"] = e.timestamp
     if step["kind"] == "model":
         run.count_model_tokens(step["name"], e.result_json)
+    elif step["kind"] == "publish":
+        run.published[step["name"]] = e.result_json
 
 
 def _step_errored(run: Run, e: stored.StepErrored) -> None:
@@ -753,6 +797,20 @@ def _lease_released(run: Run, e: stored.LeaseReleased) -> None:
     run.lease_expires_at = None
 
 
+def _mail_received(run: Run, e: stored.MailReceived) -> None:
+    if e.message_id in run.mail_ids:
+        return  # never stored twice (the sender checks), and harmless if it were
+    run.mail_ids[e.message_id] = None
+    run.mailbox.append(
+        {"message_id": e.message_id, "name": e.name, "payload": e.payload, "actor": e.actor}
+    )
+
+
+def _mail_delivered(run: Run, e: stored.MailDelivered) -> None:
+    run.status = "running"
+    run.waiting_for = None
+
+
 def _created(run: Run, e: stored.RunCreated) -> None:
     """Nothing more: ``Run.__init__`` took the event's fields."""
 
@@ -789,5 +847,7 @@ _FOLD: dict[type[stored.Event], _Fold | None] = stored.dispatch(
         stored.LeaseTaken: _lease_taken,
         stored.LeaseReleased: _lease_released,
         stored.InboundKeyRecorded: _inbound_key_recorded,
+        stored.MailReceived: _mail_received,
+        stored.MailDelivered: _mail_delivered,
     },
 )

@@ -9,7 +9,7 @@ Something has to come back for a run when nobody else will:
   ``on_in_doubt``;
 - a paused run whose wait's deadline passed gets the deadline deny
   (``sweep_deadlines``): an approval reads as denied, ``ctx.signal`` returns
-  the deny payload;
+  the deny payload, a ``ctx.receive`` raises ``DeadlineExpiredError``;
 - a run paused on a durable sleep (``ctx.sleep``) is woken once its wake
   time came (``fire_timers``).
 
@@ -171,7 +171,8 @@ def _deadline_deny(summary: RunSummary) -> Command | None:
 
 
 async def sweep_deadlines(runtime: Runtime, now: datetime | None = None) -> list[str]:
-    """Deliver the deadline deny to every paused run whose wait's deadline passed.
+    """Deliver the deadline deny to every paused run whose wait's deadline passed
+    (a message wait's receive then raises ``DeadlineExpiredError``).
 
     The payload is ``{"approved": False, "denied": True, "by": "deadline",
     "reason": "deadline-expired"}`` with ``signal_id = "deadline:" +

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 from collections.abc import Callable, Coroutine, Mapping
 from datetime import datetime, timedelta
 from typing import Any, Literal
@@ -35,6 +36,9 @@ from ..errors import (
 )
 from ..shapes import ApprovalDecision, StreamPart
 from .cursor import Cursor
+from .deliveries import EXPIRED, take_message
+from .input_checks import check_name
+from .replay_logger import ReplayQuietLogger
 from .suspensions import Schemas, WaitRequest, approval_decision, is_deadline_deny, suspend
 from .tool_calls import run_tool
 from .writer import RunWriter, decode, utcnow
@@ -79,6 +83,8 @@ class RunContext(TurnBound):
         self._closed = False
         #: The turn's event loop, the only one this context answers on.
         self._loop = asyncio.get_running_loop()
+        #: The node's logger, quiet while this pass replays (docs/messages.md).
+        self.logger = ReplayQuietLogger(writer, cursor)
 
     def close(self) -> None:
         """End this context's node visit (the driver calls it when the node is done)."""
@@ -217,6 +223,85 @@ class RunContext(TurnBound):
             if step is not None and step["status"] == "finished":
                 return decode(step), step
             suspend(self._writer, site, kind, request, self._schemas)
+        finally:
+            self._cursor.settled()
+
+    # ------------------------------------------------------ messages, values
+    def receive(
+        self,
+        name: str,
+        *,
+        deadline: datetime | timedelta | float | None = None,
+        schema: type[BaseModel] | None = None,
+    ) -> Coroutine[Any, Any, Any]:
+        """Take the oldest unread message ``name`` from the run's mailbox
+        (``runtime.send``) and return its payload (validated by ``schema``, a
+        pydantic model, when given: ``InvalidSignalError`` if it does not fit).
+
+        With none there, the turn suspends (``waiting_for.kind == "message"``)
+        until one is sent. Which message a receive took is journaled, so a
+        replay takes the same one. Past ``deadline`` (the sweeper's
+        ``sweep_deadlines``) it raises ``DeadlineExpiredError``, which the node
+        may catch: a timer that a message can cut short (docs/messages.md).
+        """
+        check_name(name, "message name")
+        deadline_at(deadline, utcnow())  # refused now, not when awaited
+        self._admit(f"receive {name!r}")
+        return self._receive(name, deadline, schema)
+
+    async def _receive(
+        self,
+        name: str,
+        deadline: datetime | timedelta | float | None,
+        schema: type[BaseModel] | None,
+    ) -> Any:
+        self._require_open(f"receive {name!r}")
+        site = self._cursor.request()
+        try:
+            recorded = await self._take(site, WaitRequest(name, deadline=deadline, schema=schema))
+        finally:
+            self._cursor.settled()
+        if EXPIRED in recorded:
+            expired = recorded[EXPIRED]
+            raise DeadlineExpiredError(name, datetime.fromisoformat(expired) if expired else None)
+        payload = recorded["payload"]
+        if schema is None:
+            return payload
+        try:
+            return schema.model_validate(payload)
+        except ValidationError as e:
+            raise InvalidSignalError(name, f"payload of message {name!r}: {e}") from None
+
+    async def _take(self, site: Site, request: WaitRequest) -> dict[str, Any]:
+        """What the receive at ``site`` took: recorded, or the oldest unread message
+        (journaled now), or the turn suspends on the wait for one."""
+        writer, name = self._writer, request.name
+        step = writer.recorded(Effect(site, "receive", name))
+        if step is not None:
+            recorded: dict[str, Any] = decode(step)
+            return recorded
+        if writer.unread(name) is None:  # sent since this turn last saved? Look once more.
+            await writer.take_in_mail()
+        taken = await take_message(writer, site, name)
+        if taken is None:
+            suspend(writer, site, "message", request, self._schemas)
+        return taken
+
+    def publish(self, key: str, value: Any) -> Coroutine[Any, Any, None]:
+        """Publish ``value`` (JSON) under ``key`` for others to read while the run
+        lives: ``runtime.published``, ``runtime.wait_published``, ``GET
+        /api/runs/{run_id}/published``, the dashboard. Journaled as a ``publish``
+        step, so a replay publishes nothing again; a later publish of the same
+        key replaces the value others read (docs/messages.md)."""
+        check_name(key, "published key")
+        self._admit(f"publish {key!r}")
+        return self._publish(key, copy.deepcopy(value))
+
+    async def _publish(self, key: str, value: Any) -> None:
+        self._require_open(f"publish {key!r}")
+        site = self._cursor.request()
+        try:
+            await self._writer.record_value(Effect(site, "publish", key), make=lambda: value)
         finally:
             self._cursor.settled()
 

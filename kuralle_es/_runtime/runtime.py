@@ -28,6 +28,8 @@ from .cancel import cancel_run
 from .deliveries import approval_delivery, delivery_id
 from .handle import TurnHandle, TurnSink
 from .input_checks import check_turn_args
+from .mail_calls import Mail
+from .mailbox import published_values, send_message, wait_published
 from .migrate import migrate_run
 from .registry import Registry
 from .turn import drive_turn
@@ -339,6 +341,55 @@ class Runtime:
             signal_id=delivery_id(signal_id), name=name, payload=payload, actor=actor
         )
         return await self._deliver(run_id, session_id, delivery)
+
+    # -------------------------------------------------- messages and values
+    async def send(
+        self,
+        run_id: str,
+        session_id: str,
+        name: str,
+        payload: Any,
+        *,
+        message_id: str,
+        actor: str | None = None,
+    ) -> TurnResult:
+        """Put a message in the run's mailbox, whatever the run is doing (docs/messages.md).
+
+        A node takes it with ``await ctx.receive(name)``, oldest first. When the
+        run is paused in a ``receive`` for ``name``, it is woken and driven on
+        within this call, and this returns that turn's ``TurnResult`` (its
+        errors raised, as ``signal``'s are); otherwise the message waits in the
+        mailbox and this returns the run's ``TurnResult`` as it stands. A
+        ``message_id`` the run already got makes the call a no-op (a retry is
+        safe). An ended run (finished or aborted) refuses it with
+        ``SignalMismatchError``; a payload that is not plain JSON, or that a
+        waiting ``receive``'s schema refuses, with ``InvalidSignalError``; an
+        unknown or foreign run with ``RunNotFoundError``. A refusal writes nothing.
+        """
+        mail = Mail(message_id=message_id, name=name, payload=payload, actor=actor)
+        return await send_message(self._env, run_id, session_id, mail)
+
+    async def published(self, run_id: str, session_id: str, key: str | None = None) -> Any:
+        """What the run published with ``ctx.publish``: the latest value of each key,
+        as a dict, or the latest value of ``key`` (None when it published none under
+        it). ``RunNotFoundError`` for an unknown or foreign run."""
+        return await published_values(self._env, run_id, session_id, key)
+
+    async def wait_published(
+        self,
+        run_id: str,
+        session_id: str,
+        key: str,
+        timeout: float,  # noqa: ASYNC109 - the contract's name for how long to wait
+    ) -> Any:
+        """The latest value the run published under ``key``, as soon as there is one.
+
+        Raises ``NotPublishedError`` (a ``KuralleError`` and a ``TimeoutError``)
+        when nothing was published under it within ``timeout`` seconds, or at
+        once when the run ended without publishing it; ``RunNotFoundError`` for
+        an unknown or foreign run.
+        """
+        return await wait_published(self._env, run_id, session_id, key, timeout)
 
     async def _deliver(self, run_id: str, session_id: str, delivery: SignalDelivery) -> TurnResult:
         """The operator helpers' one turn: ``run`` with the delivery, its result."""

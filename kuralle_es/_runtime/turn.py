@@ -31,7 +31,7 @@ from ..shapes import StepError, StreamPart, TurnResult
 from .flow_driver import Driven, drive
 from .handle import TurnSink
 from .observability import log_event, set_status, span
-from .turn_calls import Command, Opening, Recover, TurnEnv
+from .turn_calls import Command, Opening, Recover, Resume, TurnEnv
 from .writer import RunStopped, RunWriter, result_of
 
 __all__ = ["drive_turn", "result_of"]
@@ -42,8 +42,15 @@ async def drive_turn(
 ) -> TurnResult:
     """Run one turn of ``command`` to its end; its refusals and errors are raised.
 
-    ``budget`` (the caller's, for the run) is saved with the turn's opening."""
-    return await _Turn(env, command, sink, budget).drive()
+    ``budget`` (the caller's, for the run) is saved with the turn's opening. A
+    turn whose close was answered by a message (the run was pausing in a
+    ``receive`` when it came: the close woke the run, its lease kept) drives
+    the run on at once, in a turn of its own (docs/messages.md)."""
+    turn = _Turn(env, command, sink, budget)
+    result = await turn.drive()
+    if turn.woken is None:
+        return result
+    return await drive_turn(env, turn.woken, sink)
 
 
 class _Turn:
@@ -56,6 +63,8 @@ class _Turn:
         self.budget = budget
         self.last_text: str | None = None
         self.span: Any = None
+        #: The turn that drives the run on when the close was woken by a message.
+        self.woken: Resume | None = None
 
     def emit(self, part: StreamPart) -> None:
         if part.type == "text" and part.text:
@@ -282,6 +291,10 @@ class _Turn:
 
     async def _close(self, writer: RunWriter, part: StreamPart) -> TurnResult:
         result = await writer.close_turn(self.command.idempotency_key, self.last_text)
+        if writer.woken_at_close:
+            # Not paused after all: the run runs on under this worker's lease.
+            self.woken = Resume(self.command.session_id, result.run_id, None)
+            return result
         wait = result.waiting_for
         log_event(
             "turn closed",

@@ -41,7 +41,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any, Generic, Never, NoReturn, TypeVar, overload
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Never, NoReturn, TypeVar, overload
 from uuid import uuid4
 
 from .._definitions.budget import Budget
@@ -49,9 +49,10 @@ from .._definitions.retry import NO_RETRY, RetryPolicy
 from .._definitions.tools import ToolExited
 from .._journal.json_data import encode_json
 from .._journal.leases import Lease, LeaseOp, LeaseRefused
+from .._journal.mail import receive_step, take_in_mail
 from .._journal.recorders import LeasingRecorder
 from .._journal.run import Run, StepData
-from .._journal.sites import Effect
+from .._journal.sites import Effect, Site
 from .._journal.spending import ModelUsage, Prices, total
 from .._journal.store import RunStore
 from .._journal.wait import Wait
@@ -87,6 +88,7 @@ __all__ = [
     "Abandon",
     "Cancel",
     "MigrateTo",
+    "Post",
     "RunChange",
     "RunStopped",
     "RunWriter",
@@ -112,6 +114,8 @@ class RunStopped(Exception):
 _UNRECORDABLE = "unrecordable_result"
 #: ``StepError.data`` marker of an attempt cancelled by the tool's timeout.
 _TIMEOUT = "timeout"
+#: How many times one save is made again after messages that arrived meanwhile.
+_MAIL_ROUNDS = 50
 
 _T = TypeVar("_T")
 
@@ -253,6 +257,9 @@ class RunWriter:
         #: Whether this turn's steps make spans (a provider set meanwhile counts
         #: from the next turn).
         self.tracing = tracing_on()
+        #: Whether the turn's close woke the run again, its lease kept: a message
+        #: answered the receive it was pausing in (``_save_taking_in_mail``).
+        self.woken_at_close = False
 
     # ---------------------------------------------------------------- reads
     session_id = _OfRun[str]()
@@ -266,6 +273,13 @@ class RunWriter:
     flow_version = _OfRun[str | None]()
     status = _OfRun[RunStatus]()
     outcome = _OfRun[str | None]()
+    #: How many steps the run has journaled: the index its next step gets.
+    step_count = _OfRun[int]()
+
+    def last_recorded_callsite(self) -> int | None:
+        """The highest callsite the active node's (or epoch's) live steps hold: a
+        pass of the node replays until it has asked for that one."""
+        return max((step["callsite"] for step in self._run.steps), default=None)
 
     def state(self) -> dict[str, Any]:
         """A copy of the flow state bag, for a node to change."""
@@ -396,7 +410,7 @@ class RunWriter:
         try:
             if self._broken is not None:
                 raise self._broken
-            await self._store.save_run_async(run, op)
+            op = await self._save_taking_in_mail(op)
         except StaleWriteError as clash:
             # The unsaved events are gone from the aggregate, which is now
             # ahead of the store: no later save of this turn may follow.
@@ -429,6 +443,69 @@ class RunWriter:
             clash=lost.clash,
             recorded=True,
         ) from None
+
+    async def _save_taking_in_mail(self, op: LeaseOp | None) -> LeaseOp | None:
+        """Save the run's pending events (with ``op``); the lease op the save carried.
+
+        A save that clashes only with messages sent to the run meanwhile takes
+        them in and is made again after them (``mail.take_in_mail``): a message
+        never costs a turn its save. When that save is the turn's close and
+        pauses the run in a ``receive`` that one of them answers, the run is
+        woken in the same save and the lease kept (``woken_at_close``): the
+        turn drives it on, or, should the process die first, a recovery does.
+        """
+        run = self._run
+        for _ in range(_MAIL_ROUNDS):
+            unsaved = list(run.pending_events)
+            try:
+                await self._store.save_run_async(run, op)
+                return op
+            except StaleWriteError:
+                stored_version = run.version - len(unsaved)
+                arrived = await self._store.run_events_async(self.run_id, stored_version)
+                if not unsaved or not take_in_mail(run, arrived, unsaved):
+                    raise
+                if op is not None and op.kind == "release" and self.wake_for_mail():
+                    op = LeaseOp.renew(run.id, self._token, self.lease_ttl)
+                    self.woken_at_close = True
+        raise StaleWriteError(self.run_id, "messages kept arriving faster than it could save")
+
+    def wake_for_mail(self) -> bool:
+        """Wake the run from the ``receive`` it is paused (or pausing) in, if a message
+        for it is in its mailbox: the wake, and the receive's step at the wait's
+        site taking the oldest such message, saved with the next save. So the
+        node's next pass replays the receive, as it does a delivered signal."""
+        run = self._run
+        wait = run.waiting
+        if run.status != "paused" or wait is None or wait.kind != "message":
+            return False
+        mail = run.unread(wait.name)
+        if mail is None:
+            return False
+        run.deliver_mail(wait.request_id, mail["message_id"])
+        args, taken = receive_step(mail)
+        site = Site(wait.logical_run, wait.callsite, wait.lane)
+        index = run.start_step(Effect(site, "receive", wait.name, args))
+        run.finish_step(index, encode_json(taken, f"the message {wait.name!r}"))
+        return True
+
+    async def take_in_mail(self) -> None:
+        """Take in the messages sent to the run since this turn last saved (a
+        ``receive`` that finds none in the run's state looks once more). Anything
+        else stored meanwhile is left for the next save to clash with."""
+        async with self._lock:
+            run = self._run
+            unsaved = list(run.pending_events)
+            stored_version = run.version - len(unsaved)
+            arrived = await self._store.run_events_async(self.run_id, stored_version)
+            take_in_mail(run, arrived, unsaved)
+
+    def unread(self, name: str) -> dict[str, Any] | None:
+        """The oldest message named ``name`` in the run's mailbox, not received yet."""
+        return self._run.unread(name)
+
+    def receive_mail(self, message_id: str, name: str, payload: Any, actor: str | None) -> None:
+        self._run.receive_mail(message_id, name, payload, actor)
 
     def _hold(self, op: LeaseOp | None, sent_at: float) -> None:
         """What this turn holds after a save, sent at ``sent_at``, that carried ``op``."""
@@ -614,6 +691,10 @@ class RunWriter:
             self._idle.set()
 
     # ---------------------------------------------------------------- lookup
+    def holds(self, site: Site) -> bool:
+        """Whether the run holds a step at ``site``, of whatever kind."""
+        return bool(self._run.steps_at(site))
+
     def peek(self, effect: Effect) -> StepData | None:
         """The step recorded for this effect if it matches, else None; refuses nothing."""
         step, mismatch = self._find(effect)
@@ -933,7 +1014,11 @@ def _lease_record(store: RunStore, run_id: str, op: LeaseOp) -> LeasingRecorder:
 
 # ------------------------------------------------------- outside a turn
 class RunChange(ABC):
-    """A change made to a run from outside its turns (cancel, migrate, abandon)."""
+    """A change made to a run from outside its turns (cancel, migrate, abandon, a message)."""
+
+    #: Whether the change takes the run away from whoever holds its lease (a
+    #: stop does; a message waits in the mailbox and leaves the holder be).
+    clears_lease: ClassVar[bool] = True
 
     @abstractmethod
     def apply(self, run: Run, lease: Lease | None) -> bool:
@@ -978,13 +1063,37 @@ class Abandon(RunChange):
         return True
 
 
+@dataclass(frozen=True)
+class Post(RunChange):
+    """Put a message in the run's mailbox (``runtime.send``), whatever the run is
+    doing, its lease left alone: a turn driving the run takes the message into
+    its next save (``mail.take_in_mail``). ``screen`` may refuse the run as
+    stored, raising before anything is triggered; a ``message_id`` the run
+    already has is a no-op."""
+
+    message_id: str
+    name: str
+    payload: Any
+    actor: str | None
+    screen: Callable[[Run], None]
+    clears_lease: ClassVar[bool] = False
+
+    def apply(self, run: Run, lease: Lease | None) -> bool:
+        if self.message_id in run.mail_ids:
+            return False
+        self.screen(run)
+        run.receive_mail(self.message_id, self.name, self.payload, self.actor)
+        return True
+
+
 async def change_run(store: RunStore, run_id: str, session_id: str, change: RunChange) -> Run:
     """Apply ``change`` to the run as stored and save it with the run's lease record
-    cleared: one compare-and-set that wins over whoever holds the lease (a turn
-    driving the run elsewhere loses its next save, and its heartbeat finds the
-    record gone). A save that loses to a turn's reloads what the turn wrote and
-    tries again, until it lands, so a busy turn cannot starve it. Returns the run
-    as it stands after; ``RunNotFoundError`` for an unknown or foreign run.
+    cleared (unless the change leaves the holder be: ``clears_lease``): one
+    compare-and-set that wins over whoever holds the lease (a turn driving the
+    run elsewhere loses its next save, and its heartbeat finds the record gone).
+    A save that loses to a turn's reloads what the turn wrote and tries again,
+    until it lands, so a busy turn cannot starve it. Returns the run as it
+    stands after; ``RunNotFoundError`` for an unknown or foreign run.
     """
     attempt = 0
     while True:
@@ -995,7 +1104,7 @@ async def change_run(store: RunStore, run_id: str, session_id: str, change: RunC
         if not change.apply(run, lease):
             return run
         try:
-            await store.save_run_async(run, LeaseOp.clear(run.id))
+            await store.save_run_async(run, LeaseOp.clear(run.id) if change.clears_lease else None)
         except StaleWriteError:
             attempt += 1
             await asyncio.sleep(random.uniform(0, min(0.05, 0.002 * attempt)))

@@ -12,6 +12,7 @@ never import the user's app.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import sys
 from collections.abc import Awaitable, Callable, Iterable
@@ -253,6 +254,8 @@ class _Dashboard:
             "delivered": valid_signal_id(delivered) and delivered,
             "usage": await self.views().usage(run_id=run_id),
             "priced": self.prices is not None,
+            # What its nodes published (ctx.publish), the latest value of each key.
+            "published": {key: json.loads(text) for key, text in run.published.items()},
         }
         return self.render(request, "run.html", context, refresh=True)
 

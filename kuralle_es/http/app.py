@@ -42,7 +42,17 @@ from ..shapes import RunState, SignalDelivery, StepRecord, TurnResult
 from ..views import RunSummary
 from .auth import TOKEN_ENV, BearerGate, check_bind
 from .errors import error_response, refusal_response, unknown_run
-from .shapes import ID_PATTERN, Approval, Cancel, ErrorBody, Input, ListQuery, Signal, StartRun
+from .shapes import (
+    ID_PATTERN,
+    Approval,
+    Cancel,
+    ErrorBody,
+    Input,
+    ListQuery,
+    SendMessage,
+    Signal,
+    StartRun,
+)
 
 __all__ = ["BODY_SLACK_BYTES", "IDEMPOTENCY_HEADER", "create_app"]
 
@@ -125,6 +135,7 @@ StartKey = Annotated[str | None, _key("a retried start with the same key returns
 DeliveryKey = Annotated[str | None, _key("the delivery's signal_id: a retry with it is a no-op")]
 SignalKey = Annotated[str, _key("the delivery's signal_id (required): a retry is a no-op")]
 InputKey = Annotated[str | None, _key("the turn's idempotency key: a retry is a no-op")]
+MessageKey = Annotated[str, _key("the message's message_id (required): a retry is a no-op")]
 
 _REFUSALS = {
     401: "no or another bearer token (only when the server has KURALLE_API_TOKEN)",
@@ -221,6 +232,14 @@ async def get_run(runtime: Served, run_id: RunId) -> RunState:
     return run.to_state(await runtime.store.lease_async(run_id))
 
 
+@router.get(f"{_RUN}/published", operation_id="get_published", responses=_responses(404),
+            summary="get published: the latest value the run published under each key")  # fmt: skip
+async def get_published(runtime: Served, run_id: RunId) -> dict[str, Any]:
+    """``Runtime.published``: what the run's nodes published with ``ctx.publish``."""
+    values: dict[str, Any] = await runtime.published(run_id, await _session_of(runtime, run_id))
+    return values
+
+
 @router.get(f"{_RUN}/steps", operation_id="get_steps", responses=_responses(404),
             summary="get steps: the run's journal, every step it recorded")  # fmt: skip
 async def get_steps(runtime: Served, run_id: RunId) -> list[StepRecord]:
@@ -252,6 +271,26 @@ async def signal(runtime: Served, run_id: RunId, body: Signal, key: SignalKey) -
     # Exactly ``Runtime.signal``, through ``run`` for the turn's handle.
     delivery = SignalDelivery(signal_id=key, name=body.name, payload=body.payload)
     return await _deliver(runtime, run_id, delivery)
+
+
+@router.post(f"{_RUN}/messages", operation_id="send_message", responses=_DELIVERY,
+             summary=f"send message: into the run's mailbox; a run waiting in receive for it "
+             f"is driven on: {_TURN}")  # fmt: skip
+async def send_message(
+    runtime: Served, run_id: RunId, body: SendMessage, key: MessageKey
+) -> TurnResult:
+    # Exactly ``Runtime.send``; an oversized payload is the 413 of a body too large.
+    encode_json(body.payload, f"the payload of message {body.name!r}")
+    session = await _session_of(runtime, run_id)
+    try:
+        return await runtime.send(run_id, session, body.name, body.payload, message_id=key)
+    except Exception:
+        # The message woke the run and the node then failed: journaled, the
+        # run's result is the answer (as for a delivery); else a refusal.
+        run = await runtime.store.load_async(run_id)
+        if run is None or key not in run.mail_ids or run.status == "running":
+            raise
+        return result_of(run)
 
 
 def _decision(approved: bool) -> Callable[..., Coroutine[Any, Any, TurnResult]]:

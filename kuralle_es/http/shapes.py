@@ -31,6 +31,7 @@ __all__ = [
     "ErrorBody",
     "Input",
     "ListQuery",
+    "SendMessage",
     "Signal",
     "StartRun",
 ]
@@ -86,6 +87,16 @@ class Signal(_Body):
 
     name: Id = Field(description="the signal the run waits for (ctx.signal's name)")
     payload: Any = Field(default=None, description="any JSON; validated by the wait's schema")
+
+
+class SendMessage(_Body):
+    """``POST /api/runs/{run_id}/messages``: put a message in the run's mailbox
+    (``Idempotency-Key`` is its ``message_id``)."""
+
+    model_config = _example({"name": "item", "payload": {"sku": "A-1", "qty": 2}})
+
+    name: Id = Field(description="the message's name (what ctx.receive takes)")
+    payload: Any = Field(default=None, description="any JSON; validated by a waiting schema")
 
 
 class Approval(_Body):

@@ -321,6 +321,7 @@ _HANDLERS: Mapping[type[stored.Event], _Handler | None] = stored.dispatch(
         stored.InputAccepted: _set(status="running", waiting_for=None),
         stored.DeliveryAccepted: _set(status="running", waiting_for=None),
         stored.TimerFired: _set(status="running", waiting_for=None),
+        stored.MailDelivered: _set(status="running", waiting_for=None),
         stored.Resumed: _set(status="running"),
         stored.Recovered: _set(status="running"),
         stored.Finished: _finished,
@@ -339,5 +340,6 @@ _HANDLERS: Mapping[type[stored.Event], _Handler | None] = stored.dispatch(
         stored.TurnRecorded,
         stored.BudgetSet,
         stored.BudgetRaised,
+        stored.MailReceived,  # a message waits in the run's state until a receive takes it
     ),
 )
