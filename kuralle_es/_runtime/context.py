@@ -72,10 +72,14 @@ class RunContext(TurnBound):
         tools: Mapping[str, Tool[Any]],
         emit: Callable[[StreamPart], None],
         schemas: Schemas,
+        input_model: type[BaseModel] | None = None,
     ) -> None:
         super().__init__(writer, cursor, emit)
         self._tools = tools
         self._schemas = schemas
+        #: The flow's ``input`` model (``define_flow(..., input=...)``), if it has one.
+        self._input_model = input_model
+        self._input: BaseModel | None = None
         self._closed = False
         #: The turn's event loop, the only one this context answers on.
         self._loop = asyncio.get_running_loop()
@@ -99,6 +103,18 @@ class RunContext(TurnBound):
         suspended (``SuspendError``); nothing is reserved or executed then."""
         self._require_open(what)
         self._writer.admit(what)
+
+    @property
+    def input(self) -> Any:
+        """The run's input, validated by the flow's ``input`` model: the model the run
+        was started with, read from the run's journal (the same on every replay
+        and in any process). None for a flow without ``input=``, whose start is
+        text (the run's first user message), or a run given no typed input."""
+        self._require_open("input")
+        given = self._writer.input
+        if self._input is None and self._input_model is not None and given is not None:
+            self._input = self._input_model.model_validate(given)
+        return self._input
 
     # ----------------------------------------------------------------- tools
     def tool(

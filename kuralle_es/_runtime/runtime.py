@@ -137,7 +137,7 @@ class Runtime:
     def run(
         self,
         session_id: str,
-        input: str | None = None,
+        input: Any = None,
         kind: str | None = None,
         flow_name: str | None = None,
         run_id: str | None = None,
@@ -153,10 +153,18 @@ class Runtime:
         call's conversation is with (default: the first agent given); the
         session's conversation with another agent is refused
         (``InvalidArgumentError``).
+
+        ``input`` is text, except for the start of a flow defined with
+        ``define_flow(..., input=Model)``: a mapping, a JSON string or a ``Model``
+        instance, validated against ``Model`` (docs/child-runs.md).
         """
+        starts_flow = kind == "flow" and run_id is None and signal_delivery is None
 
         def command() -> Command:
-            check_turn_args(session_id, input, idempotency_key, signal_delivery)
+            # A flow start's typed input is the flow's to check (StartFlow); text is
+            # checked here, whoever it is for.
+            text = None if starts_flow and not isinstance(input, str) else input
+            check_turn_args(session_id, text, idempotency_key, signal_delivery)
             if budget is not None and not isinstance(budget, Budget):
                 msg = f"budget must be a kuralle_es.Budget, got {budget!r}"
                 raise InvalidArgumentError(msg)
