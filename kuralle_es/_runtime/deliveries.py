@@ -168,6 +168,13 @@ def check(
             f"run {run.run_id} sleeps on a durable timer until {until} and takes no "
             f"delivery; signal {delivery.name!r} was not delivered (fire_timers wakes it)",
         )
+    if wait.kind == "child":
+        raise SignalMismatchError(
+            run.run_id,
+            f"run {run.run_id} waits for its child run {wait.child_run_id} to end and takes "
+            f"no delivery; signal {delivery.name!r} was not delivered. Look at the child run "
+            f"(kuralle-es runs show {wait.child_run_id}): its end resumes this run",
+        )
     if wait.kind == "input":
         raise SignalMismatchError(
             run.run_id,

@@ -25,6 +25,7 @@ from .._journal.store import RunStore
 from ..errors import InvalidArgumentError, RunNotFoundError
 from ..shapes import RunState, SignalDelivery, StepRecord, TurnResult
 from .cancel import cancel_run
+from .children import ChildRuns, notify_parent
 from .deliveries import approval_delivery, delivery_id
 from .handle import TurnHandle, TurnSink
 from .input_checks import check_turn_args
@@ -290,8 +291,17 @@ class Runtime:
         already cancelled) run is a no-op; a finished run is refused with
         ``InvalidArgumentError``; an unknown or foreign run is
         ``RunNotFoundError``.
+
+        The run's live child runs are cancelled too, and theirs; a cancelled
+        child run's parent, waiting for it, goes on within this call (its
+        ``ctx.child`` raises ``ChildRunError``), docs/child-runs.md.
         """
-        return await cancel_run(self.store, run_id, session_id, reason)
+        state = await cancel_run(self.store, run_id, session_id, reason)
+        if state.parent is not None:
+            cancelled = await self.store.load_async(run_id)
+            if cancelled is not None:
+                await notify_parent(ChildRuns(self._env, drive_turn), cancelled)
+        return state
 
     async def approve(
         self,

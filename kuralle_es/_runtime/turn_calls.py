@@ -290,6 +290,12 @@ def _input_opening(run: Run, text: str, env: TurnEnv) -> Opening | None:
     if run.status == "paused" and wait is not None:
         if wait.kind == "input":
             return _AcceptInput(message)
+        if wait.kind == "child":
+            raise SignalMismatchError(
+                run.run_id,
+                f"run {run.run_id} waits for its child run {wait.child_run_id} to end, not "
+                "for input; look at the child run: its end resumes this run",
+            )
         raise SignalMismatchError(
             run.run_id,
             f"run {run.run_id} waits for {wait.name!r}, not for input; deliver that signal first",
