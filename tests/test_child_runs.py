@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from conftest import StoreFactory
+from events_kit import everything
 from pydantic import BaseModel
 
 from kuralle_es import (
@@ -193,6 +194,15 @@ async def test_a_parent_waits_for_its_child_and_goes_on_within_the_call_that_end
         ("child", "research"), ("child", "__child"), ("tool", "write_note"),
     ]  # fmt: skip
     assert steps[1].result["status"] == "finished"
+
+    # The public run events tell the same story, the child's end as a delivery.
+    events = [e for e in await everything(rt.store) if e.run_id == parent_id]
+    told = [(e.type, getattr(e, "kind", None), getattr(e, "name", None)) for e in events]
+    assert ("StepStarted", "child", "research") in told
+    assert ("StepStarted", "child", "__child") in told
+    assert ("SignalAccepted", None, "__child") in told
+    paused = next(e for e in events if e.type == "RunPaused")
+    assert paused.waiting_for.child_run_id == child_id  # type: ignore[union-attr]
 
 
 async def test_a_child_that_ends_in_its_first_turn_returns_or_raises_without_a_pause(

@@ -99,7 +99,7 @@ class StepStarted(_Event):
     type: Literal["StepStarted"] = "StepStarted"
     index: int
     key: str
-    kind: Literal["tool", "approval", "signal", "now", "uuid", "model", "timer"]
+    kind: Literal["tool", "approval", "signal", "now", "uuid", "model", "timer", "child"]
     name: str
     attempt: int
 
