@@ -11,15 +11,12 @@ import inspect
 import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import BaseModel
 
 from .._journal.keys import canonical_json, sha256_hex
 from ..errors import InvalidArgumentError, InvalidDefinitionError
-
-if TYPE_CHECKING:
-    from .._runtime.context import RunContext
 
 __all__ = [
     "ActionNode",
@@ -100,7 +97,10 @@ class Node:
         return {"id": self.id, "kind": self.kind}
 
 
-ActionRun = Callable[[dict[str, Any], "RunContext"], Awaitable[Any]]
+#: ``async def run(state, ctx)``, ``ctx`` being the node's ``RunContext``. Typed ``Any``
+#: here: definitions sit below the runtime that drives them (a node annotated
+#: ``ctx: RunContext`` fits).
+ActionRun = Callable[[dict[str, Any], Any], Awaitable[Any]]
 
 
 @dataclass(frozen=True)

@@ -277,6 +277,7 @@ class Runtime:
             return state
         await drifted_run(self._env, run_id, session_id)
         run = await change_run(self.store, run_id, session_id, Abandon(self.holder, ABANDONED))
+        await notify_parent(ChildRuns(self._env, drive_turn), run)  # a child: its parent goes on
         return run.to_state(await self.store.lease_async(run_id))
 
     # ------------------------------------------------------ execution control
