@@ -31,7 +31,7 @@ from ._definitions.llm import (
 )
 from ._definitions.loops import ConversationLoop, LoopTurn
 from ._definitions.retry import RetryPolicy
-from ._definitions.tools import Tool, define_tool
+from ._definitions.tools import Tool, define_tool, flow_tool
 from ._journal.keys import idempotency_key
 from ._journal.store import RunStore
 from ._operations.recovery import (
@@ -50,6 +50,7 @@ from ._runtime.handle import TurnHandle
 from ._runtime.runtime import Runtime
 from .errors import (
     BudgetExceededError,
+    ChildRunError,
     DeadlineExpiredError,
     FlowDriftError,
     FlowNotFoundError,
@@ -98,6 +99,7 @@ __all__ = [
     "ApprovalDecision",
     "Budget",
     "BudgetExceededError",
+    "ChildRunError",
     "ConversationLoop",
     "DeadlineExpiredError",
     "End",
@@ -167,6 +169,7 @@ __all__ = [
     "define_tool",
     "end",
     "fire_timers",
+    "flow_tool",
     "goto",
     "handoff",
     "idempotency_key",

@@ -16,6 +16,7 @@ from ._unicode import printable
 
 if TYPE_CHECKING:
     from ._journal.wait import Wait
+    from .shapes import StepError
 
 
 class KuralleError(Exception):
@@ -433,6 +434,29 @@ class NotPublishedError(_FieldsError, TimeoutError):
         return (
             f"run {self.run_id} published nothing under {self.key!r} within {self.timeout:g} s "
             f"(it is {self.status}); wait longer, or read runtime.published() later"
+        )
+
+
+class ChildRunError(_FieldsError):
+    """A child run that node code waited for (``ctx.child``, ``ctx.wait_child``, a
+    ``flow_tool`` call) ended ``error`` or ``aborted`` (``status``): ``error`` is the
+    child's error (None for an aborted child, whose ``outcome`` says why). The same
+    on every replay; catch it in the node to go on (docs/child-runs.md)."""
+
+    child_run_id: str
+    status: str
+    error: StepError | None = None
+    outcome: str | None = field(default=None, kw_only=True)
+
+    def _message(self) -> str:
+        if self.error is not None:
+            why = f"{self.error.type}: {self.error.message}"
+        else:
+            why = self.outcome or "no reason recorded"
+        return (
+            f"child run {self.child_run_id} ended {self.status} ({why}); look at the child "
+            f"run (kuralle-es runs show {self.child_run_id}), or catch ChildRunError in "
+            "the node to go on"
         )
 
 

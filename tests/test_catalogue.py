@@ -64,6 +64,8 @@ STORED = {
     "kuralle_es:Run.InboundKeyRecorded": 1,
     "kuralle_es:Run.MailReceived": 1,
     "kuralle_es:Run.MailDelivered": 1,
+    "kuralle_es:Run.ParentLinked": 1,
+    "kuralle_es:Run.FlowInputGiven": 1,
     "kuralle_es:SessionRuns.Created": 1,
     "kuralle_es:SessionRuns.RunAdded": 1,
 }
@@ -158,3 +160,9 @@ def test_a_snapshot_of_0_1_0_or_earlier_gets_what_later_releases_count() -> None
     assert state["step_base"] == 0 and state["forked_from"] is None
     assert state["usage"] is None and state["budget"] is None and state["budget_raises"] == {}
     assert state["steps"] == [{"index": 0, "attempts": 1, "failures": 0, "retry_at": None}]
+
+
+def test_a_snapshot_before_child_runs_holds_no_input_parent_or_children() -> None:
+    state: dict[str, object] = {"inbound_keys": {}}
+    aggregate.Run.upcast_v3_v4(state)
+    assert state == {"inbound_keys": {}, "input": None, "parent": None, "children": []}

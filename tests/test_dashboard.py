@@ -112,6 +112,10 @@ async def quick_approval_node(state: dict[str, Any], ctx: RunContext) -> Any:
     return end("approved" if decision.approved else "denied")
 
 
+async def household_node(state: dict[str, Any], ctx: RunContext) -> Any:
+    return end(f"shipped: {await ctx.child('shipping', 'go')}")
+
+
 async def failing_node(state: dict[str, Any], ctx: RunContext) -> Any:
     await ctx.tool("lookup", {"to": "nobody", "cents": -1})
     return end("unreachable")
@@ -127,6 +131,7 @@ def ops_agent() -> Any:
         define_flow("shipping", "wait for a shipment", "wait", [action("wait", wait_node)]),
         define_flow("quick", "short deadline", "ask", [action("ask", quick_approval_node)]),
         define_flow("broken", "fails", "fail", [action("fail", failing_node)]),
+        define_flow("household", "a parent", "go", [action("go", household_node)]),
     ]
     return define_agent("ops", "operations", ScriptedModel(["ok"]), tools, flows)
 
@@ -525,6 +530,26 @@ def test_approve_in_the_browser_resumes_the_run_and_its_tool_executes_once(
     click_and_wait(browser, "confirm")
     assert text_of(browser, "run-status") == "finished"
     assert len(refunds(ledger_path)) == 1
+
+
+def test_a_parent_and_its_child_link_to_each_other_and_the_childs_wait_has_no_buttons(
+    browser: webdriver.Chrome, serve: Callable[..., Dashboard], maker: Maker
+) -> None:
+    parent = maker.flow("s-family", "household")
+    assert parent.waiting_for is not None and parent.waiting_for.kind == "child"
+    child_id = parent.waiting_for.child_run_id
+    dashboard = serve()
+    login(browser, dashboard, f"/runs/{parent.run_id}")
+    assert text_of(browser, "children") == child_id
+    assert browser.find_elements(By.ID, "approve") == []  # nothing to answer on a child wait
+    click_and_wait(browser, "child-wait")
+    assert browser.current_url == f"{dashboard.url}/runs/{child_id}"
+    assert text_of(browser, "parent").startswith(parent.run_id)
+    click_and_wait(browser, "#parent a", By.CSS_SELECTOR)
+    assert browser.current_url == f"{dashboard.url}/runs/{parent.run_id}"
+    maker.deliver(TurnResult(run_id=child_id, status="paused"), "s-family", {"n": 1}, "shipment")
+    wait_for_status(browser, f"{dashboard.url}/runs/{parent.run_id}", "finished")
+    assert text_of(browser, "outcome") == "shipped: {'n': 1}"
 
 
 def test_deny_in_the_browser_declines_and_the_refund_never_executes(

@@ -185,7 +185,14 @@ def test_the_openapi_document_describes_this_server(served: Served) -> None:
     }  # fmt: skip
     schemas = document["components"]["schemas"]
     assert {"TurnResult", "RunState", "StepRecord", "RunSummary", "ErrorBody"} <= set(schemas)
-    assert schemas["StartRun"]["properties"]["flow"]["enum"] == ["boom", "charge", "refund", "ship"]
+    assert schemas["StartRun"]["properties"]["flow"]["enum"] == [
+        "boom",
+        "charge",
+        "household",
+        "order",
+        "refund",
+        "ship",
+    ]
     assert schemas["StartRun"]["additionalProperties"] is False
     assert document["security"] == [{"bearer": []}]
 
@@ -410,6 +417,44 @@ def test_every_refusal_is_a_json_4xx_that_writes_nothing(served: Served) -> None
 
     # After all of that the run still waits, untouched.
     assert served.ok("GET", runs(f"/{run_id}"))["status"] == "paused"
+
+
+def test_a_typed_start_takes_an_object_and_refuses_a_bad_one_naming_its_fields(
+    served: Served,
+) -> None:
+    s = session()
+    bad = {"session_id": s, "flow": "order", "input": {"qty": "many"}}
+    refused = served.refused(422, "InvalidArgumentError", "POST", "/api/runs", bad)
+    assert "sku" in refused.body["message"] and "qty" in refused.body["message"]
+    good = {"session_id": s, "flow": "order", "input": {"sku": "tea", "qty": 3}}
+    paused = served.ok("POST", "/api/runs", good)
+    assert paused["status"] == "paused"
+    done = served.ok("POST", runs(f"/{paused['run_id']}/approve"), {"by": "ann"})
+    assert (done["status"], done["output"]) == ("finished", "3xtea")
+
+
+def test_a_parents_child_wait_is_read_only_and_the_childs_approval_resumes_it(
+    served: Served,
+) -> None:
+    s = session()
+    parent = served.start("household", s)
+    assert parent["waiting_for"]["kind"] == "child"
+    child_id = parent["waiting_for"]["child_run_id"]
+    state = served.ok("GET", runs(f"/{parent['run_id']}"))
+    assert state["children"] == [child_id] and state["parent"] is None
+    child = served.ok("GET", runs(f"/{child_id}"))
+    assert child["parent"] == {"run_id": parent["run_id"], "step": 0}
+    listed = served.ok("GET", f"/api/runs?session_id={s}")
+    assert {r["run_id"]: r["parent"] for r in listed}[child_id]["run_id"] == parent["run_id"]
+
+    served.refused(409, "SignalMismatchError", "POST", runs(f"/{parent['run_id']}/approve"),
+                   {"by": "ann"})  # fmt: skip
+    signal = {"name": "__child", "payload": {"status": "finished"}}
+    served.refused(422, None, "POST", runs(f"/{parent['run_id']}/signals"), signal,
+                   headers={"Idempotency-Key": key()})  # fmt: skip
+    served.ok("POST", runs(f"/{child_id}/approve"), {"by": "ann"})
+    done = served.ok("GET", runs(f"/{parent['run_id']}"))
+    assert (done["status"], done["outcome"]) == ("finished", "ordered 2xtea")
 
 
 def test_a_lease_held_by_another_worker_is_409_and_writes_nothing(served: Served) -> None:

@@ -4,11 +4,12 @@ from ``http/openapi.py`` for the test app's flows and a bearer token).
 
 Every path, method, operation id, parameter, request body, response status, link and
 security scheme of the old document is in the new one (which also has the routes added
-since: messages, published values); every schema of the old document is *covered* by
-the new one: whatever the old one accepted, the new one accepts. Where they differ, the
-new one is looser or only says more (titles, descriptions; an optional header or query
-parameter as ``anyOf [..., null]``; a ``default: null`` it leaves out; values added to
-an enum, such as a new step kind), never tighter.
+since); every schema of the old document is *covered* by the new one: whatever the old
+one accepted, the new one accepts. Where they differ, the new one is looser or only says
+more (titles, descriptions; an optional header or query parameter as ``anyOf [...,
+null]``; a ``default: null`` it leaves out; values added to an enum, such as a new step
+kind; an optional property a later release added, such as ``RunState.parent``), never
+tighter.
 """
 
 from __future__ import annotations
@@ -66,8 +67,10 @@ def covers(new: Any, old: Any) -> bool:
                 return False
         elif key == "properties":
             mine, theirs = new.get(key, {}), old.get(key, {})
-            if set(mine) != set(theirs) or not all(covers(mine[k], theirs[k]) for k in mine):
+            if not set(theirs) <= set(mine) or not all(covers(mine[k], theirs[k]) for k in theirs):
                 return False
+            if set(new.get("required", [])) & (set(mine) - set(theirs)):
+                return False  # a property added and required: tighter
         elif key not in new:
             continue  # a constraint the new schema leaves out: looser
         elif key == "enum":
@@ -97,9 +100,12 @@ def test_the_checker_tells_a_looser_schema_from_a_tighter_one() -> None:
     assert covers({"type": "string", "enum": ["a", "b"]}, {"type": "string", "enum": ["a"]})
     assert not covers({"type": "string", "enum": ["b"]}, {"type": "string", "enum": ["a"]})
     assert not covers({"type": "integer", "enum": ["a"]}, {"enum": ["a"]})
+    assert covers({"enum": ["a", "b"]}, {"enum": ["a"]})
+    assert not covers({"enum": ["b"]}, {"enum": ["a"]})
     body = {"type": "object", "properties": {"a": text}, "required": ["a"]}
     assert covers({**body, "required": []}, body)
-    assert not covers({**body, "properties": {"a": text, "b": text}}, body)
+    assert covers({**body, "properties": {"a": text, "b": text}}, body)  # an optional one more
+    assert not covers({**body, "properties": {"a": text, "b": text}, "required": ["a", "b"]}, body)
 
 
 def test_the_generated_document_has_the_old_paths_methods_and_operations(new: Any) -> None:
@@ -152,6 +158,13 @@ def test_every_schema_of_the_old_document_is_covered_by_its_namesake(new: Any) -
         assert covers(schemas[name], old), name
     # What the server adds to the models: its own flows, and the bodies' closed shape.
     start = schemas["StartRun"]
-    assert start["properties"]["flow"]["enum"] == ["boom", "charge", "refund", "ship"]
+    assert start["properties"]["flow"]["enum"] == [
+        "boom",
+        "charge",
+        "household",
+        "order",
+        "refund",
+        "ship",
+    ]
     assert start["additionalProperties"] is False
     assert start["examples"] == OLD["components"]["schemas"]["StartRun"]["examples"]

@@ -50,6 +50,7 @@ __all__ = [
     "Errored",
     "Event",
     "Finished",
+    "FlowInputGiven",
     "FlowPinned",
     "Forked",
     "InboundKeyRecorded",
@@ -61,6 +62,7 @@ __all__ = [
     "MessageAppended",
     "Migrated",
     "NodeEntered",
+    "ParentLinked",
     "Paused",
     "Recovered",
     "Resumed",
@@ -140,6 +142,24 @@ class Forked(Event):
 
     from_run_id: str
     at_step: int
+
+
+class ParentLinked(Event):
+    """This run is a child run, started by step ``step`` of run ``run_id`` (of session
+    ``session_id``), which waits for it or will (docs/child-runs.md). Saved with
+    the child's creation, so a child never exists without knowing its parent."""
+
+    run_id: str
+    session_id: str
+    step: int
+
+
+class FlowInputGiven(Event):
+    """The validated input a typed flow was started with (``define_flow(..., input=...)``),
+    as JSON data: what node code reads as ``ctx.input``, on every replay and in any
+    process. Saved with the run's creation."""
+
+    input: dict[str, Any]
 
 
 class TurnStarted(Event):
@@ -416,6 +436,8 @@ STEP_EVENTS = (
 RUN_EVENTS: tuple[type[Event], ...] = (
     RunCreated,
     Forked,
+    ParentLinked,
+    FlowInputGiven,
     TurnStarted,
     NodeEntered,
     FlowPinned,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, NotRequired, TypedDict
 from uuid import UUID
@@ -43,7 +44,7 @@ from .sites import Effect, Lane, Site
 from .spending import normalise_usage
 from .wait import Wait
 
-__all__ = ["CANCELLED", "MIGRATED", "Run", "StepData", "step_record"]
+__all__ = ["CANCELLED", "MIGRATED", "ParentLink", "Run", "StepData", "step_record"]
 
 
 class StepData(TypedDict):
@@ -68,6 +69,16 @@ class StepData(TypedDict):
     retry_at: datetime | None
     #: Held by snapshots of 0.1.0 (the logical run with its lane); never read.
     logical_run: NotRequired[str]
+
+
+@dataclass(frozen=True)
+class ParentLink:
+    """Where a child run comes from: the run that started it (and its session), and
+    the index of that run's step that did (docs/child-runs.md)."""
+
+    run_id: str
+    session_id: str
+    step: int
 
 
 #: How the outcome of a cancelled run begins.
@@ -96,7 +107,8 @@ class Run(Aggregate):
     #: 2: usage, budget and budget raises; delivered signal ids as a mapping
     #: (membership in O(1)); the fields older snapshots lacked, set.
     #: 3: every inbound idempotency key seen, with the digest of its request.
-    #: 4: the mailbox (unread messages, every message id seen) and published values.
+    #: 4: the mailbox (unread messages, every message id seen) and published values;
+    #: a typed flow's input, a child run's parent, a run's children.
     class_version = 4
     #: Set on a run folded for its whole journal (``RunStore.load_history``),
     #: never saved: such a run archives nothing.
@@ -164,6 +176,12 @@ class Run(Aggregate):
         self.mail_ids: dict[str, None] = {}
         #: The latest value published under each key (``ctx.publish``), as journaled JSON.
         self.published: dict[str, str] = {}
+        #: The validated input of a typed flow's start, as JSON data (``ctx.input``).
+        self.input: dict[str, Any] | None = None
+        #: ``{"run_id", "session_id", "step"}`` of the run that started this one.
+        self.parent: dict[str, Any] | None = None
+        #: The ids of the child runs this run started, in order (from their steps).
+        self.children: list[str] = []
 
     @staticmethod
     def upcast_v1_v2(state: dict[str, Any]) -> None:
@@ -191,11 +209,14 @@ class Run(Aggregate):
 
     @staticmethod
     def upcast_v3_v4(state: dict[str, Any]) -> None:
-        """A snapshot before mailboxes and published values: none of either (no
-        release before them could send or publish)."""
+        """A snapshot before mailboxes, published values, typed input and child
+        runs: a run with none of them (no release before them had any)."""
         state["mailbox"] = []
         state["mail_ids"] = {}
         state["published"] = {}
+        state["input"] = None
+        state["parent"] = None
+        state["children"] = []
 
     # ------------------------------------------------------------------ ids
     @property
@@ -353,6 +374,25 @@ class Run(Aggregate):
         """Record that this turn takes the run over from a worker that is gone."""
         self._require_status("running", "recover the run")
         self.trigger_event(stored.Recovered, previous_holder=previous_holder)
+
+    def link_parent(self, link: ParentLink) -> None:
+        """Record that this run is the child run ``link`` started (with its creation)."""
+        self.trigger_event(
+            stored.ParentLinked, run_id=link.run_id, session_id=link.session_id, step=link.step
+        )
+
+    def give_input(self, data: dict[str, Any]) -> None:
+        """Record the validated input a typed flow starts with (with its creation)."""
+        encode_json(data, "the run's input")
+        self.trigger_event(stored.FlowInputGiven, input=copy.deepcopy(data))
+
+    @property
+    def parent_link(self) -> ParentLink | None:
+        """The run that started this one, if it is a child run."""
+        parent = self.parent
+        if parent is None:
+            return None
+        return ParentLink(parent["run_id"], parent["session_id"], parent["step"])
 
     def mark_forked(self, from_run_id: str, at_step: int) -> None:
         self.trigger_event(stored.Forked, from_run_id=from_run_id, at_step=at_step)
@@ -553,6 +593,12 @@ class Run(Aggregate):
             outcome=self.outcome,
             forked_from=copy.deepcopy(self.forked_from),
             migrated_to=self.migrated_to,
+            parent=(
+                None
+                if self.parent is None
+                else {"run_id": self.parent["run_id"], "step": self.parent["step"]}
+            ),
+            children=list(self.children),
         )
 
     def step_records(self) -> list[StepRecord]:
@@ -599,6 +645,14 @@ def step_record(step: StepData) -> StepRecord:
 # misses one). Each changes the run as the event says, and nothing else.
 def _forked(run: Run, e: stored.Forked) -> None:
     run.forked_from = {"run_id": e.from_run_id, "at_step": e.at_step}
+
+
+def _parent_linked(run: Run, e: stored.ParentLinked) -> None:
+    run.parent = {"run_id": e.run_id, "session_id": e.session_id, "step": e.step}
+
+
+def _flow_input_given(run: Run, e: stored.FlowInputGiven) -> None:
+    run.input = e.input
 
 
 def _turn_started(run: Run, e: stored.TurnStarted) -> None:
@@ -668,6 +722,10 @@ def _step_intended(run: Run, e: stored.StepIntended) -> None:
         # The receive took this message: it is read (a replay takes the same one).
         taken = e.args["message_id"]
         run.mailbox = [m for m in run.mailbox if m["message_id"] != taken]
+    elif e.kind == "child" and isinstance(e.args, dict) and "run_id" in e.args:
+        # A child's id is known at its start's intent (it derives from the step's
+        # key), so a cancel that lands while the child is created still finds it.
+        run.children.append(str(e.args["run_id"]))
 
 
 def _step_succeeded(run: Run, e: stored.StepSucceeded) -> None:
@@ -821,6 +879,8 @@ _FOLD: dict[type[stored.Event], _Fold | None] = stored.dispatch(
     {
         stored.RunCreated: _created,
         stored.Forked: _forked,
+        stored.ParentLinked: _parent_linked,
+        stored.FlowInputGiven: _flow_input_given,
         stored.TurnStarted: _turn_started,
         stored.NodeEntered: _node_entered,
         stored.FlowPinned: _flow_pinned,

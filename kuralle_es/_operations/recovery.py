@@ -11,7 +11,10 @@ Something has to come back for a run when nobody else will:
   (``sweep_deadlines``): an approval reads as denied, ``ctx.signal`` returns
   the deny payload, a ``ctx.receive`` raises ``DeadlineExpiredError``;
 - a run paused on a durable sleep (``ctx.sleep``) is woken once its wake
-  time came (``fire_timers``).
+  time came (``fire_timers``);
+- a parent run paused for a child run that ended, whose end nobody handed
+  to it (the process that ended the child died first), goes on
+  (``recover_orphaned_runs``, docs/child-runs.md).
 
 Candidates come from the run views (``RunViews.orphaned_runs``,
 ``expired_deadlines``, ``due_timers``), never from a scan of the streams;
@@ -39,6 +42,7 @@ from datetime import datetime
 from typing import Any, Protocol, runtime_checkable
 
 from .._durations import positive_seconds
+from .._runtime.children import ChildEnded
 from .._runtime.handle import TurnSink
 from .._runtime.observability import LOGGER_NAME, log_event
 from .._runtime.runtime import Runtime
@@ -143,17 +147,32 @@ async def recover_orphaned_runs(runtime: Runtime, now: datetime | None = None) -
     re-entered through the resume path with this runtime's holder as its new
     lease holder, and driven to its next pause or its end. A run another
     worker holds (``LeaseHeldError``), or that refuses (``FlowDriftError``,
-    ...) or errors, is logged and skipped. Returns the ids of the runs this
-    call drove.
+    ...) or errors, is logged and skipped.
+
+    Then every parent run paused for a child run that has ended gets the
+    child's end (the process that ended the child died before it handed the
+    end over) and goes on. Returns the ids of the runs this call drove.
     """
     orphans = await runtime.views.orphaned_runs(now or utcnow())
-    return await _drive_all(
+    recovered = await _drive_all(
         runtime,
         orphans,
         lambda s: Recover(s.session_id, s.run_id),
         "run recovered",
         "recovery skipped",
     )
+    parents = await runtime.views.child_waits()
+    handed = await _drive_all(
+        runtime, parents, _child_end, "child end handed over", "hand-over skipped"
+    )
+    return recovered + [run_id for run_id in handed if run_id not in recovered]
+
+
+def _child_end(summary: RunSummary) -> Command | None:
+    wait = summary.waiting_for
+    if wait is None or wait.kind != "child" or wait.child_run_id is None:
+        return None
+    return ChildEnded(summary.session_id, summary.run_id, wait.child_run_id)
 
 
 def _deadline_deny(summary: RunSummary) -> Command | None:

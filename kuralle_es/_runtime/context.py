@@ -25,7 +25,7 @@ from pydantic import BaseModel, ValidationError
 from .._definitions.tools import Tool
 from .._durations import deadline_at, positive_seconds
 from .._journal.run import StepData
-from .._journal.sites import Effect, Site
+from .._journal.sites import Effect, Lane, Site
 from .._journal.wait import APPROVAL, TIMER
 from ..errors import (
     DeadlineExpiredError,
@@ -35,6 +35,7 @@ from ..errors import (
     UnknownToolError,
 )
 from ..shapes import ApprovalDecision, StreamPart
+from .children import ChildRequest, child_request, start_child, wait_child
 from .cursor import Cursor
 from .deliveries import EXPIRED, take_message
 from .input_checks import check_name
@@ -76,10 +77,14 @@ class RunContext(TurnBound):
         tools: Mapping[str, Tool[Any]],
         emit: Callable[[StreamPart], None],
         schemas: Schemas,
+        input_model: type[BaseModel] | None = None,
     ) -> None:
         super().__init__(writer, cursor, emit)
         self._tools = tools
         self._schemas = schemas
+        #: The flow's ``input`` model (``define_flow(..., input=...)``), if it has one.
+        self._input_model = input_model
+        self._input: BaseModel | None = None
         self._closed = False
         #: The turn's event loop, the only one this context answers on.
         self._loop = asyncio.get_running_loop()
@@ -105,6 +110,18 @@ class RunContext(TurnBound):
         suspended (``SuspendError``); nothing is reserved or executed then."""
         self._require_open(what)
         self._writer.admit(what)
+
+    @property
+    def input(self) -> Any:
+        """The run's input, validated by the flow's ``input`` model: the model the run
+        was started with, read from the run's journal (the same on every replay
+        and in any process). None for a flow without ``input=``, whose start is
+        text (the run's first user message), or a run given no typed input."""
+        self._require_open("input")
+        given = self._writer.input
+        if self._input is None and self._input_model is not None and given is not None:
+            self._input = self._input_model.model_validate(given)
+        return self._input
 
     # ----------------------------------------------------------------- tools
     def tool(
@@ -149,6 +166,78 @@ class RunContext(TurnBound):
             return
         with contextlib.suppress(RuntimeError):  # the turn's loop is closed: nothing waits
             self._loop.call_soon_threadsafe(self._cursor.settled)
+
+    # ---------------------------------------------------------- child runs
+    def child(
+        self, flow_name: str, input: Any = None, *, session_id: str | None = None
+    ) -> Coroutine[Any, Any, Any]:
+        """Start a child run of flow ``flow_name`` once, wait for it to end, and return
+        its output (docs/child-runs.md).
+
+        ``input`` is the child's start, validated as any flow start (text, or for a
+        typed flow a mapping, JSON string or model); ``session_id`` defaults to
+        this run's session. The start is one step of this run (the child's id
+        derives from its key, so a replay or a crash never starts a second
+        child); while the child runs, this run pauses on a ``child`` wait, and
+        resumes when the child ends. A child that errored or was aborted raises
+        ``ChildRunError``. Refused when called (nothing reserved): an unknown
+        flow (``FlowNotFoundError``), an input the flow refuses
+        (``InvalidArgumentError``).
+        """
+        return self._start(flow_name, input, session_id, wait=True)
+
+    def start_child(
+        self, flow_name: str, input: Any = None, *, session_id: str | None = None
+    ) -> Coroutine[Any, Any, str]:
+        """Start a child run once, like ``child``, without waiting for it: returns its
+        id, for ``wait_child`` (or nothing: it runs on its own)."""
+        return self._start(flow_name, input, session_id, wait=False)
+
+    def _start(
+        self, flow_name: str, input: Any, session_id: str | None, *, wait: bool
+    ) -> Coroutine[Any, Any, Any]:
+        self._admit(f"child run of {flow_name!r}")
+        request = child_request(flow_name, input, session_id, self._writer.session_id)
+        return self._child(self._cursor.request(), request, wait)
+
+    async def _child(self, site: Site, request: ChildRequest, wait: bool) -> Any:
+        try:
+            self._require_open(f"child run of {request.flow.name!r}")
+        except TurnClosedError:
+            self._settle_refused()
+            raise
+        try:
+            child_run_id = await start_child(self._writer, site, request)
+            if not wait:
+                return child_run_id
+            return await wait_child(self._writer, site.in_lane(Lane.CHILD), child_run_id)
+        finally:
+            self._cursor.settled()
+
+    def wait_child(self, child_run_id: str) -> Coroutine[Any, Any, Any]:
+        """Wait for a child run this run started (``start_child``) to end; returns its
+        output, or raises ``ChildRunError`` (it errored or was aborted). Takes one
+        callsite; pauses the run (a ``child`` wait) until the child ends.
+        ``InvalidArgumentError`` for an id that is not one of this run's children."""
+        self._admit("wait_child")
+        if child_run_id not in self._writer.children:
+            msg = (
+                f"run {self._writer.run_id} started no child run {child_run_id!r}; wait for "
+                "an id that ctx.start_child returned"
+            )
+            raise InvalidArgumentError(msg)
+        return self._wait_child(self._cursor.request(), child_run_id)
+
+    async def _wait_child(self, site: Site, child_run_id: str) -> Any:
+        try:
+            self._require_open("wait_child")
+        except TurnClosedError:
+            self._settle_refused()
+            raise
+        try:
+            return await wait_child(self._writer, site, child_run_id)
+        finally:
+            self._cursor.settled()
 
     # ------------------------------------------------------------- waiting
     def approve(

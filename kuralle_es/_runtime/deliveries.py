@@ -192,6 +192,13 @@ def check(
             f"sent with runtime.send (kuralle-es send), not as a signal; signal "
             f"{delivery.name!r} was not delivered",
         )
+    if wait.kind == "child":
+        raise SignalMismatchError(
+            run.run_id,
+            f"run {run.run_id} waits for its child run {wait.child_run_id} to end and takes "
+            f"no delivery; signal {delivery.name!r} was not delivered. Look at the child run "
+            f"(kuralle-es runs show {wait.child_run_id}): its end resumes this run",
+        )
     if wait.kind == "input":
         raise SignalMismatchError(
             run.run_id,

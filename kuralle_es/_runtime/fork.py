@@ -219,6 +219,7 @@ _WALK: Mapping[type[stored.Event], Callable[[_Walk, Any], None] | None] = stored
         stored.InputAccepted: _input_accepted,
         stored.Paused: _paused,
         stored.DeliveryAccepted: _delivered,
+        stored.FlowInputGiven: _copied,  # the fork's ctx.input is the original's
         stored.BudgetSet: _copied,
         stored.BudgetRaised: _copied,
         # The fork's mailbox is the original's there: its copied receives took
@@ -228,6 +229,7 @@ _WALK: Mapping[type[stored.Event], Callable[[_Walk, Any], None] | None] = stored
     skipped=(
         stored.InboundKeyRecorded,
         stored.Forked,  # the fork records its own origin
+        stored.ParentLinked,  # a fork is a run of its own, nobody's child
         stored.TimerFired,
         stored.MailDelivered,  # a wake, like a timer's: the fork's receive waits afresh
         stored.Resumed,

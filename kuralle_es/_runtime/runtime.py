@@ -25,6 +25,7 @@ from .._journal.store import RunStore
 from ..errors import InvalidArgumentError, RunNotFoundError
 from ..shapes import RunState, SignalDelivery, StepRecord, TurnResult
 from .cancel import cancel_run
+from .children import ChildRuns, notify_parent
 from .deliveries import approval_delivery, delivery_id
 from .handle import TurnHandle, TurnSink
 from .input_checks import check_turn_args
@@ -139,7 +140,7 @@ class Runtime:
     def run(
         self,
         session_id: str,
-        input: str | None = None,
+        input: Any = None,
         kind: str | None = None,
         flow_name: str | None = None,
         run_id: str | None = None,
@@ -155,10 +156,18 @@ class Runtime:
         call's conversation is with (default: the first agent given); the
         session's conversation with another agent is refused
         (``InvalidArgumentError``).
+
+        ``input`` is text, except for the start of a flow defined with
+        ``define_flow(..., input=Model)``: a mapping, a JSON string or a ``Model``
+        instance, validated against ``Model`` (docs/child-runs.md).
         """
+        starts_flow = kind == "flow" and run_id is None and signal_delivery is None
 
         def command() -> Command:
-            check_turn_args(session_id, input, idempotency_key, signal_delivery)
+            # A flow start's typed input is the flow's to check (StartFlow); text is
+            # checked here, whoever it is for.
+            text = None if starts_flow and not isinstance(input, str) else input
+            check_turn_args(session_id, text, idempotency_key, signal_delivery)
             if budget is not None and not isinstance(budget, Budget):
                 msg = f"budget must be a kuralle_es.Budget, got {budget!r}"
                 raise InvalidArgumentError(msg)
@@ -270,6 +279,7 @@ class Runtime:
             return state
         await drifted_run(self._env, run_id, session_id)
         run = await change_run(self.store, run_id, session_id, Abandon(self.holder, ABANDONED))
+        await notify_parent(ChildRuns(self._env, drive_turn), run)  # a child: its parent goes on
         return run.to_state(await self.store.lease_async(run_id))
 
     # ------------------------------------------------------ execution control
@@ -284,8 +294,17 @@ class Runtime:
         already cancelled) run is a no-op; a finished run is refused with
         ``InvalidArgumentError``; an unknown or foreign run is
         ``RunNotFoundError``.
+
+        The run's live child runs are cancelled too, and theirs; a cancelled
+        child run's parent, waiting for it, goes on within this call (its
+        ``ctx.child`` raises ``ChildRunError``), docs/child-runs.md.
         """
-        return await cancel_run(self.store, run_id, session_id, reason)
+        state = await cancel_run(self.store, run_id, session_id, reason)
+        if state.parent is not None:
+            cancelled = await self.store.load_async(run_id)
+            if cancelled is not None:
+                await notify_parent(ChildRuns(self._env, drive_turn), cancelled)
+        return state
 
     async def approve(
         self,

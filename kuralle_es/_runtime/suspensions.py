@@ -107,6 +107,8 @@ class WaitRequest:
     step_index: int | None = None
     #: The model a signal's payload is validated against.
     schema: type[BaseModel] | None = None
+    #: The child run a parent waits for (``kind == "child"``).
+    child_run_id: str | None = None
 
 
 def suspend(
@@ -147,6 +149,7 @@ def suspend(
         lane=site.lane,
         step_index=request.step_index,
         schema_topic=topic,
+        child_run_id=request.child_run_id,
     )
     writer.suspend(wait)
 

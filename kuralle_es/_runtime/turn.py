@@ -28,6 +28,7 @@ from ..errors import (
     error_fields,
 )
 from ..shapes import StepError, StreamPart, TurnResult
+from .children import ChildRuns, driving, follow_up
 from .flow_driver import Driven, drive
 from .handle import TurnSink
 from .observability import log_event, set_status, span
@@ -194,14 +195,15 @@ class _Turn:
             waiting = StreamPart(type="paused", waiting_for=run.public_wait())
             return await self._close(writer, waiting)
         try:
-            driven = await drive(
-                writer,
-                agent,
-                flow,
-                self.emit,
-                schemas=env.registry.schemas,
-                max_tool_concurrency=env.max_tool_concurrency,
-            )
+            with driving(ChildRuns(env, drive_turn)):
+                driven = await drive(
+                    writer,
+                    agent,
+                    flow,
+                    self.emit,
+                    schemas=env.registry.schemas,
+                    max_tool_concurrency=env.max_tool_concurrency,
+                )
         except SuspendError as suspended:
             await self._refused_unless(writer, functools.partial(writer.pause, suspended.wait))
             part = StreamPart(type="paused", waiting_for=suspended.waiting_for)
@@ -306,7 +308,10 @@ class _Turn:
             error=writer.error_type,
         )
         self.sink.emit(part.model_copy(update={"data": result.model_dump(mode="json")}))
-        return result
+        # A child that ended tells its parent; a parent whose child ended meanwhile
+        # goes on (docs/child-runs.md): within this call, after this turn's close.
+        followed = await follow_up(ChildRuns(self.env, drive_turn), writer, result)
+        return followed if followed is not None else result
 
 
 def _after_opening(lost: StaleWriteError) -> StaleWriteError:

@@ -16,11 +16,14 @@ from dataclasses import dataclass, field
 from typing import Any
 from uuid import UUID, uuid4, uuid5
 
+from pydantic import BaseModel
+
 from .._definitions.agents import Agent
+from .._definitions.flow_input import FlowInput, flow_input
 from .._definitions.flows import Flow
 from .._journal.keys import canonical_json, sha256_hex
 from .._journal.leases import Lease
-from .._journal.run import Run
+from .._journal.run import ParentLink, Run
 from .._journal.spending import Prices
 from .._journal.store import RunStore
 from ..errors import (
@@ -51,6 +54,7 @@ __all__ = [
     "conversation_run_id",
     "drifted_run",
     "load_run",
+    "new_flow_run",
 ]
 
 #: Namespace of conversation run ids (one run per session).
@@ -167,13 +171,28 @@ def _user_message(text: str | None) -> Message | None:
     return Message(role="user", content=text) if text else None
 
 
+def new_flow_run(
+    start: FlowInput, idempotency_key: str | None, parent: ParentLink | None = None
+) -> Opening:
+    """The opening of a new flow run started with ``start`` (a child's with its ``parent``)."""
+    return _NewRun(_user_message(start.text), idempotency_key, given=start.data, parent=parent)
+
+
 @dataclass
 class _NewRun(Opening):
     message: Message | None
     idempotency_key: str | None
     enters: tuple[Agent, Flow] | None = None
+    #: A typed flow's validated input (``ctx.input``), saved with the creation.
+    given: dict[str, Any] | None = None
+    #: The run that starts this one, for a child run (docs/child-runs.md).
+    parent: ParentLink | None = None
 
     async def open(self, writer: RunWriter, env: TurnEnv) -> None:
+        if self.parent is not None:
+            writer.link_parent(self.parent)
+        if self.given is not None:
+            writer.give_input(self.given)
         writer.start_turn(0, self.message, self.idempotency_key)
         if writer.active_flow is not None:
             _, flow = env.registry.run_flow(
@@ -271,6 +290,12 @@ def _input_opening(run: Run, text: str, env: TurnEnv) -> Opening | None:
     if run.status == "paused" and wait is not None:
         if wait.kind == "input":
             return _AcceptInput(message)
+        if wait.kind == "child":
+            raise SignalMismatchError(
+                run.run_id,
+                f"run {run.run_id} waits for its child run {wait.child_run_id} to end, not "
+                "for input; look at the child run: its end resumes this run",
+            )
         raise SignalMismatchError(
             run.run_id,
             f"run {run.run_id} waits for {wait.name!r}, not for input; deliver that signal first",
@@ -341,7 +366,8 @@ class StartFlow(Command):
 
     session_id: str
     flow_name: str | None
-    input: str | None
+    #: Text, or for a typed flow a mapping, a JSON string or a model instance.
+    input: Any
     idempotency_key: str | None
 
     async def address(self, env: TurnEnv) -> tuple[Run, bool]:
@@ -349,6 +375,7 @@ class StartFlow(Command):
             msg = "kind='flow' needs flow_name, the name of one of the agents' flows"
             raise InvalidArgumentError(msg)
         agent, flow = env.registry.flow(self.flow_name)
+        flow_input(flow, self.input)  # refused here, before anything is read or written
         key = self.idempotency_key
         minted = flow_run_id(key)
         if key is not None:
@@ -362,13 +389,18 @@ class StartFlow(Command):
         return run, True
 
     def request(self) -> Any:
-        return {"start": self.flow_name, "session": self.session_id, "input": self.input}
+        given = self.input
+        if isinstance(given, BaseModel):
+            given = given.model_dump(mode="json")
+        return {"start": self.flow_name, "session": self.session_id, "input": given}
 
     def prepare(self, run: Run, fresh: bool, env: TurnEnv, held: Lease | None) -> Opening | None:
+        _, flow = env.registry.flow(str(self.flow_name))
+        start = flow_input(flow, self.input)
         if fresh:
-            return _NewRun(_user_message(self.input), self.idempotency_key)
-        if self.input is not None:
-            return _input_opening(run, self.input, env)
+            return new_flow_run(start, self.idempotency_key)
+        if start.text is not None:
+            return _input_opening(run, start.text, env)
         return _resume_opening(run, env)
 
     def won_elsewhere(self, latest: Run, fresh: bool, lease: Lease | None) -> bool:

@@ -51,7 +51,7 @@ from .._journal.json_data import encode_json
 from .._journal.leases import Lease, LeaseOp, LeaseRefused
 from .._journal.mail import receive_step, take_in_mail
 from .._journal.recorders import LeasingRecorder
-from .._journal.run import Run, StepData
+from .._journal.run import ParentLink, Run, StepData
 from .._journal.sites import Effect, Site
 from .._journal.spending import ModelUsage, Prices, total
 from .._journal.store import RunStore
@@ -281,6 +281,13 @@ class RunWriter:
         pass of the node replays until it has asked for that one."""
         return max((step["callsite"] for step in self._run.steps), default=None)
 
+    #: A typed flow's validated input as JSON data (``ctx.input``), if it was given one.
+    input = _OfRun[dict[str, Any] | None]()
+    #: The run that started this one (a child run), if any.
+    parent_link = _OfRun[ParentLink | None]()
+    #: The ids of the child runs this run started.
+    children = _OfRun[list[str]]()
+
     def state(self) -> dict[str, Any]:
         """A copy of the flow state bag, for a node to change."""
         return copy.deepcopy(self._run.state)
@@ -311,6 +318,14 @@ class RunWriter:
     ) -> None:
         """Move to ``node``; its effects count from ``callsite_base`` (saved with the next save)."""
         self._run.enter_node(flow, node, state, callsite_base)
+
+    def link_parent(self, link: ParentLink) -> None:
+        """Record the run that started this one (saved with the run's creation)."""
+        self._run.link_parent(link)
+
+    def give_input(self, data: dict[str, Any]) -> None:
+        """Record a typed flow's validated input (saved with the run's creation)."""
+        self._run.give_input(data)
 
     def take_lease(self) -> None:
         """Take the run's lease with the next save (refused: ``LeaseHeldError``)."""

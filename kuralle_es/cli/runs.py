@@ -170,7 +170,12 @@ def _add_runs_start(runs_sub: SubParsers) -> None:
         "--session", required=True, metavar="ID", help="the session the run belongs to"
     )
     start.add_argument(
-        "--input", metavar="TEXT", help="the user's first message; - reads it from stdin"
+        "--input",
+        metavar="TEXT",
+        help=(
+            "the user's first message; for a flow with typed input (define_flow(..., "
+            "input=Model)) a JSON object that Model validates; - reads it from stdin"
+        ),
     )
     start.add_argument(
         "--idempotency-key",

@@ -188,6 +188,8 @@ _RULES: Mapping[type[stored.Event], _Rule | None] = stored.dispatch(
     skipped=(
         stored.InboundKeyRecorded,
         stored.Forked,  # the fork's RunOpened and its copied steps say it
+        stored.ParentLinked,  # on RunState (parent); the parent's child step says it
+        stored.FlowInputGiven,  # saved with the RunOpened; node code reads it
         stored.NodeEntered,
         stored.MessageAppended,
         stored.RetryAllowed,  # the attempt it allows is a StepStarted

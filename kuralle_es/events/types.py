@@ -103,7 +103,7 @@ class StepStarted(_Event):
     key: str
     kind: Literal[
         "tool", "approval", "signal", "now", "uuid", "model", "timer", "publish", "receive",
-        "value",
+        "value", "child",
     ]
     name: str
     attempt: int

@@ -30,7 +30,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from .._journal.json_data import encode_json, max_payload_bytes
-from .._journal.wait import INPUT, TIMER
+from .._journal.wait import CHILD, INPUT, TIMER
 from .._runtime.deliveries import approval_delivery
 from .._runtime.handle import TurnHandle
 from .._runtime.input_checks import MAX_ID_LENGTH
@@ -64,6 +64,10 @@ BODY_SLACK_BYTES = 64 * 1024
 _NOT_SIGNALS = {
     INPUT: f"{INPUT!r} is a collect node's wait for input: POST the text to /input instead",
     TIMER: f"{TIMER!r} is a durable sleep's wait: the sweeper wakes it (kuralle-es worker)",
+    CHILD: (
+        f"{CHILD!r} is a parent run's wait for its child run: it resumes when the child "
+        "ends; look at the child run (waiting_for.child_run_id)"
+    ),
 }
 
 

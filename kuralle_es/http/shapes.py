@@ -76,7 +76,13 @@ class StartRun(_Body):
 
     session_id: Id = Field(description="the session the run belongs to")
     flow: str = Field(description="the name of a flow of the server's agents")
-    input: str | None = Field(default=None, description="the user's first message, if any")
+    input: str | dict[str, Any] | None = Field(
+        default=None,
+        description=(
+            "the user's first message, if any; for a flow defined with typed input "
+            "(define_flow(..., input=Model)) an object validated against that model"
+        ),
+    )
 
 
 class Signal(_Body):

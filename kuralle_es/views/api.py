@@ -123,6 +123,12 @@ class RunViews:
         """Paused runs (waiting for an approval, a signal, input or a timer), oldest first."""
         return await self._runs(RunQuery(status="paused", order="oldest"))
 
+    async def child_waits(self) -> list[RunSummary]:
+        """Paused runs waiting for a child run to end (``waiting_for.kind == "child"``),
+        oldest first: what ``recover_orphaned_runs`` checks, for a child whose end
+        nobody handed to its parent (docs/child-runs.md)."""
+        return await self._runs(RunQuery(status="paused", wait_kind="child", order="oldest"))
+
     async def orphaned_runs(self, now: datetime | None = None) -> list[RunSummary]:
         """Running runs whose lease expired before ``now``: their worker is gone."""
         at = as_utc(now) if now is not None else _utcnow()

@@ -47,7 +47,8 @@ class RunRow:
     ``agent`` is the run's agent now (``Created``, then each ``Finished``: a
     handoff changes it). ``flow_version`` is the version label of the flow
     definition the run is pinned to (``Created``, ``FlowPinned``); like
-    ``flow`` it stays set when the run ends.
+    ``flow`` it stays set when the run ends. ``parent_run_id`` and
+    ``parent_step`` say which run (and its step) started a child run.
     """
 
     run_id: str
@@ -67,6 +68,8 @@ class RunRow:
     event_count: int
     agent: str | None
     flow_version: str | None
+    parent_run_id: str | None = None
+    parent_step: int | None = None
 
     @property
     def wait_kind(self) -> str | None:
@@ -226,6 +229,10 @@ def _finished(run: RunRow, e: stored.Finished, step: StepLookup) -> tuple[RunRow
     ), None
 
 
+def _parent_linked(run: RunRow, e: stored.ParentLinked, step: StepLookup) -> tuple[RunRow, None]:
+    return replace(run, parent_run_id=e.run_id, parent_step=e.step), None
+
+
 def _lease_taken(run: RunRow, e: stored.LeaseTaken, step: StepLookup) -> tuple[RunRow, None]:
     return replace(run, lease_holder=e.holder, lease_expires_at=as_utc(e.expires_at)), None
 
@@ -311,6 +318,7 @@ _HANDLERS: Mapping[type[stored.Event], _Handler | None] = stored.dispatch(
     {
         stored.TurnStarted: _set(status="running"),
         stored.NodeEntered: _node_entered,
+        stored.ParentLinked: _parent_linked,
         stored.FlowPinned: _flow_pinned,
         stored.StepIntended: _step_intended,
         stored.StepSucceeded: _on_step(_step_succeeded),
@@ -334,6 +342,7 @@ _HANDLERS: Mapping[type[stored.Event], _Handler | None] = stored.dispatch(
         stored.InboundKeyRecorded,
         stored.RunCreated,  # folded by ``_created``, the first event of every run
         stored.Forked,  # where a fork came from is on RunState, not a column of the list
+        stored.FlowInputGiven,  # what node code reads, not a column of the list
         stored.MessageAppended,
         stored.RetryAllowed,
         stored.Migrated,  # on RunState (migrated_to); its Aborted is saved with it

@@ -148,7 +148,7 @@ class PostgresViews(PostgresTrackingRecorder, ViewBackend):
                 "lease_holder text, lease_expires_at timestamptz, step_count int NOT NULL, "
                 "created_at timestamptz NOT NULL, updated_at timestamptz NOT NULL, "
                 "version bigint NOT NULL, event_count bigint NOT NULL, agent text, "
-                "flow_version text)"
+                "flow_version text, parent_run_id text, parent_step bigint)"
             ).format(self._runs),
             SQL(
                 "CREATE TABLE IF NOT EXISTS {0} ("

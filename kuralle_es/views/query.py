@@ -75,7 +75,7 @@ RUN_COLUMNS = (
     "run_id", "session_id", "kind", "status", "flow", "active_flow", "active_node",
     "waiting_for", "wait_kind", "wait_deadline", "lease_holder", "lease_expires_at",
     "step_count", "created_at", "updated_at", "version", "event_count", "agent",
-    "flow_version",
+    "flow_version", "parent_run_id", "parent_step",
 )  # fmt: skip
 STEP_COLUMNS = (
     "run_id", "idx", "kind", "name", "status", "started_at", "finished_at",
@@ -85,13 +85,18 @@ STEP_COLUMNS = (
 
 #: The generation of the view tables' shape and rows (see the module docstring).
 #: 1: 0.1.0. 2: runs and steps carry their agent, steps their model usage.
-#: 3: runs carry the version of their flow.
-VIEWS_GENERATION = 3
+#: 3: runs carry the version of their flow. 4: runs carry their parent run.
+VIEWS_GENERATION = 4
 
 #: Nullable columns added to a table after generation 1, by table ("runs",
 #: "steps"), with a type both SQLite and PostgreSQL read: what an upgrade adds.
 ADDED_COLUMNS: dict[str, tuple[tuple[str, str], ...]] = {
-    "runs": (("agent", "text"), ("flow_version", "text")),
+    "runs": (
+        ("agent", "text"),
+        ("flow_version", "text"),
+        ("parent_run_id", "text"),
+        ("parent_step", "bigint"),
+    ),
     "steps": (
         ("agent", "text"),
         ("input_tokens", "bigint"),
@@ -222,6 +227,7 @@ def run_values(row: RunRow, time: Callable[[datetime], Any]) -> tuple[Any, ...]:
         row.wait_kind, None if deadline is None else time(deadline), row.lease_holder,
         None if lease is None else time(lease), row.step_count, time(row.created_at),
         time(row.updated_at), row.version, row.event_count, row.agent, row.flow_version,
+        row.parent_run_id, row.parent_step,
     )  # fmt: skip
 
 

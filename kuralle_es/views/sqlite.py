@@ -97,7 +97,7 @@ class SQLiteViews(SQLiteCreateTableHook, TrackingRecorder, ViewBackend):
             "waiting_for TEXT, wait_kind TEXT, wait_deadline TEXT, lease_holder TEXT, "
             "lease_expires_at TEXT, step_count INTEGER NOT NULL, created_at TEXT NOT NULL, "
             "updated_at TEXT NOT NULL, version INTEGER NOT NULL, event_count INTEGER NOT NULL, "
-            "agent TEXT, flow_version TEXT)",
+            "agent TEXT, flow_version TEXT, parent_run_id TEXT, parent_step INTEGER)",
             f"CREATE TABLE IF NOT EXISTS {self.steps_table} ("
             "run_id TEXT NOT NULL, idx INTEGER NOT NULL, kind TEXT NOT NULL, name TEXT NOT NULL, "
             "status TEXT NOT NULL, started_at TEXT NOT NULL, finished_at TEXT, "

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
 
@@ -30,6 +30,9 @@ class RunSummary(RunHeader):
     #: The last flow the run was in: unlike ``active_flow`` it stays set when the
     #: run ends (None for a conversation that never entered a flow).
     flow: str | None = None
+    #: ``{"run_id": ..., "step": ...}`` for a child run: the run that started it and
+    #: that run's step index (docs/child-runs.md); None otherwise.
+    parent: dict[str, Any] | None = None
 
 
 class ToolStats(BaseModel):
@@ -64,6 +67,11 @@ def summary(row: RunRow) -> RunSummary:
         "updated_at": row.updated_at,
         "flow_version": row.flow_version,
         "flow": row.flow,
+        "parent": (
+            None
+            if row.parent_run_id is None
+            else {"run_id": row.parent_run_id, "step": row.parent_step}
+        ),
     }
     try:
         return RunSummary.model_validate(fields)

@@ -149,6 +149,12 @@ def format_timeline(
         lines.append(f"  forked from run {origin['run_id']} at step {origin['at_step']}")
     if state.migrated_to:
         lines.append(f"  migrated to run {state.migrated_to}")
+    if state.parent:
+        lines.append(
+            f"  child of run {state.parent['run_id']} (started by its step {state.parent['step']})"
+        )
+    if state.children:
+        lines.append(f"  children: {', '.join(state.children)}")
     if state.lease_holder:
         lines.append(f"  lease held by {state.lease_holder} until {_when(state.lease_expires_at)}")
     timed: list[tuple[datetime, int, str]] = [
@@ -168,6 +174,8 @@ def format_timeline(
             lines.append(f"    title: {wf.title}")
         if wf.deadline is not None:
             lines.append(f"    deadline: {_when(wf.deadline)} UTC")
+        if wf.child_run_id is not None:
+            lines.append(f"    until child run {wf.child_run_id} ends (kuralle-es runs show it)")
         if wf.operation is not None:
             lines.append(f"    operation: {wf.operation.tool_name} {_short(wf.operation.args)}")
     if state.outcome is not None:
