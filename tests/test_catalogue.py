@@ -165,4 +165,4 @@ def test_a_snapshot_of_0_1_0_or_earlier_gets_what_later_releases_count() -> None
 def test_a_snapshot_before_child_runs_holds_no_input_parent_or_children() -> None:
     state: dict[str, object] = {"inbound_keys": {}}
     aggregate.Run.upcast_v3_v4(state)
-    assert state == {"inbound_keys": {}, "input": None, "parent": None, "children": []}
+    assert (state["input"], state["parent"], state["children"]) == (None, None, [])
