@@ -11,6 +11,8 @@ of your own runs exactly once under crashes, is in docs/howto/testing.md:
 - ``ExactlyOnceLedger``: the external system's view, deduplicated by key.
 - ``drive_through_crash``: start a flow run on a store that dies, then resume
   it on fresh runtimes and stores until its turn ends.
+- ``TestClock``: a clock that moves only when the test says, for
+  ``Runtime(clock=...)``: timers and deadlines tested without waiting.
 - ``replay_check``: the live runs today's code could not resume (drift or
   non-determinism), found without executing anything; ``check_runs``: every
   live run of a store checked against an application (``kuralle-es check``).
@@ -23,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from ._clock import TestClock
 from ._crash import Crash
 from ._definitions.llm import ModelRequest, ModelResponse, as_response
 from ._journal import catalogue as stored
@@ -49,6 +52,7 @@ __all__ = [
     "ReplayFinding",
     "RunCheck",
     "ScriptedModel",
+    "TestClock",
     "check_runs",
     "crash_plans",
     "drive_through_crash",

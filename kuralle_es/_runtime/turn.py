@@ -140,6 +140,7 @@ class _Turn:
             lease_ttl=env.lease_ttl,
             inline_sleep_limit=env.inline_sleep_limit,
             prices=env.prices,
+            clock=env.clock,
         )
         try:
             return await self._open_and_drive(run, fresh, held, writer, opening, agent, flow)

@@ -44,6 +44,7 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, Generic, Never, NoReturn, TypeVar, overload
 from uuid import uuid4
 
+from .._clock import SYSTEM_CLOCK, Clock
 from .._definitions.budget import Budget
 from .._definitions.retry import NO_RETRY, RetryPolicy
 from .._definitions.tools import ToolExited
@@ -212,9 +213,12 @@ class RunWriter:
         lease_ttl: float,
         inline_sleep_limit: float = 1.0,
         prices: Prices | None = None,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self._store = store
         self._prices = prices
+        #: What this turn dates by (``Runtime(clock=)``); never a lease (the store's clock).
+        self.clock = clock
         self._run = run
         #: The run's id, made once: a run never changes its id, and the text of a
         #: UUID is made afresh on every read of ``Run.run_id``.
@@ -257,6 +261,10 @@ class RunWriter:
     flow_version = _OfRun[str | None]()
     status = _OfRun[RunStatus]()
     outcome = _OfRun[str | None]()
+
+    def now(self) -> datetime:
+        """The time by the runtime's clock (a ``TestClock`` in tests)."""
+        return self.clock.now()
 
     def state(self) -> dict[str, Any]:
         """A copy of the flow state bag, for a node to change."""
@@ -760,7 +768,7 @@ class RunWriter:
                 failures = self._run.step(index).get("failures", 0) + 1 - counted_from
                 if not retry.retries(exc, failures):
                     raise await self._record_failure(index, error) from exc
-                retry_at = utcnow() + timedelta(seconds=retry.delay(failures))
+                retry_at = self.now() + timedelta(seconds=retry.delay(failures))
 
                 def attempt_failed(
                     run: Run, at: datetime = retry_at, failure: StepError = error
@@ -779,7 +787,7 @@ class RunWriter:
         """Wait until the next attempt is due (the lease kept by the heartbeat
         meanwhile), then journal its start; a crash before that save resumes
         the wait, never the count."""
-        delay = (_as_utc(retry_at) - utcnow()).total_seconds()
+        delay = (_as_utc(retry_at) - self.now()).total_seconds()
         if delay > 0:
             await self.hold(delay)
         async with self._lock:
