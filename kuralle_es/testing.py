@@ -16,6 +16,8 @@ of your own runs exactly once under crashes, is in docs/howto/testing.md:
 - ``replay_check``: the live runs today's code could not resume (drift or
   non-determinism), found without executing anything; ``check_runs``: every
   live run of a store checked against an application (``kuralle-es check``).
+- ``replay_with``: a recorded run re-driven under new code or a new model,
+  executing nothing, as a ``Counterfactual`` (docs/howto/evaluating-models.md).
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ from ._journal import catalogue as stored
 from ._journal.leases import LeaseOp
 from ._journal.run import Run
 from ._journal.store import RunStore
+from ._operations.counterfactual import Counterfactual, ToolCallSummary
 from ._operations.replay_check import ReplayFinding, RunCheck, check_runs, replay_check
+from ._operations.replay_with import replay_with
 from ._runtime.runtime import Runtime
 from .errors import KuralleError
 from .shapes import ToolCall, TurnResult
@@ -45,6 +49,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BOUNDARIES",
     "Boundary",
+    "Counterfactual",
     "Crash",
     "CrashPlan",
     "CrashingStore",
@@ -53,10 +58,12 @@ __all__ = [
     "RunCheck",
     "ScriptedModel",
     "TestClock",
+    "ToolCallSummary",
     "check_runs",
     "crash_plans",
     "drive_through_crash",
     "replay_check",
+    "replay_with",
 ]
 
 Script = Sequence[ModelResponse | str] | Callable[[ModelRequest], ModelResponse | str]

@@ -34,6 +34,7 @@ from ..shapes import Message, SignalDelivery
 from . import deliveries
 from .fork import ForkPlan, plan_fork
 from .registry import Registry
+from .replay_source import ReplaySource
 from .writer import RunWriter
 
 __all__ = [
@@ -93,6 +94,8 @@ class TurnEnv:
     prices: Prices | None = None
     #: What the turn dates by (``Runtime(clock=...)``); a lease is the store's clock's.
     clock: Clock = SYSTEM_CLOCK
+    #: Recorded outcomes the turn reuses instead of executing (``replay_with`` only).
+    source: ReplaySource | None = None
 
 
 async def load_run(

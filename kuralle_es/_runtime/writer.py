@@ -80,6 +80,7 @@ from ..shapes import (
 )
 from .heartbeat import Heartbeat
 from .observability import traced_step, tracing_on
+from .replay_source import RecordedFailure, ReplaySource
 
 if TYPE_CHECKING:
     from .fork import ForkPlan
@@ -154,6 +155,8 @@ def _step_error(exc: Exception) -> StepError:
         )
     if isinstance(exc, ToolExited):
         return StepError(type=type(exc.raised).__name__, message=str(exc), data={})
+    if isinstance(exc, RecordedFailure):
+        return exc.error
     return StepError(type=type(exc).__name__, message=str(exc), data=error_fields(exc))
 
 
@@ -214,8 +217,11 @@ class RunWriter:
         inline_sleep_limit: float = 1.0,
         prices: Prices | None = None,
         clock: Clock = SYSTEM_CLOCK,
+        source: ReplaySource | None = None,
     ) -> None:
         self._store = store
+        #: Recorded outcomes a re-drive reuses instead of executing (``replay_with``).
+        self._source = source
         self._prices = prices
         #: What this turn dates by (``Runtime(clock=)``); never a lease (the store's clock).
         self.clock = clock
@@ -651,6 +657,9 @@ class RunWriter:
                             await on_running(step)
                         self._run.retry_step(index)
                     # else between attempts of a retried tool: not in doubt.
+                served = self._served(effect)
+            if served is not None:
+                execute, retry = served, NO_RETRY
             await self._save_intent()
             if retry_at is not None:
                 await self._next_attempt(index, retry_at)
@@ -706,7 +715,8 @@ class RunWriter:
                     done, result = _settled(step)
                     if done:
                         return result
-            value = make()
+            served = self._served(effect)
+            value = make() if served is None else await served()
             if inspect.isawaitable(value):
                 beating = self._heartbeat.enter()
                 try:
@@ -724,6 +734,20 @@ class RunWriter:
             return result
         finally:
             self._leave()
+
+    def _served(self, effect: Effect) -> Callable[[], Awaitable[Any]] | None:
+        """The recorded outcome of ``effect`` as its execution, when this writer
+        re-drives a recorded run and the recording holds it (docs/howto/evaluating-models.md)."""
+        served = self._source.serve(effect) if self._source is not None else None
+        if served is None:
+            return None
+
+        async def recorded() -> Any:
+            if served.error is not None:
+                raise RecordedFailure(served.error)
+            return served.result
+
+        return recorded
 
     def answer_in_doubt(self, index: int, answer: dict[str, Any]) -> None:
         """Apply a human's answer to a step left running: retry, resolve or fail.
