@@ -21,6 +21,7 @@ from pydantic import BaseModel
 
 from kuralle_es import (
     InvalidArgumentError,
+    RetryPolicy,
     RunStore,
     Runtime,
     SignalMismatchError,
@@ -219,3 +220,36 @@ async def test_a_clock_of_ones_own_with_now_dates_the_run() -> None:
     paused = await runtime.run(SESSION, kind="flow", flow_name="nap").result()
     assert paused.waiting_for is not None
     assert paused.waiting_for.deadline == datetime(2030, 5, 6, 8, 8, tzinfo=UTC)
+
+
+async def test_a_retrys_next_attempt_is_dated_by_the_clock(open_store: Any) -> None:
+    """A failed attempt journals when the next is due by the runtime's clock; the
+    backoff itself is waited out in real time (it is 0.05 s here)."""
+    attempts: list[int] = []
+
+    def flaky(args: NoArgs) -> dict[str, int]:
+        attempts.append(1)
+        if len(attempts) == 1:
+            raise ConnectionError("the bank hung up")
+        return {"attempt": len(attempts)}
+
+    async def work(state: dict[str, Any], ctx: Any) -> Any:
+        return end(str(await ctx.tool("flaky", {})))
+
+    retry = RetryPolicy(max_attempts=3, initial_interval=0.05)
+    agent = define_agent(
+        "retrier",
+        "",
+        None,
+        [define_tool("flaky", "", NoArgs, flaky, retry=retry)],
+        [define_flow("work", "", "work", [action("work", work)])],
+    )
+    store = open_store()
+    result = (
+        await Runtime([agent], store=store, clock=TestClock(START))
+        .run(SESSION, kind="flow", flow_name="work")
+        .result()
+    )
+    assert result.output == "{'attempt': 2}"
+    (failed,) = [e for e in store.run_events(result.run_id) if type(e).__name__ == "AttemptFailed"]
+    assert failed.retry_at == START + timedelta(seconds=0.05)

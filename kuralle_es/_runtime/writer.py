@@ -96,7 +96,6 @@ __all__ = [
     "decode",
     "frozen_error",
     "result_of",
-    "utcnow",
 ]
 
 
@@ -116,10 +115,6 @@ _UNRECORDABLE = "unrecordable_result"
 _TIMEOUT = "timeout"
 
 _T = TypeVar("_T")
-
-
-def utcnow() -> datetime:
-    return datetime.now(UTC)
 
 
 def result_of(run: Run, output: Any = None) -> TurnResult:
