@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, computed_field
 
 from .._journal.run import Run, StepData
 from .._journal.spending import ModelUsage, Prices, total
+from .._journal.wait import IN_DOUBT
 from ..shapes import StepError, Usage, WaitingFor
 
 __all__ = ["Counterfactual", "ToolCallSummary", "divergence", "tool_calls", "usage_of"]
@@ -104,6 +105,9 @@ class Counterfactual(BaseModel):
 
 def _end(c: Counterfactual, side: str) -> tuple[Any, ...]:
     wait: WaitingFor | None = getattr(c, f"waiting_for_{side}")
+    if wait is not None and wait.name == IN_DOUBT:
+        # A crash's question, not a decision: the re-drive stops at that step instead.
+        return ("running", None, None, None)
     where = None if wait is None else (wait.kind, wait.name, wait.callsite)
     return (
         getattr(c, f"status_{side}"),

@@ -4,10 +4,11 @@
 from outside the run, in the order it came: the first message (and the flow
 a conversation entered with it), input to ``collect`` waits, deliveries to
 approvals and signals, a conversation's later user turns, the re-drive of an
-errored run, and the budget a call gave the run. Everything else the run did
-(its steps, its own messages, node entries, waits, ends) the re-drive does again
-itself. Reading the stored events is one dispatch over the catalogue, so a
-new stored event must say here whether it is given from outside.
+errored run, the budget a call gave the run, and a stop from outside (a
+cancel, a migration, an abandon). Everything else the run did (its steps,
+its own messages, node entries, waits, ends) the re-drive does again itself.
+Reading the stored events is one dispatch over the catalogue, so a new
+stored event must say here whether it is given from outside.
 """
 
 from __future__ import annotations
@@ -28,10 +29,12 @@ __all__ = ["Given", "Recording", "read_recording"]
 class Given:
     """One thing the run was given from outside, at a turn's opening."""
 
-    kind: Literal["start", "turn", "input", "delivery", "resume"]
+    kind: Literal["start", "turn", "input", "delivery", "resume", "abort"]
     text: str | None = None
     #: The flow a conversation's turn entered (``runtime.run(..., flow_name=)``).
     flow: str | None = None
+    #: The outcome a stop from outside gave the run (``abort``).
+    outcome: str | None = None
     delivery: SignalDelivery | None = None
     #: The budget the call gave the run (``runtime.run(..., budget=)``), as stored.
     budget: dict[str, Any] | None = None
@@ -50,6 +53,8 @@ class Recording:
     given: deque[Given] = field(default_factory=deque)
     #: Whether the latest opening has started no step yet (a pin then belongs to it).
     opening: bool = False
+    #: A budget a call gave the run, saved before the opening it belongs to.
+    budget: dict[str, Any] | None = None
 
     @property
     def start(self) -> Given:
@@ -62,6 +67,7 @@ def _text(message: Mapping[str, Any] | None) -> str | None:
 
 
 def _given(recording: Recording, given: Given) -> None:
+    given.budget, recording.budget = recording.budget, None
     recording.given.append(given)
     recording.opening = True
 
@@ -107,8 +113,11 @@ def _resumed(r: Recording, e: stored.Resumed) -> None:
 
 
 def _budget_set(r: Recording, e: stored.BudgetSet) -> None:
-    if r.given:
-        r.given[-1].budget = e.budget
+    r.budget = e.budget  # saved before the opening of the call that gave it
+
+
+def _aborted(r: Recording, e: stored.Aborted) -> None:
+    _given(r, Given("abort", outcome=e.reason))
 
 
 def _step_intended(r: Recording, e: stored.StepIntended) -> None:
@@ -127,6 +136,7 @@ _READ: Mapping[type[stored.Event], Callable[[Recording, Any], None] | None] = st
         stored.DeliveryAccepted: _delivered,
         stored.Resumed: _resumed,
         stored.BudgetSet: _budget_set,
+        stored.Aborted: _aborted,
         stored.StepIntended: _step_intended,
     },
     skipped=(
@@ -144,8 +154,7 @@ _READ: Mapping[type[stored.Event], Callable[[Recording, Any], None] | None] = st
         stored.TimerFired,
         stored.Recovered,
         stored.BudgetRaised,
-        # Ends from outside and bookkeeping: nothing the run was given to decide on.
-        stored.Aborted,
+        # Bookkeeping: nothing the run was given to decide on.
         stored.Migrated,
         stored.TurnRecorded,
         stored.InboundKeyRecorded,

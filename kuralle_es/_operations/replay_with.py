@@ -57,7 +57,7 @@ from .._runtime.turn_calls import (
     Wake,
     load_run,
 )
-from .._runtime.writer import decode
+from .._runtime.writer import Abandon, change_run, decode
 from ..errors import InvalidArgumentError, KuralleError, RunNotFoundError
 from ..shapes import StepError, StreamPart
 from .counterfactual import Counterfactual, divergence, tool_calls, usage_of
@@ -224,6 +224,11 @@ class _Redrive:
             return (Wake(self.session_id, self.run_id, wait.request_id), Given("resume")), None
         if ahead is None:
             return None, None  # it stands where the recording stands, or ended
+        if ahead.kind == "abort":  # stopped from outside (a cancel): stopped here too
+            self.given.popleft()
+            stop = Abandon(_HOLDER, ahead.outcome or "aborted")
+            await change_run(self.env.store, self.run_id, self.session_id, stop)
+            return None, None
         command = self._opening(run, ahead)
         if command is None:
             where = f"waits for {wait.name!r}" if wait is not None else f"is {run.status}"
