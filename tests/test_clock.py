@@ -34,7 +34,7 @@ from kuralle_es import (
     recover_orphaned_runs,
     sweep_deadlines,
 )
-from kuralle_es.testing import TestClock
+from kuralle_es.testing import Crash, TestClock
 
 SESSION = "s-clock"
 START = datetime(2031, 3, 4, 9, 0, tzinfo=UTC)
@@ -253,3 +253,41 @@ async def test_a_retrys_next_attempt_is_dated_by_the_clock(open_store: Any) -> N
     assert result.output == "{'attempt': 2}"
     (failed,) = [e for e in store.run_events(result.run_id) if type(e).__name__ == "AttemptFailed"]
     assert failed.retry_at == START + timedelta(seconds=0.05)
+
+
+async def test_a_clock_standing_still_does_not_hide_an_orphan(open_store: Any) -> None:
+    """A worker dies mid-tool; its lease runs out in real time while the test clock
+    stands still: the recovery still finds the run (an orphan is a lease's matter),
+    and the tool runs again under its key."""
+    calls: list[str] = []
+
+    def dies_once(args: NoArgs, call: Any) -> dict[str, bool]:
+        calls.append(call.idempotency_key)
+        if len(calls) == 1:
+            raise Crash("the worker died inside the tool")
+        return {"ok": True}
+
+    async def work(state: dict[str, Any], ctx: Any) -> Any:
+        await ctx.tool("dies_once", {})
+        return end("done")
+
+    agent = define_agent(
+        "mortal",
+        "",
+        None,
+        [define_tool("dies_once", "", NoArgs, dies_once)],
+        [define_flow("work", "", "work", [action("work", work)])],
+    )
+    clock = TestClock()
+    dead = Runtime([agent], store=open_store(), holder="dead", lease_ttl=0.3, clock=clock)
+    handle = dead.run(SESSION, kind="flow", flow_name="work")
+    run_id = await handle.run_id
+    with pytest.raises(Crash):
+        await handle.result()
+    await asyncio.sleep(0.5)  # past the lease, by the store's clock; the test clock stands
+
+    sweeper = Runtime([agent], store=open_store(), holder="sweeper", clock=clock)
+    assert await recover_orphaned_runs(sweeper) == [run_id]
+    state = await sweeper.get_run(run_id, SESSION)
+    assert state is not None and state.status == "finished"
+    assert len(calls) == 2 and calls[0] == calls[1]

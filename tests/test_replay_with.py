@@ -165,6 +165,7 @@ async def test_a_model_that_asks_for_other_args_diverges_and_would_execute_witho
     chat = results["chat-large"]
     assert chat.diverged_at == 0
     assert [(c.name, c.args) for c in chat.would_execute] == [("charge", {"amount_cents": 60})]
+    assert chat.would_execute[0]["name"] == "charge"  # as a mapping too
     assert chat.tool_calls_before[0].args == {"amount_cents": 6000}
     assert chat.status_after == "running" and chat.note is not None
     # Cost: every run's model calls went to the cheaper model.

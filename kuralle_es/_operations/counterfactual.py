@@ -39,6 +39,12 @@ class ToolCallSummary(BaseModel):
     error: StepError | None = None
     would_execute: bool = False
 
+    def __getitem__(self, field: str) -> Any:
+        """``call["name"]`` as well as ``call.name``."""
+        if field not in type(self).model_fields:
+            raise KeyError(field)
+        return getattr(self, field)
+
 
 class Counterfactual(BaseModel):
     """A recorded run (``*_before``) beside its re-drive under new code or a new

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol, runtime_checkable
 
-from .._clock import FixedClock
+from .._clock import SYSTEM_CLOCK, FixedClock
 from .._durations import positive_seconds
 from .._runtime.handle import TurnSink
 from .._runtime.observability import LOGGER_NAME, log_event
@@ -149,10 +149,12 @@ async def _drive_all(
 async def recover_orphaned_runs(runtime: Runtime, now: datetime | None = None) -> list[str]:
     """Drive every orphan (a ``running`` run whose lease expired before ``now``) again.
 
-    ``now`` (the runtime's clock by default) only picks the candidates from
-    the views: whether a lease expired is the store's clock's to say, in the
-    take that opens each recovery, so a run whose lease is live by the
-    store's clock is never taken, however far ahead ``now`` is. Each orphan is
+    ``now`` only picks the candidates from the views; by default it is the
+    later of the runtime's clock and this machine's (a lease's expiry is
+    written by the store's clock, so a test clock standing still must not
+    hide a real orphan). Whether a lease expired is the store's clock's to
+    say, in the take that opens each recovery, so a run whose lease is live
+    by the store's clock is never taken, however far ahead ``now`` is. Each orphan is
     re-entered through the resume path with this runtime's holder as its new
     lease holder, and driven to its next pause or its end. A run another
     worker holds (``LeaseHeldError``), or that refuses (``FlowDriftError``,
@@ -160,6 +162,8 @@ async def recover_orphaned_runs(runtime: Runtime, now: datetime | None = None) -
     call drove.
     """
     env, at = _swept_at(runtime, now)
+    if now is None:
+        at = max(at, SYSTEM_CLOCK.now())
     orphans = await runtime.views.orphaned_runs(at)
     return await _drive_all(
         runtime,
