@@ -55,6 +55,8 @@ class Recording:
     opening: bool = False
     #: A budget a call gave the run, saved before the opening it belongs to.
     budget: dict[str, Any] | None = None
+    #: How many durable sleeps of the run were woken.
+    wakes: int = 0
 
     @property
     def start(self) -> Given:
@@ -120,6 +122,10 @@ def _aborted(r: Recording, e: stored.Aborted) -> None:
     _given(r, Given("abort", outcome=e.reason))
 
 
+def _woken(r: Recording, e: stored.TimerFired) -> None:
+    r.wakes += 1  # the re-drive wakes its own sleeps; this bounds how many
+
+
 def _step_intended(r: Recording, e: stored.StepIntended) -> None:
     r.opening = False
 
@@ -137,6 +143,7 @@ _READ: Mapping[type[stored.Event], Callable[[Recording, Any], None] | None] = st
         stored.Resumed: _resumed,
         stored.BudgetSet: _budget_set,
         stored.Aborted: _aborted,
+        stored.TimerFired: _woken,
         stored.StepIntended: _step_intended,
     },
     skipped=(
@@ -150,8 +157,7 @@ _READ: Mapping[type[stored.Event], Callable[[Recording, Any], None] | None] = st
         stored.Paused,
         stored.Finished,
         stored.Errored,
-        # A wake, a takeover, a raise: what the re-drive's own sweeps and deliveries do.
-        stored.TimerFired,
+        # A takeover, a raise: what the re-drive's own turns and deliveries do.
         stored.Recovered,
         stored.BudgetRaised,
         # Bookkeeping: nothing the run was given to decide on.

@@ -58,7 +58,7 @@ from .._runtime.turn_calls import (
     load_run,
 )
 from .._runtime.writer import Abandon, change_run, decode
-from ..errors import InvalidArgumentError, KuralleError, RunNotFoundError
+from ..errors import InvalidArgumentError, RunNotFoundError
 from ..shapes import StepError, StreamPart
 from .counterfactual import Counterfactual, divergence, tool_calls, usage_of
 from .dry_run import WouldExecute, stubbed
@@ -68,8 +68,9 @@ __all__ = ["replay_with"]
 
 #: The worker name of a re-drive's turns (on its scratch store only).
 _HOLDER = "kuralle-replay"
-#: How many turns one re-drive takes at most (a loop of recorded inputs ends sooner).
-_MAX_TURNS = 10_000
+#: How many turns a re-drive takes beyond the recording's own (new code that
+#: sleeps in a loop, woken at once each time, would never stop).
+_SPARE_TURNS = 50
 #: The actor of a deadline's deny (``recovery.DEADLINE_ACTOR``, which imports the runtime).
 _DEADLINE = "deadline"
 
@@ -187,13 +188,14 @@ class _Redrive:
         """Drive every turn; why the re-drive stopped before the recording's end, if it did."""
         command, given = self.first()
         opened = False
-        for _ in range(_MAX_TURNS):
+        turns = len(self.given) + self.recording.wakes + _SPARE_TURNS + 1
+        for _ in range(turns):
             budget = Budget.model_validate(given.budget) if given.budget else None
             try:
                 await drive_turn(self.env, command, _Quiet(), budget)
             except WouldExecute:
                 return "stopped at a tool call the recording does not hold (it would execute)"
-            except (KuralleError, Exception) as exc:
+            except Exception as exc:
                 run = await self.env.store.load_async(self.run_id)
                 if run is None and not opened:
                     raise  # the code given lacks the run's agent or flow: a refusal
@@ -204,7 +206,7 @@ class _Redrive:
             if step is None:
                 return note
             command, given = step
-        return f"stopped after {_MAX_TURNS} turns"
+        return f"stopped after {turns} turns, {_SPARE_TURNS} more than the recording took"
 
     async def next(self) -> tuple[tuple[Command, Given] | None, str | None]:
         """The next turn (and what opens it), or why there is none."""
@@ -253,12 +255,21 @@ class _Redrive:
         return None
 
 
+def _agents(agents: object) -> list[Agent]:
+    """The code to re-drive under: agents (one, or several); ``InvalidArgumentError`` else."""
+    given = [agents] if isinstance(agents, Agent) else agents
+    if not isinstance(given, Sequence) or not all(isinstance(a, Agent) for a in given):
+        msg = f"agents must be the application's agents (define_agent(...)), got {agents!r}"
+        raise InvalidArgumentError(msg)
+    return list(given)
+
+
 async def replay_with(
     store: RunStore,
     run_id: str,
     session_id: str,
     *,
-    agents: Sequence[Agent],
+    agents: Sequence[Agent] | Agent,
     model: Any = None,
     prices: Prices | None = None,
 ) -> Counterfactual:
@@ -276,6 +287,14 @@ async def replay_with(
     docs/howto/evaluating-models.md shows it on production runs.
     """
     checked_prices = validate_prices(prices)
+    agents = _agents(agents)
+    if model is not None and not (
+        hasattr(model, "id") and callable(getattr(model, "respond", None))
+    ):
+        msg = (
+            f"model must have an id and async respond(request) (the Model protocol), got {model!r}"
+        )
+        raise InvalidArgumentError(msg)
     history = await load_run(store, run_id, session_id, history=True)
     if history is None:
         raise RunNotFoundError(run_id, session_id)
