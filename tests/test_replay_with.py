@@ -15,6 +15,7 @@ the tool's call counter are what they were.
 from __future__ import annotations
 
 import dataclasses
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,10 @@ from kuralle_es import (
     RunStore,
     Runtime,
     ToolCallRequest,
+    action,
+    define_agent,
+    define_flow,
+    end,
     fire_timers,
     sweep_deadlines,
 )
@@ -227,3 +232,29 @@ async def test_an_unknown_run_a_foreign_one_and_a_fork_are_refused() -> None:
     fork = await runtime.fork(paused.run_id, "s-x", 0)
     with pytest.raises(InvalidArgumentError, match="fork"):
         await replay_with(store, fork.run_id, "s-x", agents=agents(None))
+
+
+async def test_new_code_that_sleeps_forever_is_stopped_after_a_bounded_number_of_turns() -> None:
+    async def once(state: dict[str, Any], ctx: Any) -> Any:
+        await ctx.sleep(timedelta(days=1))
+        return end("woke once")
+
+    async def forever(state: dict[str, Any], ctx: Any) -> Any:
+        while True:
+            await ctx.sleep(timedelta(days=1))
+
+    def app(node: Any) -> list[Any]:
+        flow = define_flow("nap", "", "n", [action("n", node)])
+        return [define_agent("sleeper", "", None, [], [flow])]
+
+    store, clock = RunStore.memory(), TestClock()
+    runtime = Runtime(app(once), store=store, clock=clock)
+    run = await runtime.run("s-nap", kind="flow", flow_name="nap").result()
+    clock.advance(days=2)
+    await fire_timers(runtime)
+
+    result = await replay_with(store, run.run_id, "s-nap", agents=app(forever))
+
+    assert result.outcome_before == "woke once" and result.status_after == "paused"
+    assert result.decided_differently and result.diverged_at == 1
+    assert result.note is not None and "more than the recording took" in result.note
