@@ -10,6 +10,12 @@ signals, model turns) goes through ``Journal.effect`` or
     recorded running (crash window)  -> execute again with the same key
     absent                           -> persist intent, execute, persist result or error
 
+A writer that re-drives a recording (``replay_with``) asks its
+``ReplaySource`` before executing an absent step: the recorded outcome under
+the same key stands in for the execution (``replay_source``). Every time a
+turn dates (a clock read, a wake time, a deadline, a retry's next attempt)
+comes from its clock (``Runtime(clock=)``), never a lease's.
+
 Once an effect has suspended the turn, the journal refuses every effect
 node code requests afterwards (``SuspendError`` again, on the first wait),
 and once the turn has ended it refuses every effect (``TurnClosedError``):
