@@ -11,9 +11,13 @@ of your own runs exactly once under crashes, is in docs/howto/testing.md:
 - ``ExactlyOnceLedger``: the external system's view, deduplicated by key.
 - ``drive_through_crash``: start a flow run on a store that dies, then resume
   it on fresh runtimes and stores until its turn ends.
+- ``TestClock``: a clock that moves only when the test says, for
+  ``Runtime(clock=...)``: timers and deadlines tested without waiting.
 - ``replay_check``: the live runs today's code could not resume (drift or
   non-determinism), found without executing anything; ``check_runs``: every
   live run of a store checked against an application (``kuralle-es check``).
+- ``replay_with``: a recorded run re-driven under new code or a new model,
+  executing nothing, as a ``Counterfactual`` (docs/howto/evaluating-models.md).
 """
 
 from __future__ import annotations
@@ -23,13 +27,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from ._clock import TestClock
 from ._crash import Crash
 from ._definitions.llm import ModelRequest, ModelResponse, as_response
 from ._journal import catalogue as stored
 from ._journal.leases import LeaseOp
 from ._journal.run import Run
 from ._journal.store import RunStore
+from ._operations.counterfactual import Counterfactual, ToolCallSummary
 from ._operations.replay_check import ReplayFinding, RunCheck, check_runs, replay_check
+from ._operations.replay_with import replay_with
 from ._runtime.runtime import Runtime
 from .errors import KuralleError
 from .shapes import ToolCall, TurnResult
@@ -42,6 +49,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BOUNDARIES",
     "Boundary",
+    "Counterfactual",
     "Crash",
     "CrashPlan",
     "CrashingStore",
@@ -49,10 +57,13 @@ __all__ = [
     "ReplayFinding",
     "RunCheck",
     "ScriptedModel",
+    "TestClock",
+    "ToolCallSummary",
     "check_runs",
     "crash_plans",
     "drive_through_crash",
     "replay_check",
+    "replay_with",
 ]
 
 Script = Sequence[ModelResponse | str] | Callable[[ModelRequest], ModelResponse | str]

@@ -18,6 +18,7 @@ from eventsourcing.utils import get_topic, resolve_topic
 
 from kuralle_es._journal import catalogue as stored
 from kuralle_es._journal import run as aggregate
+from kuralle_es._operations import recording
 from kuralle_es._runtime import fork
 from kuralle_es.events import translate
 from kuralle_es.views import fold, timeline
@@ -29,6 +30,7 @@ READERS = {
     "public events": translate._RULES,
     "timeline": timeline._READ,
     "fork": fork._WALK,
+    "replay": recording._READ,
 }
 
 #: The stored topics and class versions every store written so far may hold

@@ -52,3 +52,10 @@ def test_transitions_are_exported() -> None:
     assert isinstance(kuralle_es.goto("a"), kuralle_es.Goto)
     assert isinstance(kuralle_es.end("done"), kuralle_es.End)
     assert isinstance(kuralle_es.handoff("other"), kuralle_es.Handoff)
+
+
+def test_the_testing_kit_exports_the_clock_and_the_replay_of_the_contract() -> None:
+    for name in ("TestClock", "replay_with", "Counterfactual", "replay_check", "ScriptedModel"):
+        assert name in testing.__all__, name
+    assert inspect.signature(testing.replay_with).parameters["model"].default is None
+    assert inspect.signature(testing.TestClock).parameters["start"].default is None

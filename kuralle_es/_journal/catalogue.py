@@ -15,8 +15,9 @@ so far.
 The classes hold data only. Every reader of the journal is an exhaustive
 dispatch over ``RUN_EVENTS``: the aggregate's fold (``run``), the views
 (``views.fold``), the public events (``events.translate``), the timeline
-(``views.timeline``), fork (``_runtime.fork``) and the crash kit
-(``testing``) each handle or explicitly skip every class, and
+(``views.timeline``), fork (``_runtime.fork``), the re-drive of a recording
+(``_operations.recording``) and the crash kit (``testing``) each handle or
+explicitly skip every class, and
 ``tests/test_catalogue.py`` names any reader that forgot one.
 
 Class names differ from the public event types of ``kuralle_es.events``

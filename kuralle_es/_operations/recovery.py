@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import inspect
 import logging
 from collections.abc import Awaitable, Callable, Sequence
@@ -41,6 +42,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol, runtime_checkable
 
+from .._clock import SYSTEM_CLOCK, FixedClock
 from .._durations import positive_seconds
 from .._runtime.children import ChildEnded
 from .._runtime.handle import TurnSink
@@ -48,8 +50,7 @@ from .._runtime.observability import LOGGER_NAME, log_event
 from .._runtime.runtime import Runtime
 from .._runtime.suspensions import DEADLINE_DENY
 from .._runtime.turn import drive_turn
-from .._runtime.turn_calls import Command, Deliver, Recover, Wake
-from .._runtime.writer import utcnow
+from .._runtime.turn_calls import Command, Deliver, Recover, TurnEnv, Wake
 from ..errors import InvalidArgumentError
 from ..shapes import SignalDelivery, StreamPart
 from ..views import RunSummary
@@ -89,7 +90,18 @@ class _Watch(TurnSink):
             self.closed_as = part.type
 
 
-async def _drive(runtime: Runtime, command: Command, run_id: str, done: str, skipped: str) -> bool:
+def _swept_at(runtime: Runtime, now: datetime | None) -> tuple[TurnEnv, datetime]:
+    """What a sweep's turns run with, and the moment the sweep counts from: the
+    runtime's clock, or ``now`` when given (as a clock that reads ``now``)."""
+    if now is None:
+        return runtime.env, runtime.clock.now()
+    clock = FixedClock(now)
+    return dataclasses.replace(runtime.env, clock=clock), clock.at
+
+
+async def _drive(
+    runtime: Runtime, env: TurnEnv, command: Command, run_id: str, done: str, skipped: str
+) -> bool:
     """Drive one turn of ``command``; whether this sweeper drove the run to its next stop.
 
     A turn that found nothing to do (another sweeper was first) is quiet; a
@@ -98,7 +110,7 @@ async def _drive(runtime: Runtime, command: Command, run_id: str, done: str, ski
     sink = _Watch()
     error: Exception | None = None
     try:
-        await drive_turn(runtime.env, command, sink)
+        await drive_turn(env, command, sink)
     except Exception as exc:
         error = exc
     if sink.closed_as is None:
@@ -117,6 +129,7 @@ async def _drive(runtime: Runtime, command: Command, run_id: str, done: str, ski
 
 async def _drive_all(
     runtime: Runtime,
+    env: TurnEnv,
     found: Sequence[RunSummary],
     command: Callable[[RunSummary], Command | None],
     done: str,
@@ -130,7 +143,7 @@ async def _drive_all(
         if made is None:
             return False
         async with gate:
-            return await _drive(runtime, made, summary.run_id, done, skipped)
+            return await _drive(runtime, env, made, summary.run_id, done, skipped)
 
     driven = await asyncio.gather(*(one(s) for s in found))
     return [s.run_id for s, ok in zip(found, driven, strict=True) if ok]
@@ -140,10 +153,12 @@ async def _drive_all(
 async def recover_orphaned_runs(runtime: Runtime, now: datetime | None = None) -> list[str]:
     """Drive every orphan (a ``running`` run whose lease expired before ``now``) again.
 
-    ``now`` (this machine's time by default) only picks the candidates from
-    the views: whether a lease expired is the store's clock's to say, in the
-    take that opens each recovery, so a run whose lease is live by the
-    store's clock is never taken, however far ahead ``now`` is. Each orphan is
+    ``now`` only picks the candidates from the views; by default it is the
+    later of the runtime's clock and this machine's (a lease's expiry is
+    written by the store's clock, so a test clock standing still must not
+    hide a real orphan). Whether a lease expired is the store's clock's to
+    say, in the take that opens each recovery, so a run whose lease is live
+    by the store's clock is never taken, however far ahead ``now`` is. Each orphan is
     re-entered through the resume path with this runtime's holder as its new
     lease holder, and driven to its next pause or its end. A run another
     worker holds (``LeaseHeldError``), or that refuses (``FlowDriftError``,
@@ -153,9 +168,13 @@ async def recover_orphaned_runs(runtime: Runtime, now: datetime | None = None) -
     child's end (the process that ended the child died before it handed the
     end over) and goes on. Returns the ids of the runs this call drove.
     """
-    orphans = await runtime.views.orphaned_runs(now or utcnow())
+    env, at = _swept_at(runtime, now)
+    if now is None:
+        at = max(at, SYSTEM_CLOCK.now())
+    orphans = await runtime.views.orphaned_runs(at)
     recovered = await _drive_all(
         runtime,
+        env,
         orphans,
         lambda s: Recover(s.session_id, s.run_id),
         "run recovered",
@@ -163,7 +182,7 @@ async def recover_orphaned_runs(runtime: Runtime, now: datetime | None = None) -
     )
     parents = await runtime.views.child_waits()
     handed = await _drive_all(
-        runtime, parents, _child_end, "child end handed over", "hand-over skipped"
+        runtime, env, parents, _child_end, "child end handed over", "hand-over skipped"
     )
     return recovered + [run_id for run_id in handed if run_id not in recovered]
 
@@ -199,8 +218,9 @@ async def sweep_deadlines(runtime: Runtime, now: datetime | None = None) -> list
     Durable sleeps are skipped (``fire_timers`` wakes them). Returns the ids
     of the runs this call drove.
     """
-    expired = await runtime.views.expired_deadlines(now or utcnow())
-    return await _drive_all(runtime, expired, _deadline_deny, "run swept", "sweep skipped")
+    env, at = _swept_at(runtime, now)
+    expired = await runtime.views.expired_deadlines(at)
+    return await _drive_all(runtime, env, expired, _deadline_deny, "run swept", "sweep skipped")
 
 
 def _wake(summary: RunSummary) -> Command | None:
@@ -217,8 +237,9 @@ async def fire_timers(runtime: Runtime, now: datetime | None = None) -> list[str
     whoever else sweeps; the run re-executes its node, where ``ctx.sleep``
     now returns. Returns the ids of the runs this call drove.
     """
-    due = await runtime.views.due_timers(now or utcnow())
-    return await _drive_all(runtime, due, _wake, "timer fired", "wake skipped")
+    env, at = _swept_at(runtime, now)
+    due = await runtime.views.due_timers(at)
+    return await _drive_all(runtime, env, due, _wake, "timer fired", "wake skipped")
 
 
 # ---------------------------------------------------------------- the job

@@ -42,7 +42,7 @@ from .input_checks import check_name
 from .replay_logger import ReplayQuietLogger
 from .suspensions import Schemas, WaitRequest, approval_decision, is_deadline_deny, suspend
 from .tool_calls import run_tool
-from .writer import RunWriter, decode, utcnow
+from .writer import RunWriter, decode
 
 __all__ = ["RunContext", "TurnBound"]
 
@@ -247,7 +247,7 @@ class RunContext(TurnBound):
         deadline: datetime | timedelta | float | None = None,
     ) -> Coroutine[Any, Any, ApprovalDecision]:
         """Suspend until an ``__approval`` signal arrives; returns the decision."""
-        deadline_at(deadline, utcnow())  # refused now, not when awaited
+        deadline_at(deadline, self._writer.now())  # refused now, not when awaited
         self._admit("approval")
         return self._approve(title, description, deadline)
 
@@ -273,7 +273,7 @@ class RunContext(TurnBound):
         if not isinstance(name, str) or not name or name.startswith("__"):
             msg = f"signal name must be a non-empty string not starting with '__', got {name!r}"
             raise InvalidArgumentError(msg)
-        deadline_at(deadline, utcnow())  # refused now, not when awaited
+        deadline_at(deadline, self._writer.now())  # refused now, not when awaited
         self._admit(f"signal {name!r}")
         return self._signal(name, deadline, schema)
 
@@ -334,7 +334,7 @@ class RunContext(TurnBound):
         may catch: a timer that a message can cut short (docs/messages.md).
         """
         check_name(name, "message name")
-        deadline_at(deadline, utcnow())  # refused now, not when awaited
+        deadline_at(deadline, self._writer.now())  # refused now, not when awaited
         self._admit(f"receive {name!r}")
         return self._receive(name, deadline, schema)
 
@@ -422,10 +422,10 @@ class RunContext(TurnBound):
     async def _sleep_at(self, site: Site, seconds: float) -> None:
         recorded = await self._writer.record_value(
             Effect(site, "timer", "sleep", {"seconds": seconds}),
-            make=lambda: {"wake_at": (utcnow() + timedelta(seconds=seconds)).isoformat()},
+            make=lambda: {"wake_at": (self._writer.now() + timedelta(seconds=seconds)).isoformat()},
         )
         wake_at = datetime.fromisoformat(recorded["wake_at"])
-        left = (wake_at - utcnow()).total_seconds()
+        left = (wake_at - self._writer.now()).total_seconds()
         if left <= 0:
             return
         if left <= self._writer.inline_sleep_limit:
@@ -440,7 +440,7 @@ class RunContext(TurnBound):
         return self._now()
 
     async def _now(self) -> datetime:
-        value = await self._value("now", lambda: utcnow().isoformat())
+        value = await self._value("now", lambda: self._writer.now().isoformat())
         return datetime.fromisoformat(value)
 
     def uuid(self) -> Coroutine[Any, Any, str]:

@@ -10,6 +10,7 @@ it on within the sending call, like a signal delivery (docs/messages.md).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from .._journal.leases import Lease
@@ -17,7 +18,7 @@ from .._journal.run import Run
 from ..errors import RunNotFoundError, SignalMismatchError
 from .deliveries import validate_payload
 from .turn_calls import Command, Opening, TurnEnv, load_run, require_current_flow
-from .writer import RunWriter, utcnow
+from .writer import RunWriter
 
 __all__ = [
     "Mail",
@@ -62,15 +63,16 @@ def ended(run: Run, mail: Mail) -> SignalMismatchError | None:
     )
 
 
-def waits_in_receive(run: Run, name: str) -> bool:
-    """Whether the run is paused in a ``receive`` of ``name`` whose deadline has not passed."""
+def waits_in_receive(run: Run, name: str, now: datetime) -> bool:
+    """Whether the run is paused in a ``receive`` of ``name`` whose deadline has not
+    passed at ``now`` (the runtime's clock)."""
     wait = run.waiting
     return (
         run.status == "paused"
         and wait is not None
         and wait.kind == "message"
         and wait.name == name
-        and (wait.deadline is None or wait.deadline > utcnow())
+        and (wait.deadline is None or wait.deadline > now)
     )
 
 
@@ -119,7 +121,7 @@ class Send(Command):
         refusal = ended(run, self.mail)
         if refusal is not None:
             raise refusal
-        if not waits_in_receive(run, self.mail.name):
+        if not waits_in_receive(run, self.mail.name, env.clock.now()):
             raise NotWaiting
         require_current_flow(run, env.registry)
         wait = run.waiting

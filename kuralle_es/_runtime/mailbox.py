@@ -63,7 +63,7 @@ async def send_message(env: TurnEnv, run_id: str, session_id: str, mail: Mail) -
         refusal = ended(run, mail)
         if refusal is not None:
             raise refusal
-        if waits_in_receive(run, mail.name):
+        if waits_in_receive(run, mail.name, env.clock.now()):
             raise ReceiveWaits
 
     post = Post(mail.message_id, mail.name, payload, mail.actor, screen)

@@ -16,6 +16,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 from uuid import uuid4
 
+from .._clock import Clock, check_clock
 from .._definitions.agents import Agent
 from .._definitions.budget import Budget
 from .._definitions.flows import Flow
@@ -65,7 +66,13 @@ def _default_holder() -> str:
 
 
 class Runtime:
-    """Runs agents and flows durably over a ``RunStore``."""
+    """Runs agents and flows durably over a ``RunStore``.
+
+    ``clock`` (an object with ``now() -> datetime``; default this machine's,
+    in UTC) is what the runtime dates by, except leases: a test passes
+    ``kuralle_es.testing.TestClock()`` and moves time with ``advance``
+    (docs/howto/testing.md). ``InvalidArgumentError`` for a clock without ``now``.
+    """
 
     def __init__(
         self,
@@ -76,6 +83,7 @@ class Runtime:
         max_tool_concurrency: int = 8,
         inline_sleep_limit: float = 1.0,
         prices: Mapping[str, tuple[float, float]] | None = None,
+        clock: Clock | None = None,
     ) -> None:
         lease_ttl = positive_seconds(lease_ttl, "lease_ttl")
         inline_sleep_limit = positive_seconds(
@@ -92,6 +100,9 @@ class Runtime:
         self.inline_sleep_limit = inline_sleep_limit
         #: What 1,000 input and output tokens of each model cost (docs/usage.md).
         self.prices = validate_prices(prices)
+        #: What the runtime dates by: ``ctx.now()``, wake times, deadlines, retries
+        #: and what the sweeps count as due (a lease is the store's clock's).
+        self.clock = check_clock(clock)
         self._env = TurnEnv(
             registry=self._registry,
             store=self.store,
@@ -100,6 +111,7 @@ class Runtime:
             max_tool_concurrency=max_tool_concurrency,
             inline_sleep_limit=self.inline_sleep_limit,
             prices=self.prices,
+            clock=self.clock,
         )
 
     @property

@@ -150,6 +150,8 @@ class _Turn:
             lease_ttl=env.lease_ttl,
             inline_sleep_limit=env.inline_sleep_limit,
             prices=env.prices,
+            clock=env.clock,
+            source=env.source,
         )
         try:
             return await self._open_and_drive(run, fresh, held, writer, opening, agent, flow)

@@ -18,6 +18,7 @@ from uuid import UUID, uuid4, uuid5
 
 from pydantic import BaseModel
 
+from .._clock import SYSTEM_CLOCK, Clock
 from .._definitions.agents import Agent
 from .._definitions.flow_input import FlowInput, flow_input
 from .._definitions.flows import Flow
@@ -36,7 +37,8 @@ from ..shapes import Message, SignalDelivery
 from . import deliveries
 from .fork import ForkPlan, plan_fork
 from .registry import Registry
-from .writer import RunWriter, utcnow
+from .replay_source import ReplaySource
+from .writer import RunWriter
 
 __all__ = [
     "Command",
@@ -94,6 +96,10 @@ class TurnEnv:
     inline_sleep_limit: float = 1.0
     #: What 1,000 tokens of each model cost (``Runtime(prices=...)``), for budgets.
     prices: Prices | None = None
+    #: What the turn dates by (``Runtime(clock=...)``); a lease is the store's clock's.
+    clock: Clock = SYSTEM_CLOCK
+    #: Recorded outcomes the turn reuses instead of executing (``replay_with`` only).
+    source: ReplaySource | None = None
 
 
 async def load_run(
@@ -542,8 +548,9 @@ class Deliver(Command):
 
     def prepare(self, run: Run, fresh: bool, env: TurnEnv, held: Lease | None) -> Opening | None:
         require_current_flow(run, env.registry)
+        now = env.clock.now()
         payload = deliveries.check(
-            run, self.delivery, utcnow(), env.registry.schemas, from_sweeper=self.from_sweeper
+            run, self.delivery, now, env.registry.schemas, from_sweeper=self.from_sweeper
         )
         return _AcceptDelivery(self.delivery, payload)
 
@@ -615,7 +622,7 @@ class Wake(_ForStoredRun):
             return None  # woken already, or never this timer
         require_current_flow(run, env.registry)
         wait = run.waiting
-        if wait is not None and wait.deadline is not None and wait.deadline > utcnow():
+        if wait is not None and wait.deadline is not None and wait.deadline > env.clock.now():
             return None  # not due yet (a view ahead of this clock)
         return _TimerFired(self.request_id)
 

@@ -10,6 +10,12 @@ signals, model turns) goes through ``Journal.effect`` or
     recorded running (crash window)  -> execute again with the same key
     absent                           -> persist intent, execute, persist result or error
 
+A writer that re-drives a recording (``replay_with``) asks its
+``ReplaySource`` before executing an absent step: the recorded outcome under
+the same key stands in for the execution (``replay_source``). Every time a
+turn dates (a clock read, a wake time, a deadline, a retry's next attempt)
+comes from its clock (``Runtime(clock=)``), never a lease's.
+
 Once an effect has suspended the turn, the journal refuses every effect
 node code requests afterwards (``SuspendError`` again, on the first wait),
 and once the turn has ended it refuses every effect (``TurnClosedError``):
@@ -44,6 +50,7 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Never, NoReturn, TypeVar, overload
 from uuid import uuid4
 
+from .._clock import SYSTEM_CLOCK, Clock
 from .._definitions.budget import Budget
 from .._definitions.retry import NO_RETRY, RetryPolicy
 from .._definitions.tools import ToolExited
@@ -80,6 +87,7 @@ from ..shapes import (
 )
 from .heartbeat import Heartbeat
 from .observability import traced_step, tracing_on
+from .replay_source import RecordedFailure, ReplaySource
 
 if TYPE_CHECKING:
     from .fork import ForkPlan
@@ -96,7 +104,6 @@ __all__ = [
     "decode",
     "frozen_error",
     "result_of",
-    "utcnow",
 ]
 
 
@@ -118,10 +125,6 @@ _TIMEOUT = "timeout"
 _MAIL_ROUNDS = 50
 
 _T = TypeVar("_T")
-
-
-def utcnow() -> datetime:
-    return datetime.now(UTC)
 
 
 def result_of(run: Run, output: Any = None) -> TurnResult:
@@ -157,6 +160,8 @@ def _step_error(exc: Exception) -> StepError:
         )
     if isinstance(exc, ToolExited):
         return StepError(type=type(exc.raised).__name__, message=str(exc), data={})
+    if isinstance(exc, RecordedFailure):
+        return exc.error
     return StepError(type=type(exc).__name__, message=str(exc), data=error_fields(exc))
 
 
@@ -216,9 +221,15 @@ class RunWriter:
         lease_ttl: float,
         inline_sleep_limit: float = 1.0,
         prices: Prices | None = None,
+        clock: Clock = SYSTEM_CLOCK,
+        source: ReplaySource | None = None,
     ) -> None:
         self._store = store
+        #: Recorded outcomes a re-drive reuses instead of executing (``replay_with``).
+        self._source = source
         self._prices = prices
+        #: What this turn dates by (``Runtime(clock=)``); never a lease (the store's clock).
+        self.clock = clock
         self._run = run
         #: The run's id, made once: a run never changes its id, and the text of a
         #: UUID is made afresh on every read of ``Run.run_id``.
@@ -287,6 +298,10 @@ class RunWriter:
     parent_link = _OfRun[ParentLink | None]()
     #: The ids of the child runs this run started.
     children = _OfRun[list[str]]()
+
+    def now(self) -> datetime:
+        """The time by the runtime's clock (a ``TestClock`` in tests)."""
+        return self.clock.now()
 
     def state(self) -> dict[str, Any]:
         """A copy of the flow state bag, for a node to change."""
@@ -806,6 +821,9 @@ class RunWriter:
                             await on_running(step)
                         self._run.retry_step(index)
                     # else between attempts of a retried tool: not in doubt.
+                served = self._served(effect)
+            if served is not None:
+                execute, retry = served, NO_RETRY
             await self._save_intent()
             if retry_at is not None:
                 await self._next_attempt(index, retry_at)
@@ -867,7 +885,8 @@ class RunWriter:
                     done, result = _settled(step)
                     if done:
                         return result
-            value = make()
+            served = self._served(effect)
+            value = make() if served is None else await served()
             if inspect.isawaitable(value):
                 beating = self._heartbeat.enter()
                 try:
@@ -886,6 +905,20 @@ class RunWriter:
             return result
         finally:
             self._leave()
+
+    def _served(self, effect: Effect) -> Callable[[], Awaitable[Any]] | None:
+        """The recorded outcome of ``effect`` as its execution, when this writer
+        re-drives a recorded run and the recording holds it (docs/howto/evaluating-models.md)."""
+        served = self._source.serve(effect) if self._source is not None else None
+        if served is None:
+            return None
+
+        async def recorded() -> Any:
+            if served.error is not None:
+                raise RecordedFailure(served.error)
+            return served.result
+
+        return recorded
 
     def answer_in_doubt(self, index: int, answer: dict[str, Any]) -> None:
         """Apply a human's answer to a step left running: retry, resolve or fail.
@@ -930,7 +963,7 @@ class RunWriter:
                 failures = self._run.step(index).get("failures", 0) + 1 - counted_from
                 if not retry.retries(exc, failures):
                     raise await self._record_failure(index, error) from exc
-                retry_at = utcnow() + timedelta(seconds=retry.delay(failures))
+                retry_at = self.now() + timedelta(seconds=retry.delay(failures))
 
                 def attempt_failed(
                     run: Run, at: datetime = retry_at, failure: StepError = error
@@ -949,7 +982,7 @@ class RunWriter:
         """Wait until the next attempt is due (the lease kept by the heartbeat
         meanwhile), then journal its start; a crash before that save resumes
         the wait, never the count."""
-        delay = (_as_utc(retry_at) - utcnow()).total_seconds()
+        delay = (_as_utc(retry_at) - self.now()).total_seconds()
         if delay > 0:
             await self.hold(delay)
         async with self._lock:

@@ -17,6 +17,7 @@ from typing import Any
 from .._definitions.agents import Agent
 from .._durations import positive_seconds
 from .._journal.run import Run
+from .._journal.spending import PRICES_ENV, prices_from_json
 from .._journal.store import RunStore
 from .._journal.store_url import (
     STORE_ENV,
@@ -317,3 +318,28 @@ def seconds_flag(zero_ok: bool = False) -> Callable[[str], float]:
             raise argparse.ArgumentTypeError(f"{e} (got {text!r})") from None
 
     return parse
+
+
+def add_prices(parser: argparse.ArgumentParser) -> None:
+    """``--prices JSON``: what a command that shows a cost prices tokens with."""
+    parser.add_argument(
+        "--prices",
+        metavar="JSON",
+        help=(
+            "model -> [input_per_1k, output_per_1k], e.g. '{\"gpt-4o-mini\": [0.00015, 0.0006]}' "
+            f"(env {PRICES_ENV}); without prices the cost is unknown"
+        ),
+    )
+
+
+def prices_from_args(args: argparse.Namespace) -> dict[str, tuple[float, float]] | None:
+    """The prices ``--prices`` (else ``KURALLE_PRICES``) gives, checked; None without."""
+    text, source = args.prices, "--prices"
+    if text is None:
+        text, source = os.environ.get(PRICES_ENV) or None, PRICES_ENV
+    if text is None:
+        return None
+    try:
+        return prices_from_json(text, source)
+    except InvalidArgumentError as e:
+        raise CliError(str(e)) from None

@@ -8,14 +8,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 from collections.abc import Sequence
 from datetime import datetime
 
-from .._journal.spending import PRICES_ENV, prices_from_json
+from .._journal.spending import PRICES_ENV
 from .._runtime.runtime import Runtime
-from ..errors import InvalidArgumentError
 from ..shapes import Usage
 from ..views import RunSummary, RunViews
 from ..views.timeline import format_timeline, read_deliveries
@@ -25,8 +23,10 @@ from .common import (
     act_on_run,
     add_command,
     add_fork_point,
+    add_prices,
     load_agents,
     open_store,
+    prices_from_args,
     print_result,
     result_text,
     stored_run,
@@ -222,27 +222,8 @@ def _add_runs_usage(runs_sub: SubParsers) -> None:
         metavar="ISO-8601",
         help="only steps started at or after this time (UTC if naive)",
     )
-    usage.add_argument(
-        "--prices",
-        metavar="JSON",
-        help=(
-            "model -> [input_per_1k, output_per_1k], e.g. '{\"gpt-4o-mini\": [0.00015, 0.0006]}' "
-            f"(env {PRICES_ENV}); without prices the cost is unknown"
-        ),
-    )
+    add_prices(usage)
     usage.add_argument("--json", action="store_true", help="one JSON object (the Usage fields)")
-
-
-def _usage_prices(args: argparse.Namespace) -> dict[str, tuple[float, float]] | None:
-    text, source = args.prices, "--prices"
-    if text is None:
-        text, source = os.environ.get(PRICES_ENV) or None, PRICES_ENV
-    if text is None:
-        return None
-    try:
-        return prices_from_json(text, source)
-    except InvalidArgumentError as e:
-        raise CliError(str(e)) from None
 
 
 def format_usage(usage: Usage) -> str:
@@ -263,7 +244,7 @@ def format_usage(usage: Usage) -> str:
 
 async def _runs_usage(args: argparse.Namespace) -> int:
     # Read-only: never imports --app; the sums come from the views, not the journals.
-    prices = _usage_prices(args)
+    prices = prices_from_args(args)
     if args.since is not None:
         try:
             datetime.fromisoformat(args.since)
