@@ -258,3 +258,23 @@ async def test_new_code_that_sleeps_forever_is_stopped_after_a_bounded_number_of
     assert result.outcome_before == "woke once" and result.status_after == "paused"
     assert result.decided_differently and result.diverged_at == 1
     assert result.note is not None and "more than the recording took" in result.note
+
+
+async def test_messages_a_run_received_are_sent_again_in_the_re_drive() -> None:
+    async def two(state: dict[str, Any], ctx: Any) -> Any:
+        first = await ctx.receive("note")
+        second = await ctx.receive("note")
+        return end(f"{first['n']}+{second['n']}")
+
+    flow = define_flow("notes", "", "n", [action("n", two)])
+    app = [define_agent("reader", "", None, [], [flow])]
+    store = RunStore.memory()
+    runtime = Runtime(app, store=store)
+    run = await runtime.run("s-notes", kind="flow", flow_name="notes").result()
+    await runtime.send(run.run_id, "s-notes", "note", {"n": 1}, message_id="m1")
+    await runtime.send(run.run_id, "s-notes", "note", {"n": 2}, message_id="m2")
+
+    result = await replay_with(store, run.run_id, "s-notes", agents=app)
+
+    assert result.outcome_before == result.outcome_after == "1+2"
+    assert result.diverged_at is None and not result.decided_differently

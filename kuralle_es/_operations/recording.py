@@ -3,8 +3,8 @@
 ``replay_with`` re-drives a run from its first turn, so it needs what came
 from outside the run, in the order it came: the first message (and the flow
 a conversation entered with it), input to ``collect`` waits, deliveries to
-approvals and signals, a conversation's later user turns, the re-drive of an
-errored run, the budget a call gave the run, and a stop from outside (a
+approvals and signals, messages sent to it, a conversation's later user turns,
+the re-drive of an errored run, the budget a call gave the run, and a stop from outside (a
 cancel, a migration, an abandon). Everything else the run did (its steps,
 its own messages, node entries, waits, ends) the re-drive does again itself.
 Reading the stored events is one dispatch over the catalogue, so a new
@@ -29,7 +29,7 @@ __all__ = ["Given", "Recording", "read_recording"]
 class Given:
     """One thing the run was given from outside, at a turn's opening."""
 
-    kind: Literal["start", "turn", "input", "delivery", "resume", "abort"]
+    kind: Literal["start", "turn", "input", "delivery", "resume", "abort", "message"]
     text: str | None = None
     #: The flow a conversation's turn entered (``runtime.run(..., flow_name=)``).
     flow: str | None = None
@@ -38,6 +38,9 @@ class Given:
     delivery: SignalDelivery | None = None
     #: The budget the call gave the run (``runtime.run(..., budget=)``), as stored.
     budget: dict[str, Any] | None = None
+    #: A message sent to the run (``runtime.send``): ``message_id``, ``name``,
+    #: ``payload``, ``actor``.
+    mail: dict[str, Any] | None = None
 
 
 @dataclass
@@ -110,6 +113,11 @@ def _delivered(r: Recording, e: stored.DeliveryAccepted) -> None:
     _given(r, Given("delivery", delivery=delivery))
 
 
+def _mail(r: Recording, e: stored.MailReceived) -> None:
+    mail = {"message_id": e.message_id, "name": e.name, "payload": e.payload, "actor": e.actor}
+    r.given.append(Given("message", mail=mail))  # not a turn's opening: no budget of its own
+
+
 def _resumed(r: Recording, e: stored.Resumed) -> None:
     _given(r, Given("resume"))
 
@@ -145,6 +153,7 @@ _READ: Mapping[type[stored.Event], Callable[[Recording, Any], None] | None] = st
         stored.Aborted: _aborted,
         stored.TimerFired: _woken,
         stored.StepIntended: _step_intended,
+        stored.MailReceived: _mail,
     },
     skipped=(
         # Done again by the re-drive itself (its own steps, messages, waits, ends).
@@ -160,6 +169,12 @@ _READ: Mapping[type[stored.Event], Callable[[Recording, Any], None] | None] = st
         # A takeover, a raise: what the re-drive's own turns and deliveries do.
         stored.Recovered,
         stored.BudgetRaised,
+        # A message waking a receive: what the re-drive's own send does.
+        stored.MailDelivered,
+        # A child's link to its parent, a typed flow's input (its start's first
+        # message holds the input as JSON, which the re-drive's start gives again).
+        stored.ParentLinked,
+        stored.FlowInputGiven,
         # Bookkeeping: nothing the run was given to decide on.
         stored.Migrated,
         stored.TurnRecorded,

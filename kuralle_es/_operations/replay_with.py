@@ -43,6 +43,8 @@ from .._journal.sites import Effect
 from .._journal.spending import Prices, validate_prices
 from .._journal.store import RunStore
 from .._runtime.handle import TurnSink
+from .._runtime.mail_calls import Mail
+from .._runtime.mailbox import send_message
 from .._runtime.registry import Registry
 from .._runtime.replay_source import Served
 from .._runtime.turn import drive_turn
@@ -224,6 +226,14 @@ class _Redrive:
             if wait.deadline is not None and wait.deadline > self.clock.now():
                 self.clock.set(wait.deadline)  # a sleep takes no time in a re-drive
             return (Wake(self.session_id, self.run_id, wait.request_id), Given("resume")), None
+        while ahead is not None and ahead.kind == "message" and ahead.mail is not None:
+            # A message goes to the mailbox (and wakes a receive waiting for it) as
+            # it did in the recording: a send of its own, which drives that turn.
+            self.given.popleft()
+            await send_message(self.env, self.run_id, self.session_id, Mail(**ahead.mail))
+            run = await self.env.store.load_async(self.run_id)
+            assert run is not None
+            wait, ahead = run.waiting, self.given[0] if self.given else None
         if ahead is None:
             return None, None  # it stands where the recording stands, or ended
         if ahead.kind == "abort":  # stopped from outside (a cancel): stopped here too
