@@ -13,6 +13,7 @@ from .common import (
     SubParsers,
     act_on_run,
     add_command,
+    add_driving_options,
     add_fork_point,
     load_agents,
     open_store,
@@ -40,6 +41,7 @@ def add_deploy(sub: SubParsers) -> None:
         "the live flow run to move",
         "the first step to execute afresh under the new definition: 0 to the step count",
     )
+    add_driving_options(migrate)
 
 
 def _check_line(check: RunCheck) -> str:
