@@ -3,8 +3,9 @@
 
 - ``desk`` (the first agent: what ``say`` talks to by default): a conversation
   whose model looks an order up with the ``lookup`` tool when the message
-  names one (``order 7``), then answers ``Order 7 is shipped.``; otherwise it
-  answers ``You said: <text>``.
+  names one (``order 7``), then answers ``Order 7 is shipped.``; asked to
+  ``refund order 7`` it calls ``refund_order``, which needs an approval; otherwise
+  it answers ``You said: <text>``.
 - ``pay`` (agent ``ops``): an approval, then ``charge`` (one JSON line per
   execution in ``OPS_LEDGER``), then a ``reply`` node's model turn, then a
   durable sleep of ``OPS_SLEEP`` seconds (default 0.5). While the file
@@ -85,17 +86,27 @@ def _model_is_down() -> None:
         raise ConnectionError("the model provider is down")
 
 
+def refund_order(args: Order) -> dict[str, Any]:
+    return {"refunded": args.order}
+
+
 def _desk_model(request: ModelRequest) -> ModelResponse | str:
     _model_is_down()
     last = request.messages[-1]
     if last.role == "tool":
-        return f"Order {json.loads(last.content or '{}').get('order')} is shipped."
+        result = json.loads(last.content or "{}")
+        if result.get("__denied"):
+            return "I could not refund that order."
+        if "refunded" in result:
+            return f"Order {result['refunded']} is refunded."
+        return f"Order {result.get('order')} is shipped."
     text = last.content or ""
-    order = re.search(r"order (\d+)", text)
+    order = re.search(r"(refund )?order (\d+)", text)
     if order:
-        return ModelResponse(
-            tool_calls=[ToolCallRequest(id="call-1", name="lookup", args={"order": int(order[1])})]
-        )
+        tool = "refund_order" if order[1] else "lookup"
+        call = ToolCallRequest(id=f"call-{len(request.messages)}", name=tool,
+                               args={"order": int(order[2])})  # fmt: skip
+        return ModelResponse(tool_calls=[call])
     return f"You said: {text}"
 
 
@@ -145,7 +156,12 @@ def build_agents() -> list[Agent]:
         "desk",
         "answers about orders",
         ScriptedModel(_desk_model, id="desk-model"),
-        [define_tool("lookup", "find an order", Order, lookup)],
+        [
+            define_tool("lookup", "find an order", Order, lookup),
+            define_tool(
+                "refund_order", "refund an order", Order, refund_order, needs_approval=True
+            ),
+        ],
         [],
     )
     ops = define_agent(
