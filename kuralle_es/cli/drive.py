@@ -117,12 +117,14 @@ def _show_turn(args: argparse.Namespace) -> Callable[[TurnResult], None]:
 
 # --------------------------------------------------------------------- say
 def reply_text(result: TurnResult) -> str:
-    """A conversation turn for a person: the reply, then what the run waits for (and
-    how to answer it) when it paused instead."""
+    """A conversation turn for a person: the reply, then what the run waits for when
+    it paused instead. A turn paused on anything but input said nothing new (the
+    result's output is still the last reply), so only its wait is printed."""
     lines = []
-    if result.output is not None:
-        lines.append(result.output if isinstance(result.output, str) else json.dumps(result.output))
     wait = result.waiting_for
+    asks = result.status != "paused" or (wait is not None and wait.kind == "input")
+    if result.output is not None and asks:
+        lines.append(result.output if isinstance(result.output, str) else json.dumps(result.output))
     if result.status == "paused" and wait is not None:
         what = f"{wait.kind} {wait.name}" + (f": {wait.title}" if wait.title else "")
         lines.append(f"(run {result.run_id} paused, waiting for {what})")
