@@ -16,6 +16,7 @@ pages never import the user's app.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import sys
 from collections.abc import Awaitable, Callable, Iterable
@@ -71,6 +72,7 @@ from .timeline import compact_json, pretty_json, timeline_rows
 __all__ = ["REFRESH_SECONDS", "RuntimeFactory", "check_bind", "create_app", "serve"]
 
 RuntimeFactory = Callable[[RunStore], Runtime]
+logger = logging.getLogger("kuralle_es.dashboard")
 Handler = Callable[[Request], Awaitable[Response]]
 REFRESH_SECONDS = 5
 _FAILED_LOGIN_PAUSE = 0.5
@@ -361,6 +363,8 @@ class _Dashboard:
         except Exception as error:  # the user's app failed to load: say so, keep serving
             detail = f"The dashboard could not build its runtime: {type(error).__name__}: {error}"
             return self.problem(request, 503, "Cannot act on runs", detail)
+        # The journal keeps no actor for some actions (input, resume, drift): the log does.
+        logger.info("dashboard %s run=%s operator=%s", name, run_id, operator.name)
         try:
             await perform(runtime, run, name, operator.name, fields)
         except ActionRefused as error:
