@@ -27,12 +27,15 @@ from http_kit import (
     Server,
     StoreHead,
     clean_env,
+    module_store_url,
     start_server,
 )
 from procs.http_app import ledger_lines
 
 from kuralle_es import RunState, RunStore, RunSummary, StepRecord, TurnResult
 from kuralle_es._journal.leases import LeaseOp
+
+__all__ = ["module_store_url"]  # a fixture, from http_kit
 
 #: The servers' payload bound (``KURALLE_MAX_PAYLOAD_BYTES``): small, so 413 is cheap to reach.
 PAYLOAD_LIMIT = 4096
