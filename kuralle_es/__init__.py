@@ -42,6 +42,7 @@ from ._operations.recovery import (
     create_sweep_job_runner,
     fire_timers,
     recover_orphaned_runs,
+    resume_in_doubt_runs,
     start_run_sweeper,
     sweep_deadlines,
 )
@@ -176,6 +177,7 @@ __all__ = [
     "openai_model",
     "recover_orphaned_runs",
     "reply",
+    "resume_in_doubt_runs",
     "start_run_sweeper",
     "sweep_deadlines",
 ]

@@ -228,8 +228,10 @@ class FlowDriftError(_FieldsError):
     def _message(self) -> str:
         return (
             f"run {self.run_id!r} was started with flow digest {self.pinned} but the flow is "
-            f"now {self.current}; call runtime.resolve_drift(run_id, session_id, one of "
-            f"{list(self.recovery)!r})"
+            f"now {self.current}; settle it with one of {list(self.recovery)!r}: "
+            f"kuralle-es resolve-drift {self.run_id} {'|'.join(self.recovery)}, POST "
+            f"/api/runs/{self.run_id}/resolve-drift, or runtime.resolve_drift(run_id, "
+            "session_id, ...)"
         )
 
 

@@ -254,13 +254,22 @@ class Dashboard:
     """A real uvicorn server on a loopback port, in a thread, over its own store."""
 
     def __init__(
-        self, store: RunStore, token: str | None, refresh: int, prices: Any = None
+        self,
+        store: RunStore,
+        token: str | None,
+        refresh: int,
+        prices: Any = None,
+        make_agents: Callable[[], list[Any]] = agents,
+        **options: Any,
     ) -> None:
-        app = create_app(store, lambda s: Runtime(agents(), store=s), token=token,
-                         refresh_seconds=refresh, prices=prices)  # fmt: skip
+        app = create_app(store, lambda s: Runtime(make_agents(), store=s), token=token,
+                         refresh_seconds=refresh, prices=prices, **options)  # fmt: skip
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        config = uvicorn.Config(
+            app, host="127.0.0.1", port=self.port, log_level="warning",
+            timeout_graceful_shutdown=1,  # a page's live stream stays open
+        )  # fmt: skip
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
@@ -297,8 +306,10 @@ def ledger_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def serve(open_store: Any, ledger_path: Path) -> Iterator[Callable[..., Dashboard]]:
     started: list[Dashboard] = []
 
-    def start(token: str | None = TOKEN, refresh: int = 3600, prices: Any = None) -> Dashboard:
-        dashboard = Dashboard(open_store(), token, refresh, prices).start()
+    def start(
+        token: str | None = TOKEN, refresh: int = 3600, prices: Any = None, **options: Any
+    ) -> Dashboard:
+        dashboard = Dashboard(open_store(), token, refresh, prices, **options).start()
         started.append(dashboard)
         return dashboard
 
@@ -616,8 +627,9 @@ def test_pages_refresh_themselves(
     dashboard = serve(refresh=1)
     login(browser, dashboard)
     visit(browser, f"{dashboard.url}/runs/{paused.run_id}")
-    # The page reloads itself every second: an element found just before a reload
-    # is stale by the time its text is read, so each wait looks again.
+    # The page changes in place as the run does (its live stream; without a script
+    # it would reload itself every second): an element found just before a swap is
+    # stale by the time its text is read, so each wait looks again.
     until_text(browser, "run-status", "paused", seconds=2)
     maker.deliver(paused, "s-refresh", {"approved": True, "by": "sam"}, "__approval")
     until_text(browser, "run-status", "finished", seconds=15)

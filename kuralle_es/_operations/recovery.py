@@ -15,6 +15,10 @@ Something has to come back for a run when nobody else will:
 - a parent run paused for a child run that ended, whose end nobody handed
   to it (the process that ended the child died first), goes on
   (``recover_orphaned_runs``, docs/child-runs.md).
+- only when asked (``resume_in_doubt_runs``, off in the sweeper by default),
+  a run in ``error`` whose last step is in doubt (a model call that failed,
+  its answer never recorded) is resumed once it has been left alone a while:
+  the step runs again, what was recorded replays.
 
 Candidates come from the run views (``RunViews.orphaned_runs``,
 ``expired_deadlines``, ``due_timers``), never from a scan of the streams;
@@ -39,7 +43,7 @@ import inspect
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, Protocol, runtime_checkable
 
 from .._clock import SYSTEM_CLOCK, FixedClock
@@ -50,7 +54,7 @@ from .._runtime.observability import LOGGER_NAME, log_event
 from .._runtime.runtime import Runtime
 from .._runtime.suspensions import DEADLINE_DENY
 from .._runtime.turn import drive_turn
-from .._runtime.turn_calls import Command, Deliver, Recover, TurnEnv, Wake
+from .._runtime.turn_calls import Command, Deliver, Recover, ResumeInDoubt, TurnEnv, Wake
 from ..errors import InvalidArgumentError
 from ..shapes import SignalDelivery, StreamPart
 from ..views import RunSummary
@@ -64,6 +68,7 @@ __all__ = [
     "create_sweep_job_runner",
     "fire_timers",
     "recover_orphaned_runs",
+    "resume_in_doubt_runs",
     "start_run_sweeper",
     "sweep_deadlines",
 ]
@@ -242,44 +247,89 @@ async def fire_timers(runtime: Runtime, now: datetime | None = None) -> list[str
     return await _drive_all(runtime, env, due, _wake, "timer fired", "wake skipped")
 
 
+#: How long (seconds) a run in doubt is left alone before ``resume_in_doubt_runs``
+#: resumes it: a failure that lasts (a model provider down) costs one try per
+#: this long, not one per sweep pass.
+IN_DOUBT_IDLE = 60.0
+
+
+async def resume_in_doubt_runs(
+    runtime: Runtime, idle_for: float = IN_DOUBT_IDLE, now: datetime | None = None
+) -> list[str]:
+    """Resume every run in ``error`` whose last step is in doubt and that nothing
+    changed for ``idle_for`` seconds: ``runtime.run(session_id, run_id=...)``.
+
+    A step in doubt is one whose outcome was never recorded (a model call that
+    failed): the resume runs it again under the same key, replays everything
+    recorded before it, and drives the run to its next stop. Frozen errors stay
+    frozen; a run that errs again waits ``idle_for`` more. Why the sweeper does
+    not do this by default: the step's effect runs again without a human
+    looking (a paid model call, a tool whose outcome is unknown), and an error
+    that is not transient repeats every ``idle_for``. Returns the ids of the
+    runs this call drove.
+    """
+    idle_for = positive_seconds(idle_for, "idle_for", zero_ok=True)
+    env, at = _swept_at(runtime, now)
+    found = await runtime.views.in_doubt_runs(at - timedelta(seconds=idle_for))
+    return await _drive_all(
+        runtime,
+        env,
+        found,
+        lambda s: ResumeInDoubt(s.session_id, s.run_id),
+        "run resumed",
+        "resume skipped",
+    )
+
+
 # ---------------------------------------------------------------- the job
 @dataclass(frozen=True)
 class SweepReport:
-    """What one pass of the sweeper drove: run ids per sweep."""
+    """What one pass of the sweeper drove: run ids per sweep (``resumed``: runs in
+    doubt, when the job resumes them)."""
 
     recovered: list[str] = field(default_factory=list)
     swept: list[str] = field(default_factory=list)
     woken: list[str] = field(default_factory=list)
+    resumed: list[str] = field(default_factory=list)
 
     @property
     def driven(self) -> list[str]:
         """Every run the pass drove, in sweep order."""
-        return [*self.recovered, *self.swept, *self.woken]
+        return [*self.recovered, *self.swept, *self.woken, *self.resumed]
 
 
 class SweepJob:
-    """One pass of the three sweeps over a runtime's store, as an async callable.
+    """One pass of the sweeps over a runtime's store, as an async callable.
 
     ``await job()`` recovers orphans, then denies expired deadlines, then
-    fires due timers, and returns a ``SweepReport``.
+    fires due timers, then (with ``resume_in_doubt`` seconds) resumes the runs
+    in doubt left alone that long, and returns a ``SweepReport``.
     """
 
-    def __init__(self, runtime: Runtime) -> None:
+    def __init__(self, runtime: Runtime, resume_in_doubt: float | None = None) -> None:
         self.runtime = runtime
+        self.resume_in_doubt = resume_in_doubt
 
     async def __call__(self) -> SweepReport:
         recovered = await recover_orphaned_runs(self.runtime)
         swept = await sweep_deadlines(self.runtime)
         woken = await fire_timers(self.runtime)
-        return SweepReport(recovered, swept, woken)
+        resumed = []
+        if self.resume_in_doubt is not None:
+            resumed = await resume_in_doubt_runs(self.runtime, self.resume_in_doubt)
+        return SweepReport(recovered, swept, woken, resumed)
 
 
-def create_sweep_job_runner(runtime: Runtime) -> SweepJob:
-    """The recurring job of the sweeper: an async callable running the three sweeps."""
+def create_sweep_job_runner(runtime: Runtime, *, resume_in_doubt: float | None = None) -> SweepJob:
+    """The recurring job of the sweeper: an async callable running the three sweeps,
+    and ``resume_in_doubt_runs`` with that many seconds of ``idle_for`` when given
+    (None, the default: runs in doubt wait for a person; see that function)."""
     if not isinstance(runtime, Runtime):
         msg = f"create_sweep_job_runner takes a Runtime, got {type(runtime).__name__}"
         raise InvalidArgumentError(msg)
-    return SweepJob(runtime)
+    if resume_in_doubt is not None:
+        resume_in_doubt = positive_seconds(resume_in_doubt, "resume_in_doubt", zero_ok=True)
+    return SweepJob(runtime, resume_in_doubt)
 
 
 # ------------------------------------------------------------ the sweeper

@@ -50,11 +50,13 @@ __all__ = [
     "Recover",
     "RestartFlow",
     "Resume",
+    "ResumeInDoubt",
     "StartFlow",
     "TurnEnv",
     "Wake",
     "conversation_run_id",
     "drifted_run",
+    "in_doubt",
     "load_run",
     "new_flow_run",
 ]
@@ -580,6 +582,30 @@ class Resume(_ForStoredRun):
 
     def prepare(self, run: Run, fresh: bool, env: TurnEnv, held: Lease | None) -> Opening | None:
         return _resume_opening(run, env)
+
+
+def in_doubt(run: Run) -> bool:
+    """Whether the run is in ``error`` with its last step left ``running``: the
+    effect's outcome was never recorded (a model call that failed), so a resume
+    runs it again rather than replaying a frozen error."""
+    return run.status == "error" and bool(run.steps) and run.steps[-1]["status"] == "running"
+
+
+@dataclass(frozen=True)
+class ResumeInDoubt(_ForStoredRun):
+    """A sweeper re-drives a run in ``error`` whose last step is in doubt.
+
+    A run that is no longer so when it is loaded (resumed by someone else,
+    errored again on a frozen error, cancelled) is left alone.
+    """
+
+    idempotency_key: str | None = None
+
+    def prepare(self, run: Run, fresh: bool, env: TurnEnv, held: Lease | None) -> Opening | None:
+        return _resume_opening(run, env) if in_doubt(run) else None
+
+    def won_elsewhere(self, latest: Run, fresh: bool, lease: Lease | None) -> bool:
+        return not in_doubt(latest)
 
 
 @dataclass(frozen=True)

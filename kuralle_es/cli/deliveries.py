@@ -13,16 +13,16 @@ from pathlib import Path
 from typing import Any
 
 from .._runtime.runtime import Runtime
-from ..errors import KuralleError
 from ..shapes import TurnResult
 from .common import (
     CliError,
     Handler,
     RunAct,
     SubParsers,
-    TurnFailed,
     act_on_run,
     add_command,
+    add_driving_options,
+    turn_of,
 )
 
 
@@ -32,6 +32,7 @@ def _delivery_command(
     """A command that delivers to a paused run, named by its first argument."""
     parser = add_command(sub, name, help, handler)
     parser.add_argument("run_id", metavar="RUN_ID", help="the paused run's id")
+    add_driving_options(parser)
     return parser
 
 
@@ -86,15 +87,7 @@ async def _deliver(args: argparse.Namespace, act: RunAct) -> int:
     what the turn ended in, where a refusal or frozen error raises as itself."""
 
     async def delivered(runtime: Runtime, session_id: str) -> TurnResult:
-        try:
-            return await act(runtime, session_id)
-        except KuralleError:
-            raise  # a refusal, or a frozen error: its class and message say it
-        except Exception as e:  # the resumed node raised: the run is saved as error
-            raise TurnFailed(
-                f"run {args.run_id}: the turn ended in error: {type(e).__name__}: {e} "
-                f"(kuralle-es runs show {args.run_id})"
-            ) from None
+        return await turn_of(args.run_id, act(runtime, session_id))
 
     return await act_on_run(args, delivered)
 

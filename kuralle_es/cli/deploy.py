@@ -14,6 +14,7 @@ from .common import (
     SubParsers,
     act_on_run,
     add_command,
+    add_driving_options,
     add_fork_point,
     add_prices,
     load_agents,
@@ -43,6 +44,7 @@ def add_deploy(sub: SubParsers) -> None:
         "the live flow run to move",
         "the first step to execute afresh under the new definition: 0 to the step count",
     )
+    add_driving_options(migrate)
     _add_replay(sub)
 
 

@@ -22,7 +22,7 @@ import os
 from collections.abc import Callable, Coroutine, Iterable
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, FastAPI, Header, Path, Query
+from fastapi import APIRouter, Body, Depends, FastAPI, Header, Path, Query
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -35,7 +35,8 @@ from .._runtime.deliveries import approval_delivery
 from .._runtime.handle import TurnHandle
 from .._runtime.input_checks import MAX_ID_LENGTH
 from .._runtime.runtime import Runtime
-from .._runtime.turn import result_of
+from .._runtime.turn import drive_turn, result_of
+from .._runtime.turn_calls import RestartFlow
 from .._serving import HostGate
 from ..errors import InvalidSignalError, PayloadTooLargeError
 from ..shapes import RunState, SignalDelivery, StepRecord, TurnResult
@@ -49,9 +50,12 @@ from .shapes import (
     ErrorBody,
     Input,
     ListQuery,
+    ResolveDrift,
+    Resume,
     SendMessage,
     Signal,
     StartRun,
+    Turn,
 )
 
 __all__ = ["BODY_SLACK_BYTES", "IDEMPOTENCY_HEADER", "create_app"]
@@ -333,6 +337,56 @@ async def cancel(runtime: Served, run_id: RunId, body: Cancel) -> RunState:
     return await runtime.cancel(run_id, await _session_of(runtime, run_id), body.reason)
 
 
+# ----------------------------------------------- conversations, resumes, drift
+SessionId = Annotated[
+    str,
+    Path(
+        description="the session whose conversation it is",
+        max_length=MAX_ID_LENGTH,
+        pattern=ID_PATTERN,
+    ),
+]
+
+
+@router.post("/api/sessions/{session_id}/turns", operation_id="say",
+             responses=_responses(409, 413),
+             summary=f"say: the user's next message in the session's conversation; {_TURN}",
+             )  # fmt: skip
+async def say(
+    runtime: Served, session_id: SessionId, body: Turn, key: InputKey = None
+) -> TurnResult:
+    handle = runtime.run(session_id, input=body.text, agent=body.agent, idempotency_key=key)
+    return await _turn(runtime, handle)
+
+
+@router.post(f"{_RUN}/resume", operation_id="resume", responses=_responses(404, 409),
+             summary="resume: drive an errored run again (recorded steps replay, a step in "
+             f"doubt runs again, frozen errors stay frozen); {_TURN}")  # fmt: skip
+async def resume(
+    runtime: Served, run_id: RunId, body: Annotated[Resume | None, Body()] = None
+) -> TurnResult:
+    session = await _session_of(runtime, run_id)
+    return await _turn(runtime, runtime.run(session, run_id=run_id))
+
+
+@router.post(f"{_RUN}/resolve-drift", operation_id="resolve_drift",
+             responses=_responses(404, 409),
+             summary="resolve drift: restart the run's flow under its current definition, or "
+             "abandon the run; its RunState after")  # fmt: skip
+async def resolve_drift(runtime: Served, run_id: RunId, body: ResolveDrift) -> RunState:
+    session = await _session_of(runtime, run_id)
+    if body.action == "abandon":
+        return await runtime.resolve_drift(run_id, session, "abandon")
+    # ``Runtime.resolve_drift``'s restart, through a handle: a node that raises has
+    # journaled its failure, and the answer is the run as it now stands.
+    restart = RestartFlow(session, run_id)
+    await _turn(runtime, TurnHandle(lambda sink: drive_turn(runtime.env, restart, sink)))
+    state = await runtime.get_run(run_id, session)
+    if state is None:  # pragma: no cover - the turn just saved it
+        raise unknown_run(run_id)
+    return state
+
+
 # HEAD on the reads, as Starlette serves it, left out of the document.
 for _read in [r for r in router.routes if isinstance(r, APIRoute) and "GET" in (r.methods or ())]:
     router.add_api_route(_read.path, _read.endpoint, methods=["HEAD"], include_in_schema=False)
@@ -374,8 +428,9 @@ def create_app(
         title="kuralle_es runs",
         version="1",
         description=(
-            "Start flow runs, read them, and deliver approvals, signals, input and "
-            "cancels to them, durably (docs/http.md)."
+            "Start flow runs and conversation turns, read runs, deliver approvals, signals, "
+            "input and cancels to them, resume errored runs and settle drifted ones, "
+            "durably (docs/http.md)."
         ),
         docs_url=None,
         redoc_url=None,

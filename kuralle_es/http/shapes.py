@@ -14,7 +14,7 @@ check again behind them. Responses are the library's own models
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -31,9 +31,12 @@ __all__ = [
     "ErrorBody",
     "Input",
     "ListQuery",
+    "ResolveDrift",
+    "Resume",
     "SendMessage",
     "Signal",
     "StartRun",
+    "Turn",
 ]
 
 #: An id as the doors accept it: no control character (C0, DEL, C1) and one
@@ -136,6 +139,38 @@ class Cancel(_Body):
 
     reason: Annotated[str, Field(pattern=TEXT_PATTERN)] = Field(
         description="why: the run's outcome becomes 'cancelled: <reason>'"
+    )
+
+
+class Turn(_Body):
+    """``POST /api/sessions/{session_id}/turns``: the user's next message in the session's
+    conversation (started on first use)."""
+
+    model_config = _example({"text": "Where is my order?", "agent": "support"})
+
+    text: str = Field(description="what the user says")
+    agent: Id | None = Field(
+        default=None,
+        description="the agent the conversation is with (default: the server's first); a "
+        "session keeps the agent it started with",
+    )
+
+
+class Resume(_Body):
+    """``POST /api/runs/{run_id}/resume``: drive an errored (or orphaned) run again; no
+    fields (``{}``)."""
+
+    model_config = _example({})
+
+
+class ResolveDrift(_Body):
+    """``POST /api/runs/{run_id}/resolve-drift``: settle a run whose flow changed."""
+
+    model_config = _example({"action": "restart"})
+
+    action: Literal["restart", "abandon"] = Field(
+        description="restart: re-pin the current definition and drive the flow from its "
+        "start; abandon: the run becomes aborted with outcome 'abandoned: flow drift'"
     )
 
 
