@@ -32,6 +32,7 @@ from ._definitions.llm import (
 from ._definitions.loops import ConversationLoop, LoopTurn
 from ._definitions.retry import RetryPolicy
 from ._definitions.tools import Tool, define_tool
+from ._journal.encryption import generate_cipher_key
 from ._journal.keys import idempotency_key
 from ._journal.store import RunStore
 from ._operations.recovery import (
@@ -46,11 +47,14 @@ from ._operations.recovery import (
     sweep_deadlines,
 )
 from ._runtime.context import RunContext
+from ._runtime.erasure import ErasureReport
 from ._runtime.handle import TurnHandle
+from ._runtime.retention import PruneReport
 from ._runtime.runtime import Runtime
 from .errors import (
     BudgetExceededError,
     DeadlineExpiredError,
+    EncryptionKeyError,
     FlowDriftError,
     FlowNotFoundError,
     IdempotencyConflictError,
@@ -76,6 +80,7 @@ from .errors import (
     UnknownToolError,
     UnrecordableValueError,
 )
+from .redaction import Redacted
 from .shapes import (
     ApprovalDecision,
     FrozenOperation,
@@ -99,7 +104,9 @@ __all__ = [
     "BudgetExceededError",
     "ConversationLoop",
     "DeadlineExpiredError",
+    "EncryptionKeyError",
     "End",
+    "ErasureReport",
     "Flow",
     "FlowDriftError",
     "FlowNotFoundError",
@@ -122,6 +129,8 @@ __all__ = [
     "NonDeterminismError",
     "OpenAIModel",
     "PayloadTooLargeError",
+    "PruneReport",
+    "Redacted",
     "RetryPolicy",
     "RunContext",
     "RunNotFoundError",
@@ -165,6 +174,7 @@ __all__ = [
     "define_tool",
     "end",
     "fire_timers",
+    "generate_cipher_key",
     "goto",
     "handoff",
     "idempotency_key",

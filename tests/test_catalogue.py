@@ -62,6 +62,7 @@ STORED = {
     "kuralle_es:Run.LeaseTaken": 1,
     "kuralle_es:Run.LeaseReleased": 1,
     "kuralle_es:Run.InboundKeyRecorded": 1,
+    "kuralle_es:Run.SubjectAssigned": 1,
     "kuralle_es:SessionRuns.Created": 1,
     "kuralle_es:SessionRuns.RunAdded": 1,
 }
@@ -150,3 +151,16 @@ def test_a_snapshot_of_0_1_0_or_earlier_gets_what_later_releases_count() -> None
     assert state["step_base"] == 0 and state["forked_from"] is None
     assert state["usage"] is None and state["budget"] is None and state["budget_raises"] == {}
     assert state["steps"] == [{"index": 0, "attempts": 1, "failures": 0, "retry_at": None}]
+
+
+
+def test_every_stored_class_declares_which_of_its_fields_are_payload() -> None:
+    """Erasure redacts what a class declares as payload (docs/privacy.md): a class
+    added without a declaration of its own would keep its user data readable."""
+    classes = (*stored.RUN_EVENTS, *stored.SESSION_EVENTS)
+    undeclared = [c.__name__ for c in (*classes, aggregate.Run) if "PAYLOAD" not in vars(c)]
+    assert undeclared == [], f"declare PAYLOAD (even ()) on {undeclared}"
+    for cls in classes:
+        fields = {name for klass in cls.__mro__ for name in getattr(klass, "__annotations__", {})}
+        unknown = [path for path in cls.PAYLOAD if path.split(".")[0] not in fields]
+        assert unknown == [], f"{cls.__name__} declares payload it has no field for: {unknown}"

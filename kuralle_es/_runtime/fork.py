@@ -57,6 +57,7 @@ from .._journal.keys import logical_run_id
 from .._journal.sites import Lane, Site, step_key
 from .._journal.wait import Wait
 from ..errors import InvalidArgumentError
+from ..redaction import Redacted
 
 __all__ = ["ForkPlan", "plan_fork"]
 
@@ -134,6 +135,12 @@ def _created(w: _Walk, e: stored.RunCreated) -> None:
 
 
 def _step_intended(w: _Walk, e: stored.StepIntended) -> None:
+    if isinstance(e.args, Redacted):
+        msg = (
+            f"cannot fork run {e.originator_id}: its subject was erased, so its recorded "
+            "steps cannot be replayed (docs/privacy.md)"
+        )
+        raise InvalidArgumentError(msg)
     original, fork = w.logical_runs()
     w.status[e.index] = "running"
     fields = _fields(e)
@@ -223,6 +230,7 @@ _WALK: Mapping[type[stored.Event], Callable[[_Walk, Any], None] | None] = stored
     skipped=(
         stored.InboundKeyRecorded,
         stored.Forked,  # the fork records its own origin
+        stored.SubjectAssigned,  # the fork belongs to the original's subject, its own event
         stored.TimerFired,
         stored.Resumed,
         stored.Recovered,

@@ -32,6 +32,7 @@ from .common import (
     stored_run,
     turn_result,
 )
+from .privacy import add_prune
 
 _COLUMNS = (
     "RUN_ID",
@@ -85,6 +86,7 @@ def add_runs(sub: SubParsers) -> None:
         "--into-session", metavar="ID", help="the fork's session (default: the run's)"
     )
     _add_runs_usage(runs_sub)
+    add_prune(runs_sub)
     _add_runs_start(runs_sub)
 
 

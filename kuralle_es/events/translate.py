@@ -30,6 +30,7 @@ from eventsourcing.persistence import Notification
 
 from .._journal import catalogue as stored
 from .._journal.log import RunLog
+from ..redaction import Redacted
 from .types import (
     EventError,
     EventWaitingFor,
@@ -100,7 +101,8 @@ def _step_retried(e: stored.AttemptStarted, ctx: _RunContext, base: _Base) -> Ru
 
 def _step_finished(e: stored.StepSucceeded, ctx: _RunContext, base: _Base) -> RunEvent:
     name = ctx.steps[e.index].name
-    return StepFinished(**base, index=e.index, name=name, result=json.loads(e.result_json))
+    result = e.result_json if isinstance(e.result_json, Redacted) else json.loads(e.result_json)
+    return StepFinished(**base, index=e.index, name=name, result=result)
 
 
 def _step_failed(e: stored.StepErrored, ctx: _RunContext, base: _Base) -> RunEvent:
@@ -181,6 +183,7 @@ _RULES: Mapping[type[stored.Event], _Rule | None] = stored.dispatch(
     skipped=(
         stored.InboundKeyRecorded,
         stored.Forked,  # the fork's RunOpened and its copied steps say it
+        stored.SubjectAssigned,  # whose data a run holds is not an event of the run
         stored.NodeEntered,
         stored.MessageAppended,
         stored.RetryAllowed,  # the attempt it allows is a StepStarted

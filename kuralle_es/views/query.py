@@ -67,6 +67,10 @@ class RunQuery:
     lease_expired_before: datetime | None = None
     deadline_before: datetime | None = None
     deadline_inclusive: bool = False
+    #: The run's data subject (its session id unless it was given one).
+    subject: str | None = None
+    #: Only rows last changed before this time (an ended run: when it ended).
+    updated_before: datetime | None = None
     order: Order = "recent"
     limit: int | None = None
 
@@ -75,7 +79,7 @@ RUN_COLUMNS = (
     "run_id", "session_id", "kind", "status", "flow", "active_flow", "active_node",
     "waiting_for", "wait_kind", "wait_deadline", "lease_holder", "lease_expires_at",
     "step_count", "created_at", "updated_at", "version", "event_count", "agent",
-    "flow_version",
+    "flow_version", "subject",
 )  # fmt: skip
 STEP_COLUMNS = (
     "run_id", "idx", "kind", "name", "status", "started_at", "finished_at",
@@ -85,13 +89,14 @@ STEP_COLUMNS = (
 
 #: The generation of the view tables' shape and rows (see the module docstring).
 #: 1: 0.1.0. 2: runs and steps carry their agent, steps their model usage.
-#: 3: runs carry the version of their flow.
-VIEWS_GENERATION = 3
+#: 3: runs carry the version of their flow. 4: runs carry their data subject,
+#: and a wait's payload sealed as the events hold it (docs/privacy.md).
+VIEWS_GENERATION = 4
 
 #: Nullable columns added to a table after generation 1, by table ("runs",
 #: "steps"), with a type both SQLite and PostgreSQL read: what an upgrade adds.
 ADDED_COLUMNS: dict[str, tuple[tuple[str, str], ...]] = {
-    "runs": (("agent", "text"), ("flow_version", "text")),
+    "runs": (("agent", "text"), ("flow_version", "text"), ("subject", "text")),
     "steps": (
         ("agent", "text"),
         ("input_tokens", "bigint"),
@@ -160,10 +165,12 @@ def sql_where(
         clauses.append(clause.replace("?", placeholder))
         params.extend(values)
 
-    for column in ("status", "session_id", "flow", "wait_kind"):
+    for column in ("status", "session_id", "flow", "wait_kind", "subject"):
         value = getattr(q, column)
         if value is not None:
             add(f"{column} = ?", value)
+    if q.updated_before is not None:
+        add("updated_at < ?", time(q.updated_before))
     if q.not_wait_kind is not None:
         add("(wait_kind IS NULL OR wait_kind <> ?)", q.not_wait_kind)
     if q.lease_expired_before is not None:
@@ -183,10 +190,12 @@ def sql_order(q: RunQuery, placeholder: str) -> tuple[str, list[Any]]:
 
 def matches(row: RunRow, q: RunQuery) -> bool:
     """Whether ``row`` answers ``q`` (the memory backend's WHERE)."""
-    for column in ("status", "session_id", "flow", "wait_kind"):
+    for column in ("status", "session_id", "flow", "wait_kind", "subject"):
         value = getattr(q, column)
         if value is not None and getattr(row, column) != value:
             return False
+    if q.updated_before is not None and not row.updated_at < q.updated_before:
+        return False
     if q.not_wait_kind is not None and row.wait_kind == q.not_wait_kind:
         return False
     if q.lease_expired_before is not None and (
@@ -222,6 +231,7 @@ def run_values(row: RunRow, time: Callable[[datetime], Any]) -> tuple[Any, ...]:
         row.wait_kind, None if deadline is None else time(deadline), row.lease_holder,
         None if lease is None else time(lease), row.step_count, time(row.created_at),
         time(row.updated_at), row.version, row.event_count, row.agent, row.flow_version,
+        row.subject,
     )  # fmt: skip
 
 
