@@ -233,3 +233,61 @@ async def test_prune_deletes_exactly_the_ended_runs_before_the_date_and_keeps_us
     assert len({(e.partition, e.position) for e in seen}) == len(seen)
 
     assert (await runtime.prune(cutoff - timedelta(days=1))).runs == []
+
+
+async def _said(runtime: Runtime, session: str) -> Any:
+    return await runtime.run(session_id=session, input=SECRET).result()
+
+
+def test_http_erases_a_subject_with_the_token_and_refuses_without(tmp_path: Path) -> None:
+    from fastapi.testclient import TestClient
+
+    from kuralle_es.http import create_app
+
+    runtime = Runtime(agents=[_agent([])], store=RunStore.sqlite(str(tmp_path / "r.db")))
+    try:
+        run = asyncio.run(_said(runtime, "s9"))
+        base = "http://127.0.0.1:8000"
+        readonly = TestClient(create_app(runtime, token=None), base_url=base)
+        refused = readonly.delete("/api/subjects/s9")
+        assert refused.status_code == 403
+        client = TestClient(create_app(runtime, token="t0k"), base_url=base)
+        headers = {"Authorization": "Bearer t0k"}
+        answer = client.delete("/api/subjects/s9", headers=headers)
+        assert answer.status_code == 200, answer.text
+        assert answer.json() == {"subject": "s9", "runs": [run.run_id], "aborted": [run.run_id]}
+        state = client.get(f"/api/runs/{run.run_id}", headers=headers).json()
+        assert state["messages"][0]["content"] == {"__redacted__": True}
+        assert state["outcome"] == "erased"
+    finally:
+        runtime.store.close()
+
+
+def test_the_cli_erases_and_prunes_and_says_one_line_for_a_wrong_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kuralle_es.cli import main
+
+    path = tmp_path / "r.db"
+    key = generate_cipher_key()
+    runtime = Runtime(agents=[_agent([])], store=RunStore.sqlite(str(path), cipher_key=key))
+    run = asyncio.run(_said(runtime, "s7"))
+    runtime.store.close()
+    store = f"sqlite:///{path}"
+
+    monkeypatch.delenv("KURALLE_CIPHER_KEY", raising=False)
+    assert main(["runs", "list", "--store", store]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "no cipher key" in err and "Traceback" not in err
+
+    monkeypatch.setenv("KURALLE_CIPHER_KEY", key)
+    assert main(["erase", "s7", "--store", store, "--json"]) == 0
+    assert run.run_id in capsys.readouterr().out
+    assert main(["runs", "show", run.run_id, "--store", store]) == 0
+    shown = capsys.readouterr().out
+    assert (SECRET not in shown and "[redacted]" in shown) or "erased" in shown
+    future = (datetime.now(UTC) + timedelta(minutes=1)).isoformat()
+    assert main(["runs", "prune", "--ended-before", future, "--store", store, "--json"]) == 0
+    assert run.run_id in capsys.readouterr().out
+    assert main(["runs", "list", "--store", store, "--json"]) == 0
+    assert capsys.readouterr().out.strip() == "[]"

@@ -124,9 +124,7 @@ class RunStore:
         cls, path: str, *, cipher_key: str | None = None, key_store: str | None = None
     ) -> Self:
         """A store in the SQLite file ``path`` (``cipher_key``, ``key_store``: see ``__init__``)."""
-        return cls(
-            env=SqliteAddress(Path(path)).env(), cipher_key=cipher_key, key_store=key_store
-        )
+        return cls(env=SqliteAddress(Path(path)).env(), cipher_key=cipher_key, key_store=key_store)
 
     @classmethod
     def postgres(

@@ -32,6 +32,7 @@ from starlette.responses import Response
 from .._journal.json_data import encode_json, max_payload_bytes
 from .._journal.wait import INPUT, TIMER
 from .._runtime.deliveries import approval_delivery
+from .._runtime.erasure import ErasureReport
 from .._runtime.handle import TurnHandle
 from .._runtime.input_checks import MAX_ID_LENGTH
 from .._runtime.runtime import Runtime
@@ -288,6 +289,17 @@ async def input(runtime: Served, run_id: RunId, body: Input, key: InputKey = Non
              )  # fmt: skip
 async def cancel(runtime: Served, run_id: RunId, body: Cancel) -> RunState:
     return await runtime.cancel(run_id, await _session_of(runtime, run_id), body.reason)
+
+
+@router.delete("/api/subjects/{subject}", operation_id="erase_subject", responses=_responses(),
+               summary="erase a data subject: its live runs aborted, its key destroyed; "
+               "every payload of its runs reads Redacted (docs/privacy.md)",
+               )  # fmt: skip
+async def erase_subject(
+    runtime: Served,
+    subject: Annotated[str, Path(description="the data subject (by default a run's session id)")],
+) -> ErasureReport:
+    return await runtime.erase_subject(subject)
 
 
 # HEAD on the reads, as Starlette serves it, left out of the document.
