@@ -58,12 +58,9 @@ class Redacted(dict[str, Any]):
     ) -> core_schema.CoreSchema:
         """A field typed ``... | Redacted`` takes a ``Redacted`` or its JSON form, and
         writes the JSON form."""
-        return core_schema.no_info_plain_validator_function(
-            _validate,
-            serialization=core_schema.plain_serializer_function_ser_schema(
-                lambda value: {REDACTED_KEY: True}
-            ),
-        )
+        # Written as what it is, a dict: a union member's own serializer would be
+        # used for the other members' values too.
+        return core_schema.no_info_plain_validator_function(_validate)
 
 
 def is_redacted(value: object) -> bool:

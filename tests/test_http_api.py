@@ -180,7 +180,7 @@ def test_the_openapi_document_describes_this_server(served: Served) -> None:
     assert set(document["paths"]) == {
         "/api/runs", "/api/runs/{run_id}", "/api/runs/{run_id}/steps",
         "/api/runs/{run_id}/signals", "/api/runs/{run_id}/approve", "/api/runs/{run_id}/deny",
-        "/api/runs/{run_id}/input", "/api/runs/{run_id}/cancel",
+        "/api/runs/{run_id}/input", "/api/runs/{run_id}/cancel", "/api/subjects/{subject}",
     }  # fmt: skip
     schemas = document["components"]["schemas"]
     assert {"TurnResult", "RunState", "StepRecord", "RunSummary", "ErrorBody"} <= set(schemas)
