@@ -291,3 +291,21 @@ def test_the_cli_erases_and_prunes_and_says_one_line_for_a_wrong_key(
     assert run.run_id in capsys.readouterr().out
     assert main(["runs", "list", "--store", store, "--json"]) == 0
     assert capsys.readouterr().out.strip() == "[]"
+
+
+async def test_subject_keys_can_live_in_another_database(tmp_path: Path) -> None:
+    import sqlite3
+
+    events, keys = tmp_path / "events.db", tmp_path / "keys.db"
+    store = RunStore.sqlite(str(events), key_store=f"sqlite:///{keys}")
+    runtime = Runtime(agents=[_agent([])], store=store)
+    run = await runtime.run(session_id="s5", input=SECRET).result()
+    with sqlite3.connect(keys) as conn:
+        assert conn.execute("SELECT subject FROM kuralle_subject_keys").fetchall() == [("s5",)]
+    with sqlite3.connect(events) as conn:
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master")}
+    assert "kuralle_subject_keys" not in tables  # the events' backups never hold a key
+    await runtime.erase_subject("s5")
+    state = await runtime.get_run(run.run_id, "s5")
+    assert state is not None and isinstance(state.messages[0].content, Redacted)
+    store.close()
