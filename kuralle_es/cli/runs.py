@@ -35,6 +35,7 @@ from .common import (
     turn_result,
 )
 from .drive import add_runs_resume
+from .privacy import add_prune
 
 _COLUMNS = (
     "RUN_ID",
@@ -101,6 +102,7 @@ def add_runs(sub: SubParsers) -> None:
     )
     add_driving_options(fork)
     _add_runs_usage(runs_sub)
+    add_prune(runs_sub)
     _add_runs_start(runs_sub)
     add_runs_resume(runs_sub)
 
