@@ -41,6 +41,7 @@ from ..errors import LeaseHeldError, StaleWriteError
 from .eventsourcing_hooks import AggregatesFirst, SavingApplication
 from .leases import Lease, LeaseOp, LeaseRefused
 from .pg_async import AsyncOneTripSaver
+from .pg_pool import PgConnections
 from .recorders import (
     LeasingPOPORecorder,
     LeasingRecorder,
@@ -156,7 +157,12 @@ class RunLog(SavingApplication):
     views_name = "RunViews"
 
     def __init__(
-        self, env: EnvType | None = None, *, partition: int = 0, own_tables: bool = False
+        self,
+        env: EnvType | None = None,
+        *,
+        partition: int = 0,
+        own_tables: bool = False,
+        connections: PgConnections | None = None,
     ) -> None:
         if own_tables:
             # Another partition of one database: tables of its own
@@ -166,6 +172,10 @@ class RunLog(SavingApplication):
             self.views_name = f"RunViews_p{partition}"
         self.partition = partition
         self._saved_indexes = SavedIndexes()
+        #: The database's connections, shared with the store's other partitions of
+        #: it (their store closes them), or this log's own (made and closed here).
+        self.connections = connections
+        self.owns_connections = connections is None
         super().__init__(env=env)
 
     #: The loop-side sender of saves: on the one-trip PostgreSQL recorder only.
@@ -211,14 +221,17 @@ class RunLog(SavingApplication):
 
     def construct_factory(self, env: Environment) -> InfrastructureFactory[Any]:
         """The persistence factory of the log's address (``store_url``), read from
-        its environment; on PostgreSQL its pool given libpq's other parameters (a
-        multi-host URL's ``target_session_attrs``, ...) before it first connects."""
+        its environment; on PostgreSQL, using the database's connections
+        (``pg_pool``: one pool for every partition, libpq's other parameters such as
+        a multi-host URL's ``target_session_attrs`` given before it connects)."""
         self.address = address_from_env(env, env.name)
         if isinstance(self.address, PostgresAddress) and not env.get("POSTGRES_CONNECT_TIMEOUT"):
             env["POSTGRES_CONNECT_TIMEOUT"] = str(CONNECT_TIMEOUT + 2)
         factory = super().construct_factory(env)
         if isinstance(self.address, PostgresAddress) and isinstance(factory, PostgresFactory):
-            self.address.configure(factory.datastore.pool)
+            if self.connections is None:
+                self.connections = PgConnections(self.address)
+            self.connections.share(factory)
         return factory
 
     def construct_env(self, name: str, env: EnvType | None = None) -> Environment:
@@ -247,9 +260,9 @@ class RunLog(SavingApplication):
         if isinstance(self.factory, POPOFactory):
             return LeasingPOPORecorder()
         recorder = retry_schema_setup(super().construct_recorder)
-        if isinstance(recorder, OneTripPostgresRecorder):
+        if isinstance(recorder, OneTripPostgresRecorder) and self.connections is not None:
             # Async code's saves are sent from its event loop (``save_run_async``).
-            self._saver = AsyncOneTripSaver(recorder)
+            self._saver = AsyncOneTripSaver(recorder, self.connections)
         return recorder
 
     def construct_snapshot_store(self) -> EventStore[UUID]:
@@ -462,9 +475,16 @@ class RunLog(SavingApplication):
         return await self._off_loop(RunLog.lease, self, run_id)
 
     def close(self) -> None:
+        """Close the log; on PostgreSQL its connections too if they are its own (the
+        store closes a database's shared ones after all its logs)."""
         if self._saver is not None:
             self._saver.close()
-        super().close()
+        if self.connections is None:
+            super().close()
+            return
+        self.closing.set()
+        if self.owns_connections:
+            self.connections.close()
 
 
 def _lease_kwargs(lease: LeaseOp | None) -> dict[str, Any]:

@@ -336,6 +336,21 @@ class OneTripPostgresRecorder(PostgresApplicationRecorder):
             .format(channel=Literal(self.channel_name))
             .as_bytes()
         )
+        # What a save in doubt (its connection died after it was sent) left: its
+        # events as stored, if they are (``pg_async``).
+        self.read_back_statement = (
+            SQL(
+                "SELECT notification_id, originator_id, originator_version, topic, state "
+                "FROM {schema}.{table} WHERE (originator_id, originator_version) IN "
+                "(SELECT * FROM unnest(%s::{id_type}[], %s::bigint[]))"
+            )
+            .format(
+                schema=schema,
+                table=Identifier(self.events_table_name),
+                id_type=SQL(self.datastore.originator_id_type),
+            )
+            .as_bytes()
+        )
         self.holds_statement = (
             SQL("SELECT 1 FROM {schema}.{table} WHERE originator_id = %s LIMIT 1")
             .format(schema=schema, table=Identifier(self.events_table_name))
