@@ -36,6 +36,7 @@ from ..errors import InvalidArgumentError, StoreUnavailableError
 __all__ = [
     "CONNECT_TIMEOUT",
     "POOL_SIZE",
+    "POOL_SIZE_VAR",
     "STORE_ENV",
     "MemoryAddress",
     "PostgresAddress",
