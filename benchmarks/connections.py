@@ -1,4 +1,4 @@
-"""Connections a store holds, counted on the server: a 4-partition store under 32 runs, and ``runs list``.
+"""Connections a store holds, counted on the server: 4 partitions under 32 runs, and runs list.
 
 Counted, not timed. A fresh database gets a store of ``--partitions`` (4)
 partitions; in this process ``--runs`` (32) tasks drive flow runs of three
