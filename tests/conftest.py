@@ -75,9 +75,11 @@ def _free_port() -> int:
 class _ThrowawayCluster:
     """A private PostgreSQL cluster in a temp dir, trust auth, loopback only."""
 
-    def __init__(self, initdb: str, pg_ctl: str) -> None:
+    def __init__(self, initdb: str, pg_ctl: str, options: str = "") -> None:
         self.initdb = initdb
         self.pg_ctl = pg_ctl
+        #: More ``postgres -c`` options for the server.
+        self.options = options
         self.port = _free_port()
         self.dir = Path(tempfile.mkdtemp(prefix="kuralle-pg-"))
         self.data = self.dir / "data"
@@ -103,14 +105,21 @@ class _ThrowawayCluster:
             self.initdb, "-D", str(self.data), "--auth=trust", "--username=postgres",
             "--encoding=UTF8", "--no-sync",
         )  # fmt: skip
+        self.restart()
+
+    def restart(self) -> None:
+        """Start the server on its data (again, after it was killed)."""
         options = (
             f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.dir} "
-            "-c fsync=off -c synchronous_commit=off -c max_connections=200"
+            f"-c fsync=off -c synchronous_commit=off -c max_connections=200 {self.options}"
         )
         self._run(
             self.pg_ctl, "-D", str(self.data), "-l", str(self.dir / "server.log"),
             "-w", "-t", "60", "-o", options, "start",
         )  # fmt: skip
+
+    def postmaster_pid(self) -> int:
+        return int((self.data / "postmaster.pid").read_text().split()[0])
 
     def stop(self) -> None:
         with contextlib.suppress(subprocess.SubprocessError, OSError):

@@ -28,6 +28,7 @@ from eventsourcing.persistence import (
     InfrastructureFactory,
     IntegrityError,
     InternalError,
+    OperationalError,
     ProgrammingError,
     Transcoder,
 )
@@ -37,7 +38,7 @@ from eventsourcing.utils import Environment, EnvType, get_topic
 from psycopg.errors import DuplicateObject, DuplicateTable, UniqueViolation
 from psycopg.errors import InternalError as PsycopgInternalError
 
-from ..errors import LeaseHeldError, StaleWriteError
+from ..errors import LeaseHeldError, StaleWriteError, StoreUnavailableError
 from .eventsourcing_hooks import AggregatesFirst, SavingApplication
 from .leases import Lease, LeaseOp, LeaseRefused
 from .pg_async import AsyncOneTripSaver
@@ -50,7 +51,13 @@ from .recorders import (
 )
 from .run import Run
 from .sessions import SavedIndexes, SessionRuns, new_session_runs, session_runs_id
-from .store_url import CONNECT_TIMEOUT, PostgresAddress, StoreAddress, address_from_env
+from .store_url import (
+    CONNECT_TIMEOUT,
+    PostgresAddress,
+    StoreAddress,
+    address_from_env,
+    server_reason,
+)
 from .transcoding import EscapingJSONTranscoder
 
 __all__ = [
@@ -281,7 +288,8 @@ class RunLog(SavingApplication):
         if aggregate_id is None:
             return None
         try:
-            run: object = self.repository.get(aggregate_id, projector_func=project_events)
+            with self.reachable():
+                run: object = self.repository.get(aggregate_id, projector_func=project_events)
         except AggregateNotFoundError:
             return None
         if not isinstance(run, Run):
@@ -338,7 +346,7 @@ class RunLog(SavingApplication):
             index = self.session_runs(run.session_id) or new_session_runs(run.session_id)
             index.add_run(run.run_id)
             try:
-                with _lease_errors(run):
+                with self.reachable(), _lease_errors(run):
                     self.save(*events, index, **_lease_kwargs(lease))
             except IntegrityError:
                 if RunLog.load(self, run.run_id) is not None:
@@ -393,7 +401,7 @@ class RunLog(SavingApplication):
         with the ``lease`` op in the same transaction (refused: ``LeaseHeldError``,
         or ``StaleWriteError`` for a lease taken over; nothing is written)."""
         try:
-            with _lease_errors(run):
+            with self.reachable(), _lease_errors(run):
                 self.save(run, **_lease_kwargs(lease))
         except IntegrityError as e:
             raise StaleWriteError(run.run_id, "another writer appended first") from e
@@ -424,7 +432,7 @@ class RunLog(SavingApplication):
         store in an ``eventsourcing`` system would not save runs."""
         processing_event = AggregatesFirst()
         processing_event.collect_events(*items)
-        with _lease_errors(run):
+        with self.reachable(), _lease_errors(run):
             stored = [self.mapper.to_stored_event(e) for e in processing_event.events]
             await saver.insert(stored, lease)
         due = self.due_snapshots(processing_event)
@@ -452,7 +460,8 @@ class RunLog(SavingApplication):
         if aggregate_id is None:
             return None
         recorder: LeasingRecorder = self.recorder  # type: ignore[assignment]
-        return recorder.select_lease(aggregate_id)
+        with self.reachable():
+            return recorder.select_lease(aggregate_id)
 
     def holds(self, aggregate_id: UUID) -> bool:
         """Whether this log holds any event of ``aggregate_id`` (a run, an index)."""
@@ -461,7 +470,8 @@ class RunLog(SavingApplication):
     async def holds_async(self, aggregate_id: UUID) -> bool:
         """``holds`` for async code: on the loop's connection on PostgreSQL."""
         if self._saver is not None:
-            return await self._saver.holds(aggregate_id)
+            with self.reachable():
+                return await self._saver.holds(aggregate_id)
         return await self._off_loop(self.holds, aggregate_id)
 
     async def lease_async(self, run_id: str) -> Lease | None:
@@ -471,8 +481,22 @@ class RunLog(SavingApplication):
         if aggregate_id is None:
             return None
         if self._saver is not None:
-            return await self._saver.select_lease(aggregate_id)
+            with self.reachable():
+                return await self._saver.select_lease(aggregate_id)
         return await self._off_loop(RunLog.lease, self, run_id)
+
+    @contextlib.contextmanager
+    def reachable(self) -> Iterator[None]:
+        """A database that cannot be reached (every retry spent: a server down, a
+        failover longer than a save's deadline) as ``StoreUnavailableError`` naming
+        it, on PostgreSQL; what was in doubt was read back first (``pg_async``)."""
+        try:
+            yield
+        except OperationalError as lost:
+            if not isinstance(self.address, PostgresAddress):
+                raise  # SQLite's (a lock timeout) is not a server away
+            msg = f"cannot reach {self.address.label()}: {server_reason(lost)}"
+            raise StoreUnavailableError(msg) from lost
 
     def close(self) -> None:
         """Close the log; on PostgreSQL its connections too if they are its own (the
