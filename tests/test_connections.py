@@ -3,7 +3,9 @@
 ``benchmarks/connections.py`` drives 32 runs at once on a store of four
 partitions, then runs ``kuralle-es runs list`` on it, while it samples
 ``pg_stat_activity``; the store may hold at most its ``pool_size`` (10)
-connections at once, the read-only command at most two.
+connections at once, the read-only command at most two. Through PgBouncer in transaction mode, 64
+worker coroutines in four processes (each process a store of its own, 10
+connections to PgBouncer) share at most 10 server connections.
 """
 
 from __future__ import annotations
@@ -11,8 +13,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
+import psycopg
 import pytest
 
 from kuralle_es import InvalidArgumentError, RunStore
@@ -20,6 +26,7 @@ from kuralle_es import InvalidArgumentError, RunStore
 pytestmark = pytest.mark.postgres
 
 BENCHMARK = Path(__file__).resolve().parent.parent / "benchmarks" / "connections.py"
+WORKER = Path(__file__).resolve().parent / "procs" / "three_steps.py"
 
 
 def test_a_four_partition_store_under_32_runs_holds_at_most_10_connections(pg_dsn: str) -> None:
@@ -44,3 +51,52 @@ def test_pool_size_is_a_whole_number_of_two_or_more(pg_dsn: str) -> None:
     for bad in (1, 0, "ten"):
         with pytest.raises(InvalidArgumentError, match="pool_size"):
             RunStore.postgres(pg_dsn, pool_size=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.pgbouncer
+def test_64_worker_coroutines_in_4_processes_share_at_most_10_server_connections_through_pgbouncer(
+    pg_dsn: str, pgbouncer: Any, tmp_path: Path
+) -> None:
+    url = pgbouncer.url(pg_dsn)
+    RunStore.from_url(url).close()  # the tables, before the workers race to make them
+    dbname = pg_dsn.rsplit("/", 1)[1]
+    peak = 0
+    stop = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            while not stop.is_set():
+                row = conn.execute(
+                    "SELECT count(*) FROM pg_stat_activity "
+                    "WHERE datname = %s AND pid <> pg_backend_pid()",
+                    (dbname,),
+                ).fetchone()
+                peak = max(peak, int(row[0]) if row else 0)
+                time.sleep(0.005)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    ledger, acks = tmp_path / "ledger.jsonl", tmp_path / "acks.jsonl"
+    workers = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), url, str(ledger), str(acks), "32", "16", f"p{n}-"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for n in range(4)
+    ]
+    try:
+        outcomes = [worker.communicate(timeout=180) for worker in workers]
+    finally:
+        stop.set()
+        sampler.join()
+        for worker in workers:
+            if worker.poll() is None:
+                worker.kill()
+    for worker, (out, err) in zip(workers, outcomes, strict=True):
+        assert worker.returncode == 0, err[-3000:]
+        assert json.loads(out.strip().splitlines()[-1])["finished"] == 32
+    assert len(acks.read_text().splitlines()) == 128
+    assert 1 <= peak <= 10, peak

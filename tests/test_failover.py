@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -176,20 +177,22 @@ class Follower:
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
+        async def read(store: RunStore) -> None:
+            async for event in follow(store):
+                self.positions.append((event.partition, event.position))
+                if isinstance(event, RunFinished):
+                    self.finished.add(event.run_id)
+
         async def go() -> None:
             with RunStore.from_url(self.url) as store:
-                stream = follow(store)
-                try:
-                    while not self.stop.is_set():
-                        try:
-                            event = await asyncio.wait_for(anext(stream), 0.5)
-                        except TimeoutError:
-                            continue
-                        self.positions.append((event.partition, event.position))
-                        if isinstance(event, RunFinished):
-                            self.finished.add(event.run_id)
-                finally:
-                    await stream.aclose()
+                reading = asyncio.ensure_future(read(store))
+                stopped = asyncio.ensure_future(asyncio.to_thread(self.stop.wait))
+                await asyncio.wait({reading, stopped}, return_when=asyncio.FIRST_COMPLETED)
+                if reading.done():
+                    reading.result()  # what stopped it
+                reading.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await reading
 
         try:
             asyncio.run(go())
