@@ -10,8 +10,9 @@
   (``target_session_attrs=read-write``); the primary's postmaster is
   SIGKILLed mid-way and Patroni promotes the standby. Every run finishes, no
   tool key executes twice except the in-doubt retries of steps in flight at
-  the kill, no step acknowledged before the kill is missing, and a follower
-  and the views, started before the kill, go on by themselves.
+  the kill, no step acknowledged before the kill is missing, and a follower,
+  a ``Consumer``, the views and ``kuralle-es worker`` (whose sweeper then
+  recovers an orphan), all started before the kill, go on by themselves.
 """
 
 from __future__ import annotations
@@ -37,13 +38,15 @@ from runs_kit import stored_run, with_message
 
 from kuralle_es import RunStore, Runtime, StoreUnavailableError
 from kuralle_es._journal import pg_async
-from kuralle_es.events import RunFinished, follow
+from kuralle_es.events import Consumer, RunFinished, follow
+from kuralle_es.testing import Crash
 
 pytestmark = [pytest.mark.postgres, pytest.mark.failover]
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import ha_kit  # noqa: E402
+from procs import three_steps  # noqa: E402
 
 WORKER = HERE / "procs" / "three_steps.py"
 
@@ -165,12 +168,40 @@ def _lines(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line]
 
 
+async def _orphan(url: str, ledger: Path) -> str:
+    """A run whose process "dies" in its first tool (lease 1 s): an orphan."""
+    with RunStore.from_url(url) as store:
+        runtime = Runtime(
+            [three_steps.make_agent(ledger, crash_first=True)], store=store, holder="doomed",
+            lease_ttl=1.0,
+        )  # fmt: skip
+        handle = runtime.run("orphan", kind="flow", flow_name="three")
+        with contextlib.suppress(Crash):
+            await handle.result()
+        return await handle.run_id
+
+
+def _wait_finished(url: str, run_id: str, sweeper: subprocess.Popen[str]) -> None:
+    end = time.monotonic() + 60
+    with RunStore.from_url(url) as store:
+        while True:
+            run = store.load(run_id)
+            if run is not None and run.status == "finished":
+                return
+            assert sweeper.poll() is None, sweeper.communicate()
+            assert time.monotonic() < end, "the sweeper did not recover the orphan"
+            time.sleep(0.2)
+
+
 class Follower:
-    """``follow`` on a thread of its own from the first event, across the failover."""
+    """``follow`` and a ``Consumer`` on a thread of their own from the first event,
+    across the failover."""
 
     def __init__(self, url: str) -> None:
         self.url = url
         self.finished: set[str] = set()
+        #: The runs a ``Consumer`` (its position kept in the database) saw finish.
+        self.consumed: set[str] = set()
         self.positions: list[tuple[int, int]] = []
         self.stop = threading.Event()
         self.error: BaseException | None = None
@@ -183,13 +214,24 @@ class Follower:
                 if isinstance(event, RunFinished):
                     self.finished.add(event.run_id)
 
+        def consume(event: Any) -> None:
+            if isinstance(event, RunFinished):
+                self.consumed.add(event.run_id)
+
         async def go() -> None:
             with RunStore.from_url(self.url) as store:
+                consumer = Consumer(store, "audit", consume)
                 reading = asyncio.ensure_future(read(store))
+                consuming = asyncio.ensure_future(consumer.run())
                 stopped = asyncio.ensure_future(asyncio.to_thread(self.stop.wait))
-                await asyncio.wait({reading, stopped}, return_when=asyncio.FIRST_COMPLETED)
-                if reading.done():
-                    reading.result()  # what stopped it
+                await asyncio.wait(
+                    {reading, consuming, stopped}, return_when=asyncio.FIRST_COMPLETED
+                )
+                for task in (reading, consuming):
+                    if task.done():
+                        task.result()  # what stopped it
+                consumer.stop()
+                await consuming
                 reading.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await reading
@@ -210,6 +252,12 @@ def test_a_failover_mid_way_through_100_runs_finishes_them_all_and_loses_no_ackn
     ledger, acks = tmp_path / "ledger.jsonl", tmp_path / "acks.jsonl"
     follower = Follower(url)
     follower.thread.start()
+    sweeper = subprocess.Popen(  # the worker of the CLI: its sweeper recovers orphans
+        [sys.executable, "-m", "kuralle_es.cli", "worker", "--store", url,
+         "--app", "three_steps:build_agents", "--interval", "0.5", "--holder", "sweeper"],
+        cwd=WORKER.parent, env={**os.environ, "KT_LEDGER": str(tmp_path / "ledger.jsonl")},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
     worker = subprocess.Popen(
         [sys.executable, str(WORKER), url, str(ledger), str(acks), "100", "8"],
         stdout=subprocess.PIPE,
@@ -229,9 +277,16 @@ def test_a_failover_mid_way_through_100_runs_finishes_them_all_and_loses_no_ackn
         new = ha_pair.wait_primary(60, not_=old)
         promoted_at = time.time()
         out, err = worker.communicate(timeout=150)
+        # An orphan made after the failover: the sweeper, up since before it, recovers it.
+        orphan = asyncio.run(_orphan(url, ledger))
+        _wait_finished(url, orphan, sweeper)
     finally:
         if worker.poll() is None:
             worker.kill()
+        sweeper.send_signal(signal.SIGTERM)  # a clean stop
+        _, sweeper_log = sweeper.communicate(timeout=60)
+    assert sweeper.returncode == 0, sweeper_log[-3000:]
+    assert f"run recovered run={orphan} status=finished holder=sweeper" in sweeper_log
     assert worker.returncode == 0, err[-3000:]
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["finished"] == 100, summary
@@ -247,7 +302,7 @@ def test_a_failover_mid_way_through_100_runs_finishes_them_all_and_loses_no_ackn
             steps = asyncio.run(runtime.get_steps(ack["run_id"], run.session_id))
             assert [s.status for s in steps if s.kind == "tool"] == ["finished"] * 3, ack
         views = asyncio.run(runtime.views.list_runs(status="finished", limit=1000))
-        assert len(views) == 100
+        assert len(views) == 101  # the orphan too
     assert len({a["run_id"] for a in acked}) == 100
     before_kill = [a for a in acked if a["at"] < killed_at]
     assert len(before_kill) >= 30  # each was checked above: none of their steps is missing
@@ -256,20 +311,22 @@ def test_a_failover_mid_way_through_100_runs_finishes_them_all_and_loses_no_ackn
     by_key: dict[str, list[float]] = {}
     for entry in executions:
         by_key.setdefault(entry["key"], []).append(entry["at"])
-    assert len(by_key) == 300
+    assert len(by_key) == 303  # the orphan's three too
     again = {key: ats for key, ats in by_key.items() if len(ats) > 1}
     for key, ats in again.items():
         assert min(ats) < promoted_at, f"{key} executed twice, its first not in doubt: {ats}"
     assert len(again) <= 8, again  # at most one step in flight a run at once
 
-    # The follower, started before the kill, went on by itself.
+    # The follower and the consumer, started before the kill, went on by themselves.
     end = time.monotonic() + 30
-    while len(follower.finished) < 100 and time.monotonic() < end and follower.error is None:
+    while min(len(follower.finished), len(follower.consumed)) < 101 and follower.error is None:
+        assert time.monotonic() < end, (len(follower.finished), len(follower.consumed))
         time.sleep(0.1)
     follower.stop.set()
     follower.thread.join(10)
     assert follower.error is None, follower.error
-    assert len(follower.finished) == 100
+    assert len(follower.finished) == 101
+    assert len(follower.consumed) == 101
     assert len(follower.positions) == len(set(follower.positions)), "an event came twice"
     print(
         f"failover {old} -> {new}: promoted {promoted_at - killed_at:.1f} s after the kill; "

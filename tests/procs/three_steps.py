@@ -11,9 +11,14 @@ tried again by resuming the run, until it finishes, for at most
 
 Each execution of the ``step`` tool appends ``{"key", "run_id", "pid",
 "at"}`` to ``LEDGER`` (the payment system's log: a key twice is an effect
-executed twice); each run acknowledged finished appends ``{"run_id", "at",
-"steps"}`` to ``ACKS``, the moment the caller was told. At the end it prints
-``{"finished", "failed_turns", "errors"}`` on one JSON line.
+executed twice; ``crash_first`` makes the first execution in the process die
+instead, as a ``SIGKILL`` would, leaving an orphan); each run acknowledged
+finished appends ``{"run_id", "at", "steps"}`` to ``ACKS``, the moment the
+caller was told. At the end it prints ``{"finished", "failed_turns",
+"errors"}`` on one JSON line.
+
+As ``--app three_steps:build_agents`` (``KT_LEDGER`` the ledger) it is what
+``kuralle-es worker`` recovers such runs with.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from kuralle_es import (
     define_tool,
     end,
 )
+from kuralle_es.testing import Crash
 
 
 class Step(BaseModel):
@@ -54,8 +60,13 @@ def append(path: Path, entry: dict[str, Any]) -> None:
         os.close(fd)
 
 
-def make_agent(ledger: Path) -> Any:
+def make_agent(ledger: Path, *, crash_first: bool = False) -> Any:
+    crashes = [crash_first]
+
     def step(args: Step, call: ToolCall) -> dict[str, int]:
+        if crashes[0]:
+            crashes[0] = False
+            raise Crash("the process died in the tool")
         append(
             ledger,
             {"key": call.idempotency_key, "run_id": call.run_id, "pid": os.getpid(),
@@ -70,6 +81,11 @@ def make_agent(ledger: Path) -> Any:
 
     flow = define_flow("three", "", "go", [action("go", go)])
     return define_agent("stepper", "", None, [define_tool("step", "", Step, step)], [flow])
+
+
+def build_agents() -> list[Any]:
+    """The agents of ``kuralle-es worker --app three_steps:build_agents``."""
+    return [make_agent(Path(os.environ["KT_LEDGER"]))]
 
 
 async def drive(
