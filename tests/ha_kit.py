@@ -21,7 +21,6 @@ import os
 import pwd
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -30,16 +29,11 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+from conftest import _free_port, _unprivileged_user
 
 PATRONI = "/usr/bin/patroni"
 ETCD = "/usr/bin/etcd"
 PG_BIN = "/usr/lib/postgresql/15/bin"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def missing() -> str | None:
@@ -55,8 +49,10 @@ class HaPair:
 
     def __init__(self) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="kuralle-ha-"))
-        self.etcd_port, self.etcd_peer = free_port(), free_port()
-        self.nodes = {name: {"pg": free_port(), "api": free_port()} for name in ("node1", "node2")}
+        self.etcd_port, self.etcd_peer = _free_port(), _free_port()
+        self.nodes = {
+            name: {"pg": _free_port(), "api": _free_port()} for name in ("node1", "node2")
+        }
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
         self.user = _unprivileged_user() if os.geteuid() == 0 else None
 
@@ -247,12 +243,3 @@ class HaPair:
             with contextlib.suppress(OSError, ValueError, ProcessLookupError):
                 os.kill(int(pidfile.read_text().split()[0]), signal.SIGKILL)
         shutil.rmtree(self.dir, ignore_errors=True)
-
-
-def _unprivileged_user() -> str:
-    for name in ("postgres", "nobody"):
-        with contextlib.suppress(KeyError):
-            pwd.getpwnam(name)
-            return name
-    msg = "running as root and no 'postgres' or 'nobody' user to run PostgreSQL as"
-    raise RuntimeError(msg)

@@ -80,6 +80,19 @@ def _stall_commits(cluster: _ThrowawayCluster, on: bool) -> None:
         conn.execute("SELECT pg_reload_conf()")
 
 
+def _restart(cluster: _ThrowawayCluster) -> None:
+    """Start the killed server again, once its orphaned backends have gone (until
+    then it refuses: its shared memory is still in use)."""
+    for _ in range(40):
+        time.sleep(0.5)
+        try:
+            cluster.restart()
+            return
+        except subprocess.CalledProcessError:
+            continue
+    cluster.restart()
+
+
 def _waiting_in_commit(cluster: _ThrowawayCluster, dbname: str, timeout: float = 10) -> None:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -110,8 +123,7 @@ async def test_a_save_whose_server_dies_during_commit_is_read_back_and_done_once
         await asyncio.to_thread(_waiting_in_commit, stalled_cluster, dbname)
         os.kill(stalled_cluster.postmaster_pid(), signal.SIGKILL)  # the server dies in COMMIT
         killed = time.monotonic()
-        await asyncio.sleep(1.0)
-        await asyncio.to_thread(stalled_cluster.restart)
+        await asyncio.to_thread(_restart, stalled_cluster)
         await asyncio.wait_for(saving, pg_async.SAVE_DEADLINE)  # no hang: done or failed
         took = time.monotonic() - killed
         saver: Any = store.partitions[0]._saver
@@ -188,7 +200,7 @@ def _wait_finished(url: str, run_id: str, sweeper: subprocess.Popen[str]) -> Non
             run = store.load(run_id)
             if run is not None and run.status == "finished":
                 return
-            assert sweeper.poll() is None, sweeper.communicate()
+            assert sweeper.poll() is None, "the worker stopped"
             assert time.monotonic() < end, "the sweeper did not recover the orphan"
             time.sleep(0.2)
 
@@ -252,11 +264,12 @@ def test_a_failover_mid_way_through_100_runs_finishes_them_all_and_loses_no_ackn
     ledger, acks = tmp_path / "ledger.jsonl", tmp_path / "acks.jsonl"
     follower = Follower(url)
     follower.thread.start()
+    sweeper_log = tmp_path / "sweeper.log"
     sweeper = subprocess.Popen(  # the worker of the CLI: its sweeper recovers orphans
         [sys.executable, "-m", "kuralle_es.cli", "worker", "--store", url,
          "--app", "three_steps:build_agents", "--interval", "0.5", "--holder", "sweeper"],
         cwd=WORKER.parent, env={**os.environ, "KT_LEDGER": str(tmp_path / "ledger.jsonl")},
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.DEVNULL, stderr=sweeper_log.open("w"), text=True,
     )  # fmt: skip
     worker = subprocess.Popen(
         [sys.executable, str(WORKER), url, str(ledger), str(acks), "100", "8"],
@@ -269,6 +282,10 @@ def test_a_failover_mid_way_through_100_runs_finishes_them_all_and_loses_no_ackn
         while len(_lines(acks)) < 30:
             assert worker.poll() is None, worker.communicate()
             assert time.monotonic() < end, "the worker did not get a third of the way"
+            time.sleep(0.05)
+        while "worker started" not in sweeper_log.read_text():  # up before the kill
+            assert sweeper.poll() is None, sweeper_log.read_text()
+            assert time.monotonic() < end, "the worker did not start"
             time.sleep(0.05)
         old = ha_pair.primary()
         assert old is not None
@@ -284,9 +301,10 @@ def test_a_failover_mid_way_through_100_runs_finishes_them_all_and_loses_no_ackn
         if worker.poll() is None:
             worker.kill()
         sweeper.send_signal(signal.SIGTERM)  # a clean stop
-        _, sweeper_log = sweeper.communicate(timeout=60)
-    assert sweeper.returncode == 0, sweeper_log[-3000:]
-    assert f"run recovered run={orphan} status=finished holder=sweeper" in sweeper_log
+        sweeper.wait(timeout=60)
+    log = sweeper_log.read_text()
+    assert sweeper.returncode == 0, log[-3000:]
+    assert f"run recovered run={orphan} status=finished holder=sweeper" in log
     assert worker.returncode == 0, err[-3000:]
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["finished"] == 100, summary

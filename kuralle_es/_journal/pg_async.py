@@ -70,6 +70,9 @@ MAX_BATCH = 256
 #: meanwhile at once (4 worker processes: 1.53x one at 5 ms, 1.64x at 50 ms;
 #: each wake-up is a transaction of its own on the server).
 WAKE_SPACING = 0.05
+#: Seconds a wake-up may wait for a connection before it is dropped (a follower
+#: also looks again every second).
+WAKE_WAIT = 2.0
 
 
 @dataclass
@@ -289,11 +292,12 @@ class AsyncOneTripSaver:
         deadline = loop.time() + SAVE_DEADLINE if deadline is None else deadline
         wait = RETRY_WAIT
         while True:
-            sent = False
+            if loop.time() >= deadline:
+                raise OperationalError("the store's database did not answer in time")
+            conn: psycopg.AsyncConnection[Any] | None = None
             try:
                 async with self._connections.connection(max(0.1, deadline - loop.time())) as conn:
                     cursor = conn.reused_cursor()
-                    sent = True
                     await cursor.execute(statement, parameters, prepare=True)
                     return await cursor.fetchall()
             except psycopg.IntegrityError as clash:
@@ -301,7 +305,9 @@ class AsyncOneTripSaver:
             except (psycopg.OperationalError, psycopg.InterfaceError) as lost:
                 if self._closed:
                     raise InterfaceError("the run store is closed") from lost
-                if sent and sent_matters:
+                # Sent on a connection that died: it may have committed. A statement
+                # the server refused (a lock or statement timeout) on a live one did not.
+                if sent_matters and conn is not None and (conn.broken or conn.closed):
                     raise _InDoubt from lost
                 if loop.time() + wait >= deadline:
                     interface = isinstance(lost, psycopg.InterfaceError)
@@ -337,7 +343,10 @@ class AsyncOneTripSaver:
                 waker.again = False
                 try:
                     await self._execute(
-                        self._recorder.wake_statement, (), None, asyncio.get_running_loop().time()
+                        self._recorder.wake_statement,
+                        (),
+                        None,
+                        asyncio.get_running_loop().time() + WAKE_WAIT,
                     )
                 except (psycopg.Error, OperationalError, InterfaceError):
                     return
