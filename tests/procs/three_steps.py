@@ -104,11 +104,13 @@ async def drive(
             session = f"{prefix}{i}"
             run_id: str | None = None
             give_up = time.monotonic() + retry_for
+            last: Exception | None = None
             async with gate:
                 while True:
                     if run_id is None:
+                        key = f"start-{session}"
                         handle = runtime.run(
-                            session, kind="flow", flow_name="three", idempotency_key=f"start-{i}"
+                            session, kind="flow", flow_name="three", idempotency_key=key
                         )
                     else:
                         handle = runtime.run(session, run_id=run_id)
@@ -118,6 +120,7 @@ async def drive(
                         if result.status == "finished":
                             break
                     except Exception as error:  # a turn the failover cut short
+                        last = error
                         failed_turns += 1
                         name = type(error).__name__
                         errors[name] = errors.get(name, 0) + 1
@@ -127,7 +130,8 @@ async def drive(
                             except Exception:
                                 run_id = None
                     if time.monotonic() > give_up:
-                        raise RuntimeError(f"run {i} ({run_id}) did not finish")
+                        msg = f"run {i} ({run_id}) did not finish: {last!r}"
+                        raise RuntimeError(msg)
                     await asyncio.sleep(0.2)
             append(acks, {"run_id": run_id, "at": time.time(), "steps": 3})
             finished += 1
