@@ -54,13 +54,13 @@ from eventsourcing.persistence import (
 
 from .leases import Lease, LeaseOp, LeaseRefused
 from .pg_pool import PgConnections
-from .recorders import OneTripPostgresRecorder, lease_refusal
+from .recorders import SAVE_DEADLINE as RECORDER_DEADLINE
+from .recorders import InDoubt, OneTripPostgresRecorder, lease_refusal, stored_outcome
 
 __all__ = ["AsyncOneTripSaver"]
 
-#: Seconds a save (or a read) keeps trying on new connections before it fails: a
-#: failover's promotion fits in it.
-SAVE_DEADLINE = 30.0
+#: Seconds a save (or a read) keeps trying on new connections before it fails.
+SAVE_DEADLINE = RECORDER_DEADLINE
 #: Seconds between two tries, at first (doubling up to a second).
 RETRY_WAIT = 0.1
 #: The most saves one group commit carries.
@@ -110,10 +110,6 @@ class _Waker:
 
     sending: asyncio.Task[None] | None = None
     again: bool = False
-
-
-class _InDoubt(Exception):
-    """The connection died after the statement was sent: it may have committed."""
 
 
 #: What a save came to: its events' notification ids, or the error it raises.
@@ -232,7 +228,7 @@ class AsyncOneTripSaver:
                     recorder.batch_statement, parameters, None, deadline, sent_matters=True
                 )
                 outcomes = [_outcome(s, row) for s, row in zip(saves, found, strict=True)]
-        except _InDoubt:
+        except InDoubt:
             outcomes = await self._settle(saves, deadline)
         if any(
             s.rows for s, o in zip(saves, outcomes, strict=True) if not isinstance(o, Exception)
@@ -250,31 +246,14 @@ class AsyncOneTripSaver:
         return [next(resent) if found is None else found for found in stored]
 
     async def _stored(self, saves: list[_Save], deadline: float) -> list[_Outcome | None]:
-        """For each save: its events' ids if they are stored exactly as it sent them,
-        a clash if another writer's are there, None if none is (or it has none)."""
-        keys = [(e.originator_id, e.originator_version) for s in saves for e in s.events]
+        """For each save: what it came to, read back (``stored_outcome``)."""
+        events = [e for save in saves for e in save.events]
         rows: list[Any] = []
-        if keys:
-            rows = await self._execute(
-                self._recorder.read_back_statement,
-                ([k[0] for k in keys], [k[1] for k in keys]),
-                None,
-                deadline,
-            )
-        by_key = {(row[1], row[2]): row for row in rows}
-        outcomes: list[_Outcome | None] = []
-        for save in saves:
-            found = [by_key.get((e.originator_id, e.originator_version)) for e in save.events]
-            if not save.events or all(row is None for row in found):
-                outcomes.append(None)
-            elif all(
-                row is not None and row[3] == e.topic and bytes(row[4]) == bytes(e.state)
-                for row, e in zip(found, save.events, strict=True)
-            ):
-                outcomes.append([int(row[0]) for row in found if row is not None])
-            else:
-                outcomes.append(IntegrityError("another writer appended first"))
-        return outcomes
+        if events:
+            recorder = self._recorder
+            parameters = recorder.read_back_parameters(events)
+            rows = await self._execute(recorder.read_back_statement, parameters, None, deadline)
+        return [stored_outcome(save.events, rows) for save in saves]
 
     async def _execute(
         self,
@@ -287,7 +266,7 @@ class AsyncOneTripSaver:
     ) -> list[Any]:
         """Run one statement on a connection of the loop's pool, trying again on
         another while the deadline allows. A lost connection after the statement
-        was sent raises ``_InDoubt`` when ``sent_matters`` (a save)."""
+        was sent raises ``InDoubt`` when ``sent_matters`` (a save)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + SAVE_DEADLINE if deadline is None else deadline
         wait = RETRY_WAIT
@@ -308,7 +287,7 @@ class AsyncOneTripSaver:
                 # Sent on a connection that died: it may have committed. A statement
                 # the server refused (a lock or statement timeout) on a live one did not.
                 if sent_matters and conn is not None and (conn.broken or conn.closed):
-                    raise _InDoubt from lost
+                    raise InDoubt from lost
                 if loop.time() + wait >= deadline:
                     interface = isinstance(lost, psycopg.InterfaceError)
                     raise (InterfaceError if interface else OperationalError)(str(lost)) from lost
