@@ -228,7 +228,12 @@ class PgConnections:
 
 
 class _LoopPool:
-    """One event loop's pool, and its opening (started on the loop)."""
+    """One event loop's pool, its opening, and its keeper: a task that waits for
+    ever and closes the pool when it is cancelled. A loop that ends (``asyncio.run``
+    returning) cancels every task it has; psycopg_pool's workers survive a
+    cancellation that lands while they run a maintenance task (they log it and wait
+    for the next), so the loop would wait for them for ever. The keeper, cancelled
+    with them, closes the pool, which stops its workers: the loop ends."""
 
     def __init__(
         self,
@@ -240,9 +245,10 @@ class _LoopPool:
         self.made = made
         self.loop = loop
         self.opened: asyncio.Future[None] = loop.create_task(pool.open())
+        self.keeper: asyncio.Future[None] = loop.create_task(_keep(pool))
 
     def close(self) -> asyncio.Future[Any] | None:
-        """Close the pool on its loop; the task doing it when that loop is this
+        """Close the pool on its loop; the keeper closing it when that loop is this
         thread's running one (a sync ``close`` from async code cannot wait)."""
         loop = self.loop
         if loop.is_closed():
@@ -251,14 +257,15 @@ class _LoopPool:
         here = _running_loop()
         if loop.is_running():
             if here is loop:
-                return loop.create_task(_close_pool(self.pool))
-            future = asyncio.run_coroutine_threadsafe(_close_pool(self.pool), loop)
+                self.keeper.cancel()
+                return self.keeper
+            future = asyncio.run_coroutine_threadsafe(_stop(self.keeper), loop)
             with contextlib.suppress(Exception):
                 future.result(timeout=10)
             return None
         if here is None:  # a stopped loop of this thread (between two runs)
             with contextlib.suppress(Exception):
-                loop.run_until_complete(_close_pool(self.pool))
+                loop.run_until_complete(_stop(self.keeper))
             return None
         self.free()
         return None
@@ -269,13 +276,22 @@ class _LoopPool:
         for conn in list(self.made):
             if not conn.closed:
                 conn.pgconn.finish()
-        if not self.opened.done():
-            self.opened.cancel()
 
 
-async def _close_pool(pool: AsyncConnectionPool[Any]) -> None:
-    with contextlib.suppress(Exception):
-        await pool.close(timeout=5)
+async def _keep(pool: AsyncConnectionPool[Any]) -> None:
+    """Wait for ever; cancelled, close ``pool`` (see ``_LoopPool``)."""
+    try:
+        await asyncio.Event().wait()
+    finally:
+        with contextlib.suppress(Exception):
+            await pool.close(timeout=5)
+
+
+async def _stop(keeper: asyncio.Future[None]) -> None:
+    """Cancel the keeper and wait until it has closed its pool."""
+    keeper.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await keeper
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:
