@@ -65,6 +65,10 @@ test: $(STAMP) browser faketime pgbouncer ha
 	$(BIN)/mkdocs build --strict --quiet
 	$(BIN)/pytest -q
 
+# Only the tests that run through PgBouncer in transaction mode (make test runs them too).
+test-pgbouncer: $(STAMP) pgbouncer
+	$(BIN)/pytest -q -m pgbouncer
+
 # The documentation site (docs/ -> build/site); strict: a broken reference fails.
 docs: $(STAMP)
 	$(BIN)/mkdocs build --strict
