@@ -53,7 +53,7 @@ from eventsourcing.persistence import (
 )
 
 from .leases import Lease, LeaseOp, LeaseRefused
-from .pg_pool import PgConnections
+from .pg_pool import PgConnections, SaverConnection
 from .recorders import SAVE_DEADLINE as RECORDER_DEADLINE
 from .recorders import InDoubt, OneTripPostgresRecorder, lease_refusal, stored_outcome
 
@@ -273,12 +273,16 @@ class AsyncOneTripSaver:
         while True:
             if loop.time() >= deadline:
                 raise OperationalError("the store's database did not answer in time")
-            conn: psycopg.AsyncConnection[Any] | None = None
+            conn: SaverConnection | None = None
             try:
-                async with self._connections.connection(max(0.1, deadline - loop.time())) as conn:
+                pool = await self._connections.loop_pool()
+                conn = await pool.getconn(max(0.1, deadline - loop.time()))
+                try:
                     cursor = conn.reused_cursor()
                     await cursor.execute(statement, parameters, prepare=True)
                     return await cursor.fetchall()
+                finally:
+                    await pool.putconn(conn)
             except psycopg.IntegrityError as clash:
                 raise IntegrityError(str(clash)) from clash
             except (psycopg.OperationalError, psycopg.InterfaceError) as lost:

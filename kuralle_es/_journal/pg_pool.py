@@ -27,7 +27,6 @@ import asyncio
 import contextlib
 import threading
 import weakref
-from collections.abc import AsyncIterator
 from typing import Any
 
 import psycopg
@@ -145,15 +144,14 @@ class PgConnections:
         return pool
 
     # ---------------------------------------------------------------- loops
-    @contextlib.asynccontextmanager
-    async def connection(self, wait: float) -> AsyncIterator[SaverConnection]:
-        """A connection of the running loop's pool, for one statement; waits at most
-        ``wait`` seconds for one (``psycopg_pool.PoolTimeout``)."""
+    async def loop_pool(self) -> AsyncConnectionPool[SaverConnection]:
+        """The running loop's pool, open (``getconn`` / ``putconn`` a statement: the
+        saver calls them directly, a context manager a statement cost a tenth more
+        Python calls a lone run's step)."""
         entry = self._loop_pool()
         if not entry.opened.done():
             await asyncio.shield(entry.opened)
-        async with entry.pool.connection(wait) as conn:
-            yield conn
+        return entry.pool
 
     def _loop_pool(self) -> _LoopPool:
         loop = asyncio.get_running_loop()
