@@ -20,8 +20,11 @@ from typing import Any
 
 import psycopg
 import pytest
+from events_kit import everything, refund_run, take
 
-from kuralle_es import InvalidArgumentError, RunStore
+from kuralle_es import InvalidArgumentError, RunStore, Runtime
+from kuralle_es.events import follow
+from kuralle_es.examples import refund
 
 pytestmark = pytest.mark.postgres
 
@@ -100,3 +103,37 @@ def test_64_worker_coroutines_in_4_processes_share_at_most_10_server_connections
         assert json.loads(out.strip().splitlines()[-1])["finished"] == 32
     assert len(acks.read_text().splitlines()) == 128
     assert 1 <= peak <= 10, peak
+
+
+def _listeners(pg_dsn: str) -> int:
+    """Connections of ``pg_dsn``'s database that sent a LISTEN (the server's view)."""
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+            "AND query LIKE 'LISTEN%%'"
+        ).fetchone()
+    return int(row[0]) if row else 0
+
+
+@pytest.mark.pgbouncer
+@pytest.mark.parametrize("direct", [False, True])
+async def test_behind_pgbouncer_a_follower_listens_only_on_a_direct_server(
+    pg_dsn: str, pgbouncer: Any, direct: bool
+) -> None:
+    """No LISTEN through PgBouncer (it would be lost with its server session): a
+    follower polls, or listens on the direct server ``listen_host`` names."""
+    url = pgbouncer.url(pg_dsn)
+    if direct:
+        params = psycopg.conninfo.conninfo_to_dict(pg_dsn)
+        url += f"&listen_host={params['host']}&listen_port={params['port']}"
+    with RunStore.from_url(url) as store:
+        runtime = Runtime([refund.build_agent()], store=store)
+        stream = follow(store)
+        first = await refund_run(runtime, "before", approve=True)
+        got = await take(stream, len(await everything(store)))
+        assert {e.run_id for e in got} == {first}
+        assert _listeners(pg_dsn) == (1 if direct else 0)
+        second = await refund_run(runtime, "after", approve=True)  # woken, or by polling
+        more = await take(stream, len(await everything(store)) - len(got))
+        assert {e.run_id for e in more} == {second}
+        await stream.aclose()
