@@ -31,7 +31,7 @@ from ._definitions.llm import (
 )
 from ._definitions.loops import ConversationLoop, LoopTurn
 from ._definitions.retry import RetryPolicy
-from ._definitions.tools import Tool, define_tool
+from ._definitions.tools import Tool, define_tool, flow_tool
 from ._journal.keys import idempotency_key
 from ._journal.store import RunStore
 from ._operations.recovery import (
@@ -42,6 +42,7 @@ from ._operations.recovery import (
     create_sweep_job_runner,
     fire_timers,
     recover_orphaned_runs,
+    resume_in_doubt_runs,
     start_run_sweeper,
     sweep_deadlines,
 )
@@ -50,6 +51,7 @@ from ._runtime.handle import TurnHandle
 from ._runtime.runtime import Runtime
 from .errors import (
     BudgetExceededError,
+    ChildRunError,
     DeadlineExpiredError,
     FlowDriftError,
     FlowNotFoundError,
@@ -62,6 +64,7 @@ from .errors import (
     LeaseHeldError,
     ModelResponseError,
     NonDeterminismError,
+    NotPublishedError,
     PayloadTooLargeError,
     RunNotFoundError,
     SignalMismatchError,
@@ -97,6 +100,7 @@ __all__ = [
     "ApprovalDecision",
     "Budget",
     "BudgetExceededError",
+    "ChildRunError",
     "ConversationLoop",
     "DeadlineExpiredError",
     "End",
@@ -120,6 +124,7 @@ __all__ = [
     "ModelResponse",
     "ModelResponseError",
     "NonDeterminismError",
+    "NotPublishedError",
     "OpenAIModel",
     "PayloadTooLargeError",
     "RetryPolicy",
@@ -165,12 +170,14 @@ __all__ = [
     "define_tool",
     "end",
     "fire_timers",
+    "flow_tool",
     "goto",
     "handoff",
     "idempotency_key",
     "openai_model",
     "recover_orphaned_runs",
     "reply",
+    "resume_in_doubt_runs",
     "start_run_sweeper",
     "sweep_deadlines",
 ]

@@ -16,6 +16,7 @@ from ._unicode import printable
 
 if TYPE_CHECKING:
     from ._journal.wait import Wait
+    from .shapes import StepError
 
 
 class KuralleError(Exception):
@@ -227,8 +228,10 @@ class FlowDriftError(_FieldsError):
     def _message(self) -> str:
         return (
             f"run {self.run_id!r} was started with flow digest {self.pinned} but the flow is "
-            f"now {self.current}; call runtime.resolve_drift(run_id, session_id, one of "
-            f"{list(self.recovery)!r})"
+            f"now {self.current}; settle it with one of {list(self.recovery)!r}: "
+            f"kuralle-es resolve-drift {self.run_id} {'|'.join(self.recovery)}, POST "
+            f"/api/runs/{self.run_id}/resolve-drift, or runtime.resolve_drift(run_id, "
+            "session_id, ...)"
         )
 
 
@@ -411,6 +414,51 @@ class DeadlineExpiredError(_FieldsError):
         return (
             f"nothing arrived for {self.name!r} before {when}; catch DeadlineExpiredError "
             "in the node to handle the timeout"
+        )
+
+
+class NotPublishedError(_FieldsError, TimeoutError):
+    """``runtime.wait_published`` gave up: the run published nothing under ``key``
+    within ``timeout`` seconds, or it ended (``status``) without publishing it.
+    A ``TimeoutError`` too, so ``except TimeoutError`` catches it."""
+
+    run_id: str
+    key: str
+    timeout: float
+    status: str
+
+    def _message(self) -> str:
+        if self.status in ("finished", "aborted"):
+            return (
+                f"run {self.run_id} is {self.status} and never published {self.key!r}; "
+                "nothing more will be published, read runtime.published() for what was"
+            )
+        return (
+            f"run {self.run_id} published nothing under {self.key!r} within {self.timeout:g} s "
+            f"(it is {self.status}); wait longer, or read runtime.published() later"
+        )
+
+
+class ChildRunError(_FieldsError):
+    """A child run that node code waited for (``ctx.child``, ``ctx.wait_child``, a
+    ``flow_tool`` call) ended ``error`` or ``aborted`` (``status``): ``error`` is the
+    child's error (None for an aborted child, whose ``outcome`` says why). The same
+    on every replay; catch it in the node to go on (docs/child-runs.md)."""
+
+    child_run_id: str
+    status: str
+    error: StepError | None = None
+    outcome: str | None = field(default=None, kw_only=True)
+
+    def _message(self) -> str:
+        if self.error is not None:
+            why = f"{self.error.type}: {self.error.message}"
+        else:
+            why = self.outcome or "no reason recorded"
+        return (
+            f"child run {self.child_run_id} ended {self.status} ({why}); look at the child "
+            f"run (kuralle-es runs show {self.child_run_id}), or catch ChildRunError in "
+            "the node to go on"
         )
 
 

@@ -13,11 +13,16 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
 
 from ._unicode import printable
 
-StepKind = Literal["tool", "approval", "signal", "now", "uuid", "model", "timer"]
+#: ``"child"``: a child run started (the step's name is its flow) or waited for
+#: (name ``"__child"``, result: how the child ended), docs/child-runs.md.
+StepKind = Literal[
+    "tool", "approval", "signal", "now", "uuid", "model", "timer", "publish", "receive", "value",
+    "child",
+]
 StepStatus = Literal["running", "finished", "error"]
 RunKind = Literal["conversation", "flow"]
 RunStatus = Literal["running", "paused", "finished", "error", "aborted"]
-WaitKind = Literal["approval", "signal", "input", "timer"]
+WaitKind = Literal["approval", "signal", "input", "timer", "message", "child"]
 PartType = Literal["text", "tool-call", "tool-result", "paused", "finished", "error", "custom"]
 
 
@@ -80,6 +85,9 @@ class WaitingFor(BaseModel):
     request_id: str
     kind: WaitKind
     operation: FrozenOperation | None = None
+    #: The child run a parent waits for (``kind == "child"``): it resumes when that
+    #: run ends; nothing is delivered to it by hand (docs/child-runs.md).
+    child_run_id: str | None = None
 
 
 class Message(BaseModel):
@@ -136,6 +144,11 @@ class RunState(RunHeader):
     forked_from: dict[str, Any] | None = None
     #: The id of the fork this run was migrated to (``runtime.migrate``), if any.
     migrated_to: str | None = None
+    #: ``{"run_id": ..., "step": ...}`` for a child run: the run that started it and
+    #: the index of that run's step that did (docs/child-runs.md); None otherwise.
+    parent: dict[str, Any] | None = None
+    #: The ids of the child runs this run started, in the order it started them.
+    children: list[str] = Field(default_factory=list)
 
 
 class SignalDelivery(BaseModel):

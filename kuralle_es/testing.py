@@ -11,9 +11,13 @@ of your own runs exactly once under crashes, is in docs/howto/testing.md:
 - ``ExactlyOnceLedger``: the external system's view, deduplicated by key.
 - ``drive_through_crash``: start a flow run on a store that dies, then resume
   it on fresh runtimes and stores until its turn ends.
+- ``TestClock``: a clock that moves only when the test says, for
+  ``Runtime(clock=...)``: timers and deadlines tested without waiting.
 - ``replay_check``: the live runs today's code could not resume (drift or
   non-determinism), found without executing anything; ``check_runs``: every
   live run of a store checked against an application (``kuralle-es check``).
+- ``replay_with``: a recorded run re-driven under new code or a new model,
+  executing nothing, as a ``Counterfactual`` (docs/howto/evaluating-models.md).
 """
 
 from __future__ import annotations
@@ -23,13 +27,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from ._clock import TestClock
 from ._crash import Crash
 from ._definitions.llm import ModelRequest, ModelResponse, as_response
 from ._journal import catalogue as stored
 from ._journal.leases import LeaseOp
 from ._journal.run import Run
 from ._journal.store import RunStore
+from ._operations.counterfactual import Counterfactual, ToolCallSummary
 from ._operations.replay_check import ReplayFinding, RunCheck, check_runs, replay_check
+from ._operations.replay_with import replay_with
 from ._runtime.runtime import Runtime
 from .errors import KuralleError
 from .shapes import ToolCall, TurnResult
@@ -42,6 +49,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BOUNDARIES",
     "Boundary",
+    "Counterfactual",
     "Crash",
     "CrashPlan",
     "CrashingStore",
@@ -49,10 +57,13 @@ __all__ = [
     "ReplayFinding",
     "RunCheck",
     "ScriptedModel",
+    "TestClock",
+    "ToolCallSummary",
     "check_runs",
     "crash_plans",
     "drive_through_crash",
     "replay_check",
+    "replay_with",
 ]
 
 Script = Sequence[ModelResponse | str] | Callable[[ModelRequest], ModelResponse | str]
@@ -110,7 +121,10 @@ class CrashPlan:
     intent is saved, the effect has not run. ``after_execute``: the effect ran,
     its result is not saved (the step is left in doubt). ``after_finalize``:
     the result is saved, the turn dies before going on. After it fired,
-    ``key`` is the idempotency key of the step it hit.
+    ``key`` is the idempotency key of the step it hit, and ``in_doubt`` the
+    keys of the steps whose results the dying save carried: a step's result
+    rides the turn's next save, so a crash before that save leaves the steps
+    executed since the last save in doubt (re-run under their keys).
     """
 
     boundary: Boundary
@@ -118,6 +132,7 @@ class CrashPlan:
     seen: int = 0
     fired: bool = False
     key: str | None = None
+    in_doubt: list[str] = field(default_factory=list)
 
     def reach(self, boundary: Boundary, key: str) -> None:
         """Called at each boundary; raises ``Crash`` at the planned one."""
@@ -130,15 +145,26 @@ class CrashPlan:
             raise Crash(f"killed {boundary.replace('_', ' ')} #{self.nth} (step {key[:12]})")
 
 
-def _step_keys(run: Run, kinds: tuple[type[Any], ...]) -> list[str]:
-    """Keys of the steps that the run's pending events of ``kinds`` touch."""
+def _step_keys(store: RunStore, run: Run, kinds: tuple[type[Any], ...]) -> list[str]:
+    """Keys of the steps that the run's pending events of ``kinds`` touch (a step
+    a later pending event archived, such as the end of a turn, is read from the
+    run's saved history)."""
     keys: list[str] = []
+    intended = {e.index: e.key for e in run.pending_events if isinstance(e, stored.StepIntended)}
+    history: Run | None = None
     for pending in run.pending_events:
-        if isinstance(pending, kinds):
-            if isinstance(pending, stored.StepIntended):
-                keys.append(pending.key)
-            else:
-                keys.append(run.step(pending.index)["key"])
+        if not isinstance(pending, kinds):
+            continue
+        if isinstance(pending, stored.StepIntended):
+            keys.append(pending.key)
+        elif pending.index in intended:
+            keys.append(intended[pending.index])
+        elif pending.index >= run.step_base:
+            keys.append(run.step(pending.index)["key"])
+        else:
+            history = history or store.load_history(run.run_id)
+            assert history is not None, "a step's result for a run never saved"
+            keys.append(history.step(pending.index)["key"])
     return keys
 
 
@@ -162,12 +188,16 @@ class CrashingStore(RunStore):
             return
         if plan.fired:
             raise Crash("the process is dead: it saves nothing more")
-        intents = _step_keys(run, stored.STARTS)
-        finals = _step_keys(run, stored.RESULTS)
-        for key in intents:
-            plan.reach("before_intent", key)
-        for key in finals:
-            plan.reach("after_execute", key)
+        intents = _step_keys(self, run, stored.STARTS)
+        finals = _step_keys(self, run, stored.RESULTS)
+        try:
+            for key in intents:
+                plan.reach("before_intent", key)
+            for key in finals:
+                plan.reach("after_execute", key)
+        except Crash:
+            plan.in_doubt = [key for key in finals if key not in intents]
+            raise
         await super().save_run_async(run, lease)
         for key in intents:
             plan.reach("after_intent", key)

@@ -30,6 +30,7 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
 from kuralle_es import RunStore
+from kuralle_es.testing import CrashingStore
 
 ADMIN_DSN_ENV = "KURALLE_TEST_POSTGRES_DSN"
 REQUIRE_ENV = "KURALLE_REQUIRE_POSTGRES"
@@ -359,6 +360,21 @@ class StoreFactory:
             store = RunStore.postgres(self.target)
         self.stores.append(store)
         return store
+
+    def crashing(self) -> CrashingStore:
+        """A store over the same database whose saves die where its plan says (the
+        testing kit's ``CrashingStore``). Memory has one store: call this first."""
+        if self.backend == "memory":
+            assert not self.stores, "call crashing() before the first open_store()"
+            crashing = CrashingStore.memory()
+        else:
+            assert self.target is not None
+            sqlite = self.backend == "sqlite"
+            crashing = (
+                CrashingStore.sqlite(self.target) if sqlite else CrashingStore.postgres(self.target)
+            )
+        self.stores.append(crashing)
+        return crashing
 
     def close_all(self) -> None:
         for store in self.stores:

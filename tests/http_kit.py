@@ -4,7 +4,9 @@ The server is the installed command in its own process (``--app
 http_app:build_agents`` from ``tests/procs``) on a free loopback port, over
 the store URL a test gives; the client is ``urllib`` (real HTTP, nothing
 in-process). ``StoreHead`` reads the store's notification log from the test
-process, to show that a refused request wrote nothing.
+process, to show that a refused request wrote nothing; ``Served`` is a server with
+it, and its checks (a 200, a refusal that wrote nothing, a retry that wrote nothing).
+``module_store_url`` is a fresh database (SQLite, PostgreSQL) for a module's server.
 """
 
 from __future__ import annotations
@@ -19,9 +21,15 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from uuid import uuid4
+
+import psycopg
+import pytest
+from psycopg import sql
 
 from kuralle_es import RunStore
 
@@ -31,6 +39,7 @@ COMMAND = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "kuralle_
 APP = "http_app:build_agents"
 TOKEN = "test-api-token-0123456789"
 ERROR_KEYS = {"error", "message", "fields"}
+BACKENDS = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
 
 
 def free_port() -> int:
@@ -185,3 +194,76 @@ class StoreHead:
 
     def close(self) -> None:
         self.store.close()
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def module_store_url(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """A fresh database for the module's server (``pg_dsn``'s pattern, at module scope)."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path_factory.mktemp('http-sqlite') / 'runs.db'}"
+        return
+    from conftest import dsn_for
+
+    admin = str(request.getfixturevalue("postgres_admin_dsn"))
+    name = f"kuralle_test_{uuid4().hex[:16]}"
+    with psycopg.connect(admin, autocommit=True, connect_timeout=10) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    try:
+        yield dsn_for(admin, name)
+    finally:
+        with psycopg.connect(admin, autocommit=True, connect_timeout=10) as conn:
+            conn.execute(
+                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+            )
+
+
+@dataclass
+class Served:
+    server: Server
+    log: StoreHead
+    store_url: str
+    workdir: Path
+    env: dict[str, str]
+
+    @property
+    def ledger(self) -> Path:
+        return Path(self.env["HTTP_LEDGER"])
+
+    @property
+    def refund_ledger(self) -> Path:
+        return Path(self.env["REFUND_LEDGER"])
+
+    def call(self, method: str, path: str, body: Any = None, **kwargs: Any) -> Reply:
+        return self.server.call(method, path, body, **kwargs)
+
+    def ok(self, method: str, path: str, body: Any = None, **kwargs: Any) -> Any:
+        reply = self.call(method, path, body, **kwargs)
+        assert reply.status == 200, (reply.status, reply.body)
+        assert reply.headers["content-type"].startswith("application/json")
+        return reply.body
+
+    def refused(
+        self, status: int, error: str | None, method: str, path: str, body: Any = None, **kw: Any
+    ) -> Reply:
+        """The request is refused with ``status`` (and ``error``), and the store is unchanged."""
+        before = self.log.head()
+        reply = self.call(method, path, body, **kw)
+        assert reply.is_refusal(status, error), (method, path, reply.status, reply.body)
+        assert self.log.head() == before, f"{method} {path} was refused but wrote to the store"
+        return reply
+
+    def unchanged(self, method: str, path: str, body: Any = None, **kw: Any) -> Any:
+        """A 200 that wrote nothing (a retry answered from the journal)."""
+        before = self.log.head()
+        answer = self.ok(method, path, body, **kw)
+        assert self.log.head() == before, f"{method} {path} was a retry but wrote to the store"
+        return answer
+
+    def start(
+        self, flow: str, session: str, input: str | None = None, key: str | None = None
+    ) -> Any:
+        headers = {"Idempotency-Key": key} if key else {}
+        body = {"session_id": session, "flow": flow, "input": input}
+        return self.ok("POST", "/api/runs", body, headers=headers)

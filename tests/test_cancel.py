@@ -245,7 +245,10 @@ async def test_a_cancel_lands_while_a_turn_saves_as_fast_as_it_can(
     assert final is not None and final.status == "aborted"
     assert final.version in (state.version, state.version + 1)
     steps = await operator.get_steps(run_id, SESSION)
-    assert (final.version == state.version + 1) == (steps[-1].status == "finished")
+    if final.version == state.version + 1:
+        assert steps[-1].status == "finished"
+    else:  # the cancel landed with no tick in flight
+        assert steps[-1].status in ("finished", "running")
     ran = len(executed)
     assert (await operator.run(SESSION, run_id=run_id).result()).status == "aborted"
     assert len(executed) == ran

@@ -18,6 +18,7 @@ from eventsourcing.utils import get_topic, resolve_topic
 
 from kuralle_es._journal import catalogue as stored
 from kuralle_es._journal import run as aggregate
+from kuralle_es._operations import recording
 from kuralle_es._runtime import fork
 from kuralle_es.events import translate
 from kuralle_es.views import fold, timeline
@@ -29,6 +30,7 @@ READERS = {
     "public events": translate._RULES,
     "timeline": timeline._READ,
     "fork": fork._WALK,
+    "replay": recording._READ,
 }
 
 #: The stored topics and class versions every store written so far may hold
@@ -62,6 +64,10 @@ STORED = {
     "kuralle_es:Run.LeaseTaken": 1,
     "kuralle_es:Run.LeaseReleased": 1,
     "kuralle_es:Run.InboundKeyRecorded": 1,
+    "kuralle_es:Run.MailReceived": 1,
+    "kuralle_es:Run.MailDelivered": 1,
+    "kuralle_es:Run.ParentLinked": 1,
+    "kuralle_es:Run.FlowInputGiven": 1,
     "kuralle_es:SessionRuns.Created": 1,
     "kuralle_es:SessionRuns.RunAdded": 1,
 }
@@ -127,6 +133,12 @@ def test_every_changed_class_declares_its_version_and_a_path_up_to_it() -> None:
             assert callable(getattr(cls, upcast, None)), f"{cls.__name__} lacks {upcast}"
 
 
+def test_a_snapshot_before_mailboxes_has_an_empty_mailbox_and_nothing_published() -> None:
+    state: dict[str, object] = {"inbound_keys": {}}
+    aggregate.Run.upcast_v3_v4(state)
+    assert (state["mailbox"], state["mail_ids"], state["published"]) == ([], {}, {})
+
+
 def test_intents_stored_by_0_1_0_split_their_lane_off_the_logical_run() -> None:
     for stored_run, run, lane in (
         ("r#0#f@d!approval", "r#0#f@d", "!approval"),
@@ -150,3 +162,9 @@ def test_a_snapshot_of_0_1_0_or_earlier_gets_what_later_releases_count() -> None
     assert state["step_base"] == 0 and state["forked_from"] is None
     assert state["usage"] is None and state["budget"] is None and state["budget_raises"] == {}
     assert state["steps"] == [{"index": 0, "attempts": 1, "failures": 0, "retry_at": None}]
+
+
+def test_a_snapshot_before_child_runs_holds_no_input_parent_or_children() -> None:
+    state: dict[str, object] = {"inbound_keys": {}}
+    aggregate.Run.upcast_v3_v4(state)
+    assert (state["input"], state["parent"], state["children"]) == (None, None, [])

@@ -42,7 +42,8 @@ Invariants (one guarantee each):
   batch was in flight);
 - every value a node ever saw (tool results, frozen tool errors, ``now``,
   ``uuid``, approval decisions, signal payloads) is the journaled one, in
-  every pass;
+  every pass (a killed pass's values of steps whose results its death lost
+  excepted: they were never journaled);
 - a paused run stays on the same wait (name, callsite, ``request_id``)
   through plain re-entries and killed deliveries, and its waits are the
   reference run's waits, in order;
@@ -841,13 +842,40 @@ class CrashMachine(RuleBasedStateMachine):
         STATS[self.backend, "crashes"] += 1
         STATS[self.backend, f"crashes {plan.boundary}"] += 1
         slot.crashes += 1
+        run = self.journals()[slot.session]
+        # A step's result rides the turn's next save (docs/guarantees.md, "One
+        # commit a step"): every tool the dead turn left running is in doubt, and
+        # what the pass saw of a step the journal did not keep was never journaled.
+        in_doubt = {s["key"] for s in run.steps if s["kind"] == "tool" and s["status"] == "running"}
         if plan.boundary in IN_DOUBT:
-            slot.in_doubt[plan.key] += 1
+            in_doubt.add(plan.key)
+        for key in in_doubt:
+            slot.in_doubt[key] += 1
+        kept = {s["callsite"] for s in run.steps if s["status"] != "running"}
+        sites = slot.program.callsites()
+        seen = entry.passes[-1]
+        for i in [i for i in seen if not set(sites[i]) <= kept]:
+            del seen[i]
         if entry.open_batches or slot.program.chat is not None:
             # A crash while calls ran together (a gather, or a chat's parallel-safe
             # tools) may leave every one of them in doubt.
             slot.batch_crashes += 1
-        run = self.journals()[slot.session]
+        wait = run.waiting
+        if run.status == "finished" or (
+            run.status == "paused"
+            and wait is not None
+            and (waiting is None or wait.request_id != waiting.request_id)
+        ):
+            # Killed after the turn's closing save (its last results rode it): the
+            # turn had ended, finished or paused on its next wait.
+            assert plan.boundary == "after_finalize", (slot, plan, run.status)
+            closed = TurnResult(
+                run_id=run.run_id, status=run.status, output=run.output,
+                waiting_for=run.public_wait(),
+            )  # fmt: skip
+            self.ended(slot, closed, None)
+            event(f"killed {plan.boundary} after the turn's closing save")
+            return
         if run.status == "paused":
             # A killed delivery that never became durable: the run still waits, on the same wait.
             assert waiting is not None, f"{slot} paused by a killed turn"

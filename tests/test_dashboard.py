@@ -112,6 +112,10 @@ async def quick_approval_node(state: dict[str, Any], ctx: RunContext) -> Any:
     return end("approved" if decision.approved else "denied")
 
 
+async def household_node(state: dict[str, Any], ctx: RunContext) -> Any:
+    return end(f"shipped: {await ctx.child('shipping', 'go')}")
+
+
 async def failing_node(state: dict[str, Any], ctx: RunContext) -> Any:
     await ctx.tool("lookup", {"to": "nobody", "cents": -1})
     return end("unreachable")
@@ -127,6 +131,7 @@ def ops_agent() -> Any:
         define_flow("shipping", "wait for a shipment", "wait", [action("wait", wait_node)]),
         define_flow("quick", "short deadline", "ask", [action("ask", quick_approval_node)]),
         define_flow("broken", "fails", "fail", [action("fail", failing_node)]),
+        define_flow("household", "a parent", "go", [action("go", household_node)]),
     ]
     return define_agent("ops", "operations", ScriptedModel(["ok"]), tools, flows)
 
@@ -249,13 +254,22 @@ class Dashboard:
     """A real uvicorn server on a loopback port, in a thread, over its own store."""
 
     def __init__(
-        self, store: RunStore, token: str | None, refresh: int, prices: Any = None
+        self,
+        store: RunStore,
+        token: str | None,
+        refresh: int,
+        prices: Any = None,
+        make_agents: Callable[[], list[Any]] = agents,
+        **options: Any,
     ) -> None:
-        app = create_app(store, lambda s: Runtime(agents(), store=s), token=token,
-                         refresh_seconds=refresh, prices=prices)  # fmt: skip
+        app = create_app(store, lambda s: Runtime(make_agents(), store=s), token=token,
+                         refresh_seconds=refresh, prices=prices, **options)  # fmt: skip
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        config = uvicorn.Config(
+            app, host="127.0.0.1", port=self.port, log_level="warning",
+            timeout_graceful_shutdown=1,  # a page's live stream stays open
+        )  # fmt: skip
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
@@ -292,8 +306,10 @@ def ledger_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def serve(open_store: Any, ledger_path: Path) -> Iterator[Callable[..., Dashboard]]:
     started: list[Dashboard] = []
 
-    def start(token: str | None = TOKEN, refresh: int = 3600, prices: Any = None) -> Dashboard:
-        dashboard = Dashboard(open_store(), token, refresh, prices).start()
+    def start(
+        token: str | None = TOKEN, refresh: int = 3600, prices: Any = None, **options: Any
+    ) -> Dashboard:
+        dashboard = Dashboard(open_store(), token, refresh, prices, **options).start()
         started.append(dashboard)
         return dashboard
 
@@ -527,6 +543,26 @@ def test_approve_in_the_browser_resumes_the_run_and_its_tool_executes_once(
     assert len(refunds(ledger_path)) == 1
 
 
+def test_a_parent_and_its_child_link_to_each_other_and_the_childs_wait_has_no_buttons(
+    browser: webdriver.Chrome, serve: Callable[..., Dashboard], maker: Maker
+) -> None:
+    parent = maker.flow("s-family", "household")
+    assert parent.waiting_for is not None and parent.waiting_for.kind == "child"
+    child_id = parent.waiting_for.child_run_id
+    dashboard = serve()
+    login(browser, dashboard, f"/runs/{parent.run_id}")
+    assert text_of(browser, "children") == child_id
+    assert browser.find_elements(By.ID, "approve") == []  # nothing to answer on a child wait
+    click_and_wait(browser, "child-wait")
+    assert browser.current_url == f"{dashboard.url}/runs/{child_id}"
+    assert text_of(browser, "parent").startswith(parent.run_id)
+    click_and_wait(browser, "#parent a", By.CSS_SELECTOR)
+    assert browser.current_url == f"{dashboard.url}/runs/{parent.run_id}"
+    maker.deliver(TurnResult(run_id=child_id, status="paused"), "s-family", {"n": 1}, "shipment")
+    wait_for_status(browser, f"{dashboard.url}/runs/{parent.run_id}", "finished")
+    assert text_of(browser, "outcome") == "shipped: {'n': 1}"
+
+
 def test_deny_in_the_browser_declines_and_the_refund_never_executes(
     browser: webdriver.Chrome, serve: Callable[..., Dashboard], maker: Maker, ledger_path: Path
 ) -> None:
@@ -591,8 +627,9 @@ def test_pages_refresh_themselves(
     dashboard = serve(refresh=1)
     login(browser, dashboard)
     visit(browser, f"{dashboard.url}/runs/{paused.run_id}")
-    # The page reloads itself every second: an element found just before a reload
-    # is stale by the time its text is read, so each wait looks again.
+    # The page changes in place as the run does (its live stream; without a script
+    # it would reload itself every second): an element found just before a swap is
+    # stale by the time its text is read, so each wait looks again.
     until_text(browser, "run-status", "paused", seconds=2)
     maker.deliver(paused, "s-refresh", {"approved": True, "by": "sam"}, "__approval")
     until_text(browser, "run-status", "finished", seconds=15)

@@ -62,7 +62,7 @@ def backend(request: pytest.FixtureRequest) -> str:
 #: Each published revision of the version-1 schema, oldest first: history, never edited.
 GOLDENS = sorted((Path(__file__).resolve().parent / "golden").glob("run_events_v1*.schema.json"))
 #: The newest revision, which the current schema must equal.
-GOLDEN = Path(__file__).resolve().parent / "golden" / "run_events_v1.2.schema.json"
+GOLDEN = Path(__file__).resolve().parent / "golden" / "run_events_v1.3.schema.json"
 
 
 class Nothing(BaseModel):
@@ -241,17 +241,39 @@ def test_the_public_schema_is_the_pinned_version_1() -> None:
     )
 
 
+def _kept(old: Any, new: Any) -> bool:
+    """Whether the schema ``new`` accepts all ``old`` accepts, by the one change a
+    revision may make to a field: values appended to an enum (a new wait kind)."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        if set(old) != set(new):
+            return False
+        for key, value in old.items():
+            if key == "enum":
+                if new[key][: len(value)] != value:
+                    return False
+            elif not _kept(value, new[key]):
+                return False
+        return True
+    if isinstance(old, list) and isinstance(new, list):
+        return len(old) == len(new) and all(_kept(o, n) for o, n in zip(old, new, strict=True))
+    return bool(old == new)
+
+
 @pytest.mark.parametrize("older", GOLDENS, ids=[g.name for g in GOLDENS])
 def test_every_published_revision_of_version_1_still_parses(older: Path) -> None:
-    """A revision only adds optional fields: each event type of an older revision
-    keeps every field with its schema, requires nothing more, and an event written
-    to it (no ``partition``) parses today, in partition 0."""
+    """A revision only adds optional fields, event types and values of an enum
+    (a step kind, a wait kind, a reason to resume): each event type of an older
+    revision keeps every field with its schema (an enum keeping its values),
+    requires nothing more, and an event written to it (no ``partition``) parses
+    today, in partition 0."""
     old = json.loads(older.read_text(encoding="utf-8"))["schema"]["$defs"]
     new = events_json_schema()["schema"]["$defs"]
     for name, shape in old.items():
         assert name in new, f"{name} of {older.name} is gone"
-        kept = {k: v for k, v in new[name]["properties"].items() if k in shape["properties"]}
-        assert kept == shape["properties"], f"a field of {name} changed since {older.name}"
+        for field_name, field_schema in shape["properties"].items():
+            assert _kept(field_schema, new[name]["properties"].get(field_name)), (
+                f"field {field_name} of {name} changed since {older.name}"
+            )
         assert new[name].get("required", []) == shape.get("required", []), name
         for added in set(new[name]["properties"]) - set(shape["properties"]):
             assert "default" in new[name]["properties"][added], f"{name}.{added} is required"

@@ -122,12 +122,42 @@ async def test_a_delivery_is_saved_before_the_node_runs(
     before = len(store.saves)
     done = await runtime.approve(paused.run_id, "s", by="alice")
     assert done.output == "paid" and ledger.paid == [1]
-    opening, intent, result, close = store.saves[before:]
+    opening, intent, close = store.saves[before:]
     # The approval and its step (intent and result at once), before the tool's intent.
     assert "SignalAccepted" in opening and opening.count("StepFinished") == 1, opening
     assert intent.count("StepStarted") == 1 and "StepFinished" not in intent
-    assert "StepFinished" in result
-    assert "Finished" in close
+    # The tool's result rides the turn's next save, here its end (one commit a step).
+    assert "StepFinished" in close and "Finished" in close, close
+
+
+@pytest.mark.parametrize("backend", STORES)
+async def test_a_sequential_tool_step_costs_one_save_and_a_clock_read_none(
+    counting_store: Callable[[], CountingStore],
+) -> None:
+    calls: list[int] = []
+
+    def count(args: Amount) -> dict[str, int]:
+        calls.append(args.n)
+        return {"n": args.n}
+
+    async def steps(state: dict[str, Any], ctx: Any) -> Any:
+        for n in range(20):
+            await ctx.tool("count", {"n": n})
+            await ctx.now()
+            await ctx.uuid()
+        return end("done")
+
+    tool = define_tool("count", "counts", Amount, count)
+    flow = define_flow("steps", "twenty steps", "s", [action("s", steps)])
+    store = counting_store()
+    runtime = Runtime([define_agent("a", "x", None, [tool], [flow])], store=store)
+    done = await runtime.run("s", kind="flow", flow_name="steps").result()
+    assert done.status == "finished" and calls == list(range(20))
+    # The opening, one save per tool step (its intent, carrying the previous
+    # step's result and the clock reads and uuids between), and the turn's end.
+    assert len(store.saves) <= 20 + 2, store.saves
+    steps_ = await runtime.get_steps(done.run_id, "s")
+    assert [s.status for s in steps_] == ["finished"] * 60
 
 
 @pytest.mark.parametrize("backend", BLOCKING_STORES)

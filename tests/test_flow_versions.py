@@ -37,7 +37,7 @@ from kuralle_es import (
 )
 from kuralle_es._runtime import migrate as migrate_module
 from kuralle_es._runtime.migrate import migration_id
-from kuralle_es.testing import Crash, CrashingStore, CrashPlan, ScriptedModel, check_runs
+from kuralle_es.testing import Crash, CrashPlan, ScriptedModel, check_runs
 
 SESSION = "s-deploy"
 
@@ -251,26 +251,10 @@ async def test_a_migrate_retried_after_a_crash_between_the_fork_and_the_stop_con
     assert executed() == {"reserve": 1, "ship": 1, "notify": 1}
 
 
-def crashing(open_store: StoreFactory) -> CrashingStore:
-    """A store over the same database whose saves die where its plan says."""
-    if open_store.backend == "memory":  # one memory store for the whole test: this one
-        assert not open_store.stores, "call before the first open_store()"
-        open_store.stores.append(CrashingStore.memory())
-        return open_store.stores[0]  # type: ignore[return-value]
-    assert open_store.target is not None
-    opened = (
-        CrashingStore.sqlite(open_store.target)
-        if open_store.backend == "sqlite"
-        else CrashingStore.postgres(open_store.target)
-    )
-    open_store.stores.append(opened)
-    return opened
-
-
 async def test_a_migrate_retried_after_its_fork_died_mid_turn_drives_the_fork_on(
     open_store: StoreFactory,
 ) -> None:
-    store = crashing(open_store)
+    store = open_store.crashing()
     (old,) = await paused_on_v1(open_store)
     store.plan = CrashPlan("after_finalize")  # the fork's reserve is saved, then it dies
     with pytest.raises(Crash):

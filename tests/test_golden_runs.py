@@ -47,6 +47,7 @@ import psycopg
 import pytest
 
 from kuralle_es import (
+    InvalidArgumentError,
     InvalidSignalError,
     RunState,
     RunStore,
@@ -59,7 +60,7 @@ from kuralle_es import (
     sweep_deadlines,
 )
 from kuralle_es.events import Consumer, RunEvent, follow
-from kuralle_es.testing import replay_check
+from kuralle_es.testing import replay_check, replay_with
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 #: Every generation of golden runs: a folder each, with its manifest and its app.
@@ -301,6 +302,28 @@ async def test_every_golden_run_loads_as_it_was_stored(golden: Golden) -> None:
     for name, versions in itertools.groupby(by_name, key=lambda flow: flow.name):
         found = await replay_check(store, list(versions), agents=app.build_agents())
         assert found == [], name
+
+
+async def test_every_golden_run_replays_under_its_own_app_with_no_divergence(
+    golden: Golden,
+) -> None:
+    """``replay_with`` re-drives each stored run (but the forks, which it refuses)
+    from its first turn under the app that wrote it: no step differs, no run
+    would decide otherwise (a cancel from outside is given again), no tool runs."""
+    store = golden.open()
+    head = store.recorder.max_notification_id()
+    agents = golden.app.build_agents()
+    for label, expected in golden.runs.items():
+        run_id, session = golden.run_id(label), expected["session_id"]
+        if golden.own["runs"][label]["forked_from"] is not None:
+            with pytest.raises(InvalidArgumentError, match="fork"):
+                await replay_with(store, run_id, session, agents=agents)
+            continue
+        result = await replay_with(store, run_id, session, agents=agents)
+        assert result.diverged_at is None, (label, result.divergence)
+        assert not result.decided_differently, (label, result)
+    assert store.recorder.max_notification_id() == head
+    assert not golden.ledger.exists() or golden.ledger.read_text() == ""
 
 
 # -------------------------------------------------------------------- views

@@ -13,97 +13,32 @@ from __future__ import annotations
 
 import subprocess
 from collections.abc import Iterator
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 from uuid import uuid4
 
-import psycopg
 import pytest
-from http_kit import COMMAND, PROCS, TOKEN, Reply, Server, StoreHead, clean_env, start_server
+from http_kit import (
+    COMMAND,
+    PROCS,
+    TOKEN,
+    Served,
+    Server,
+    StoreHead,
+    clean_env,
+    module_store_url,
+    start_server,
+)
 from procs.http_app import ledger_lines
-from psycopg import sql
 
 from kuralle_es import RunState, RunStore, RunSummary, StepRecord, TurnResult
 from kuralle_es._journal.leases import LeaseOp
 
-BACKENDS = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+__all__ = ["module_store_url"]  # a fixture, from http_kit
+
 #: The servers' payload bound (``KURALLE_MAX_PAYLOAD_BYTES``): small, so 413 is cheap to reach.
 PAYLOAD_LIMIT = 4096
-
-
-@pytest.fixture(scope="module", params=BACKENDS)
-def module_store_url(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[str]:
-    """A fresh database for the module's server (``pg_dsn``'s pattern, at module scope)."""
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path_factory.mktemp('http-sqlite') / 'runs.db'}"
-        return
-    from conftest import dsn_for
-
-    admin = str(request.getfixturevalue("postgres_admin_dsn"))
-    name = f"kuralle_test_{uuid4().hex[:16]}"
-    with psycopg.connect(admin, autocommit=True, connect_timeout=10) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    try:
-        yield dsn_for(admin, name)
-    finally:
-        with psycopg.connect(admin, autocommit=True, connect_timeout=10) as conn:
-            conn.execute(
-                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
-            )
-
-
-@dataclass
-class Served:
-    server: Server
-    log: StoreHead
-    store_url: str
-    workdir: Path
-    env: dict[str, str]
-
-    @property
-    def ledger(self) -> Path:
-        return Path(self.env["HTTP_LEDGER"])
-
-    @property
-    def refund_ledger(self) -> Path:
-        return Path(self.env["REFUND_LEDGER"])
-
-    def call(self, method: str, path: str, body: Any = None, **kwargs: Any) -> Reply:
-        return self.server.call(method, path, body, **kwargs)
-
-    def ok(self, method: str, path: str, body: Any = None, **kwargs: Any) -> Any:
-        reply = self.call(method, path, body, **kwargs)
-        assert reply.status == 200, (reply.status, reply.body)
-        assert reply.headers["content-type"].startswith("application/json")
-        return reply.body
-
-    def refused(
-        self, status: int, error: str | None, method: str, path: str, body: Any = None, **kw: Any
-    ) -> Reply:
-        """The request is refused with ``status`` (and ``error``), and the store is unchanged."""
-        before = self.log.head()
-        reply = self.call(method, path, body, **kw)
-        assert reply.is_refusal(status, error), (method, path, reply.status, reply.body)
-        assert self.log.head() == before, f"{method} {path} was refused but wrote to the store"
-        return reply
-
-    def unchanged(self, method: str, path: str, body: Any = None, **kw: Any) -> Any:
-        """A 200 that wrote nothing (a retry answered from the journal)."""
-        before = self.log.head()
-        answer = self.ok(method, path, body, **kw)
-        assert self.log.head() == before, f"{method} {path} was a retry but wrote to the store"
-        return answer
-
-    def start(
-        self, flow: str, session: str, input: str | None = None, key: str | None = None
-    ) -> Any:
-        headers = {"Idempotency-Key": key} if key else {}
-        body = {"session_id": session, "flow": flow, "input": input}
-        return self.ok("POST", "/api/runs", body, headers=headers)
 
 
 @pytest.fixture(scope="module")
@@ -177,14 +112,24 @@ def test_a_started_flow_run_is_read_back_listed_and_its_steps_shown(served: Serv
 def test_the_openapi_document_describes_this_server(served: Served) -> None:
     document = served.ok("GET", "/openapi.json")
     assert document["openapi"] == "3.1.0"
-    assert set(document["paths"]) == {
+    assert set(document["paths"]) >= {
         "/api/runs", "/api/runs/{run_id}", "/api/runs/{run_id}/steps",
         "/api/runs/{run_id}/signals", "/api/runs/{run_id}/approve", "/api/runs/{run_id}/deny",
-        "/api/runs/{run_id}/input", "/api/runs/{run_id}/cancel",
+        "/api/runs/{run_id}/input", "/api/runs/{run_id}/cancel", "/api/runs/{run_id}/messages",
+        "/api/runs/{run_id}/published",
+        "/api/sessions/{session_id}/turns", "/api/runs/{run_id}/resume",
+        "/api/runs/{run_id}/resolve-drift",
     }  # fmt: skip
     schemas = document["components"]["schemas"]
     assert {"TurnResult", "RunState", "StepRecord", "RunSummary", "ErrorBody"} <= set(schemas)
-    assert schemas["StartRun"]["properties"]["flow"]["enum"] == ["boom", "charge", "refund", "ship"]
+    assert schemas["StartRun"]["properties"]["flow"]["enum"] == [
+        "boom",
+        "charge",
+        "household",
+        "order",
+        "refund",
+        "ship",
+    ]
     assert schemas["StartRun"]["additionalProperties"] is False
     assert document["security"] == [{"bearer": []}]
 
@@ -409,6 +354,44 @@ def test_every_refusal_is_a_json_4xx_that_writes_nothing(served: Served) -> None
 
     # After all of that the run still waits, untouched.
     assert served.ok("GET", runs(f"/{run_id}"))["status"] == "paused"
+
+
+def test_a_typed_start_takes_an_object_and_refuses_a_bad_one_naming_its_fields(
+    served: Served,
+) -> None:
+    s = session()
+    bad = {"session_id": s, "flow": "order", "input": {"qty": "many"}}
+    refused = served.refused(422, "InvalidArgumentError", "POST", "/api/runs", bad)
+    assert "sku" in refused.body["message"] and "qty" in refused.body["message"]
+    good = {"session_id": s, "flow": "order", "input": {"sku": "tea", "qty": 3}}
+    paused = served.ok("POST", "/api/runs", good)
+    assert paused["status"] == "paused"
+    done = served.ok("POST", runs(f"/{paused['run_id']}/approve"), {"by": "ann"})
+    assert (done["status"], done["output"]) == ("finished", "3xtea")
+
+
+def test_a_parents_child_wait_is_read_only_and_the_childs_approval_resumes_it(
+    served: Served,
+) -> None:
+    s = session()
+    parent = served.start("household", s)
+    assert parent["waiting_for"]["kind"] == "child"
+    child_id = parent["waiting_for"]["child_run_id"]
+    state = served.ok("GET", runs(f"/{parent['run_id']}"))
+    assert state["children"] == [child_id] and state["parent"] is None
+    child = served.ok("GET", runs(f"/{child_id}"))
+    assert child["parent"] == {"run_id": parent["run_id"], "step": 0}
+    listed = served.ok("GET", f"/api/runs?session_id={s}")
+    assert {r["run_id"]: r["parent"] for r in listed}[child_id]["run_id"] == parent["run_id"]
+
+    served.refused(409, "SignalMismatchError", "POST", runs(f"/{parent['run_id']}/approve"),
+                   {"by": "ann"})  # fmt: skip
+    signal = {"name": "__child", "payload": {"status": "finished"}}
+    served.refused(422, None, "POST", runs(f"/{parent['run_id']}/signals"), signal,
+                   headers={"Idempotency-Key": key()})  # fmt: skip
+    served.ok("POST", runs(f"/{child_id}/approve"), {"by": "ann"})
+    done = served.ok("GET", runs(f"/{parent['run_id']}"))
+    assert (done["status"], done["outcome"]) == ("finished", "ordered 2xtea")
 
 
 def test_a_lease_held_by_another_worker_is_409_and_writes_nothing(served: Served) -> None:

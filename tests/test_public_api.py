@@ -38,7 +38,8 @@ def test_every_error_of_the_contract_is_exported_as_a_kuralle_error() -> None:
         "ToolResultTypeError", "ToolApprovalDeniedError", "InvalidToolArgsError",
         "UnknownToolError", "FlowNotFoundError", "SignalMismatchError", "InvalidSignalError",
         "PayloadTooLargeError", "ModelResponseError", "RunNotFoundError", "FlowDriftError",
-        "StaleWriteError", "LeaseHeldError", "InvalidArgumentError",
+        "StaleWriteError", "LeaseHeldError", "InvalidArgumentError", "DeadlineExpiredError",
+        "NotPublishedError",
     ]  # fmt: skip
     for name in errors:
         error = getattr(kuralle_es, name)
@@ -51,3 +52,10 @@ def test_transitions_are_exported() -> None:
     assert isinstance(kuralle_es.goto("a"), kuralle_es.Goto)
     assert isinstance(kuralle_es.end("done"), kuralle_es.End)
     assert isinstance(kuralle_es.handoff("other"), kuralle_es.Handoff)
+
+
+def test_the_testing_kit_exports_the_clock_and_the_replay_of_the_contract() -> None:
+    for name in ("TestClock", "replay_with", "Counterfactual", "replay_check", "ScriptedModel"):
+        assert name in testing.__all__, name
+    assert inspect.signature(testing.replay_with).parameters["model"].default is None
+    assert inspect.signature(testing.TestClock).parameters["start"].default is None

@@ -364,7 +364,9 @@ async def test_a_tools_model_retry_is_journaled_and_a_structured_output_returned
         return 1200 * qty
 
     dying, reopen = crashing(open_store)
-    dying.plan = CrashPlan("before_intent", nth=5)  # model, price, model, price, the final model
+    # model, price, model, price, the final model: killed once that call's intent
+    # (which carries the last price's result) is saved, before the model answers.
+    dying.plan = CrashPlan("after_intent", nth=5)
     with pytest.raises(Crash):
         await durable(agent, Runtime([], store=dying, holder=HOLDER)).run(
             "2 please", session_id="q"

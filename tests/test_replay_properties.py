@@ -7,9 +7,11 @@ run_id=...)`` then completes it. Whatever the failure, these must hold:
 
 - each tool call executes exactly once per idempotency key (an external
   ledger keyed by ``call.idempotency_key`` counts executions), except a call
-  cut off mid-execution, which re-executes once with the *same* key;
-- every value the first pass saw is the value the second pass sees, and
-  both equal the journal's recorded results;
+  in doubt at the crash (cut off mid-execution, or executed with its result
+  not saved yet: a result rides the turn's next save, docs/guarantees.md),
+  which re-executes once with the *same* key;
+- every value the first pass saw and the journal saved is the value the
+  second pass sees, and both equal the journal's recorded results;
 - the journal never holds two finished steps with one key; its callsites are
   exactly ``0..n-1``; its keys are the documented hashes (docs/concepts.md), computed independently.
 """
@@ -153,6 +155,17 @@ def expected_payloads(program: list[tuple[Any, ...]]) -> list[Any]:
     return out
 
 
+def callsites_of(program: list[tuple[Any, ...]]) -> list[list[int]]:
+    """The callsites each effect of ``program`` takes (a gather takes one per call)."""
+    out: list[list[int]] = []
+    next_site = 0
+    for effect in program:
+        width = len(effect[1]) if effect[0] == "gather" else 1
+        out.append(list(range(next_site, next_site + width)))
+        next_site += width
+    return out
+
+
 Observed = list[dict[int, list[Any]]]  # per turn: effect index -> the values it returned
 
 
@@ -228,6 +241,14 @@ async def play(scenario: Scenario) -> None:
     state = await rt.get_run(run_id, SESSION)
     assert state is not None
     assert state.status == ("error" if expected_failure is NodeFailure else "running")
+    # What the crash left saved: a step's result rides the turn's next save, so
+    # the last results before a crash may be in doubt (re-run under their keys).
+    saved = [s for s in await rt.get_steps(run_id, SESSION) if s.status == "finished"]
+    saved_sites = {s.callsite for s in saved}
+    saved_keys = {s.key for s in saved}
+    if errored:  # an error closes the turn with a save: nothing is in doubt
+        reached = callsites_of(scenario.program)[: scenario.fail_at]
+        assert len(saved) == sum(len(sites) for sites in reached)
 
     # ---- re-entry completes (a crashed turn is re-entered by a restarted worker)
     again = rt if errored else with_store(rt)
@@ -239,8 +260,10 @@ async def play(scenario: Scenario) -> None:
     # Re-entry resumes at the active node: it sees at least every effect the
     # first pass did not reach, and whatever both saw is identical.
     assert set(range(scenario.fail_at, len(scenario.program))) <= set(second)
+    sites = callsites_of(scenario.program)
     for i in set(first) & set(second):
-        assert first[i] == second[i], i
+        if set(sites[i]) <= saved_sites:
+            assert first[i] == second[i], i
     merged = {**first, **second}
     final = [v for i in sorted(merged) for v in merged[i]]
 
@@ -268,10 +291,10 @@ async def play(scenario: Scenario) -> None:
     assert set(ledger.applied) == tool_keys
     assert len(ledger.applied) == sum(1 for p in payloads if isinstance(p, dict))
     for key, count in ledger.attempts.items():
-        assert count == 1 or (scenario.cuts_a_tool and count == 2), (key, count)
+        assert count == 1 or (count == 2 and key not in saved_keys), (key, count)
     if scenario.cuts_a_tool:
         # The cut-off call re-executed once, under exactly the key it had.
-        assert sorted(ledger.attempts.values()).count(2) == 1
+        assert sorted(ledger.attempts.values()).count(2) >= 1
     for call in ledger.calls:
         step = next(s for s in steps if s.key == call.idempotency_key)
         assert call.callsite == step.callsite

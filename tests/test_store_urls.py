@@ -182,7 +182,9 @@ def test_a_store_whose_every_host_is_down_is_one_line_naming_them_within_seconds
     url = f"postgresql://postgres@127.0.0.1:{ports[0]},127.0.0.1:{ports[1]}/kuralle_gone"
     started = time.monotonic()
     done = kuralle("--store", url, "runs", "list")
-    assert time.monotonic() - started < 5
+    # Seconds, not a connect timeout's minutes; the bound includes starting Python,
+    # which takes seconds of its own on a loaded machine.
+    assert time.monotonic() - started < 15
     assert done.returncode == 2
     [line] = done.stderr.splitlines()
     assert line.startswith(

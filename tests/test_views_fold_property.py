@@ -144,9 +144,10 @@ def summary_of(state: RunState) -> dict[str, Any]:
     keys = (
         "run_id", "session_id", "kind", "status", "active_flow", "active_node",
         "waiting_for", "lease_holder", "lease_expires_at", "step_count", "updated_at",
-        "flow_version",
+        "flow_version", "outcome",
     )  # fmt: skip
-    return {k: dumped[k] for k in keys}
+    error = state.error.type if state.error is not None else None
+    return {**{k: dumped[k] for k in keys}, "error_type": error}
 
 
 async def check(

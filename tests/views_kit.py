@@ -218,7 +218,7 @@ def expected_summary(state: RunState) -> dict[str, Any]:
     keys = (
         "run_id", "session_id", "kind", "status", "active_flow", "active_node",
         "waiting_for", "lease_holder", "lease_expires_at", "step_count", "updated_at",
-        "flow_version",
+        "flow_version", "parent",
     )  # fmt: skip
     dumped = state.model_dump(mode="json")
     # The last flow the run was in: an ended run keeps its flow's digest.
@@ -227,4 +227,23 @@ def expected_summary(state: RunState) -> dict[str, Any]:
     return {
         **{k: dumped[k] for k in keys},
         "flow": state.active_flow or flows.get(state.flow_digest or ""),
+        "node": state.active_node or last_node(state),
+        "outcome": state.outcome,
+        "error_type": state.error.type if state.error is not None else None,
     }
+
+
+#: The node each test flow ends in (its only one): an ended run's last node.
+_END_NODES = {"quick": "go", "many": "go", "flaky": "go", "crash": "go", "approve": "ask",
+              "signal": "wait", "intake": "amount"}  # fmt: skip
+
+
+def last_node(state: RunState) -> str | None:
+    """The last node of an ended run of this kit's flows (None outside a flow)."""
+    if state.flow_digest == refund_flow.digest:
+        return state.outcome  # its last nodes are named after how it ends
+    flows = {f.digest: f for a in (agent(), agent(2)) for f in a.flows.values()}
+    flow = flows.get(state.flow_digest or "")
+    if flow is None:
+        return None
+    return _END_NODES.get(flow.name, flow.start)

@@ -11,15 +11,12 @@ import inspect
 import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import BaseModel
 
 from .._journal.keys import canonical_json, sha256_hex
 from ..errors import InvalidArgumentError, InvalidDefinitionError
-
-if TYPE_CHECKING:
-    from .._runtime.context import RunContext
 
 __all__ = [
     "ActionNode",
@@ -100,7 +97,10 @@ class Node:
         return {"id": self.id, "kind": self.kind}
 
 
-ActionRun = Callable[[dict[str, Any], "RunContext"], Awaitable[Any]]
+#: ``async def run(state, ctx)``, ``ctx`` being the node's ``RunContext``. Typed ``Any``
+#: here: definitions sit below the runtime that drives them (a node annotated
+#: ``ctx: RunContext`` fits).
+ActionRun = Callable[[dict[str, Any], Any], Awaitable[Any]]
 
 
 @dataclass(frozen=True)
@@ -285,6 +285,9 @@ class Flow:
     nodes: dict[str, Node]
     digest: str
     version: str | None = None
+    #: The model a run's input is validated against (``define_flow(..., input=...)``),
+    #: which node code reads as ``ctx.input``; None: the flow takes text.
+    input: type[BaseModel] | None = None
 
     def node(self, node_id: str) -> Node:
         return self.nodes[node_id]
@@ -341,6 +344,7 @@ def define_flow(
     nodes: Sequence[Node],
     *,
     version: str | int | None = None,
+    input: type[BaseModel] | None = None,
 ) -> Flow:
     """Define a flow; ids are checked and the digest is computed once, here.
 
@@ -349,8 +353,17 @@ def define_flow(
     start on the newest (compared naturally, ``"10"`` after ``"2"``), and a
     run resumes on the definition whose digest it pinned (docs/deploying.md).
     The label does not enter ``digest``.
+
+    ``input`` (a pydantic model class) makes the flow take typed input: a
+    start validates what it is given against the model (a refusal is
+    ``InvalidArgumentError`` naming the fields) and node code reads it as
+    ``ctx.input`` (docs/child-runs.md). Its JSON schema enters ``digest``; a
+    flow without ``input`` keeps the digest it always had.
     """
     label = _version_label(name, version)
+    if input is not None and not (isinstance(input, type) and issubclass(input, BaseModel)):
+        msg = f"flow {name!r}: input must be a pydantic model class, got {input!r}"
+        raise InvalidDefinitionError(msg)
     by_id: dict[str, Node] = {}
     for node in nodes:
         if not isinstance(node, Node):
@@ -364,13 +377,15 @@ def define_flow(
     if start_id not in by_id:
         msg = f"flow {name!r}: start node {start_id!r} is not one of {sorted(by_id)!r}"
         raise InvalidArgumentError(msg)
-    description_of_flow = {
+    description_of_flow: dict[str, Any] = {
         "name": name,
         "start": start_id,
         "nodes": [by_id[k].describe() for k in sorted(by_id)],
     }
+    if input is not None:  # only then: the digests of untyped flows never change
+        description_of_flow["input"] = input.model_json_schema()
     digest = sha256_hex(canonical_json(description_of_flow))
     return Flow(
         name=name, description=description, start=start_id, nodes=by_id, digest=digest,
-        version=label,
+        version=label, input=input,
     )  # fmt: skip

@@ -69,6 +69,15 @@ class LoopTurn(Protocol):
         """Set ``n`` consecutive callsites aside, in order."""
         ...
 
+    async def given(self, name: str, value: Any) -> Any:
+        """What the caller gave this turn under ``name`` (JSON, such as a message
+        history), the same on every pass of the turn in any process: journaled
+        at the next callsite as a ``value`` step by the pass that had it first,
+        and read back from there by every later pass (which need not have it).
+        None, with no callsite taken, when no pass had one, or when the turn
+        already went on without it."""
+        ...
+
     async def approval(
         self, callsite: int, tool_name: str, args: Any, description: str | None = None
     ) -> ApprovalDecision:

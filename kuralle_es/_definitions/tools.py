@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import inspect
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from ..shapes import ToolCall
 from .retry import NO_RETRY, RetryPolicy
 from .tool_threads import in_tool_thread
 
-__all__ = ["Tool", "ToolExited", "define_tool"]
+__all__ = ["Tool", "ToolExited", "define_tool", "flow_tool"]
 
 PolicyAnswer = Literal["allow", "ask", "deny"]
 #: The tool's input model: a tool's ``execute``, policy and key see the validated args as it.
@@ -60,6 +61,8 @@ class Tool(Generic[ArgsT]):
     timeout: float | None = None
     #: Whether ``execute`` is a coroutine function (decided once, not per call).
     is_async: bool = False
+    #: The flow a call runs as a child run of (``flow_tool``), instead of ``execute``.
+    child_flow: str | None = None
 
     def validate(self, args: Any) -> ArgsT:
         """The tool's input model built from ``args``, or ``InvalidToolArgsError``.
@@ -286,3 +289,28 @@ def define_tool(
         timeout=timeout,
         is_async=_is_async(execute),
     )
+
+
+def _runs_as_a_child(args: BaseModel) -> Any:
+    """A ``flow_tool``'s ``execute``, which the runtime never calls: a call of it
+    starts a child run instead."""
+    msg = "a flow_tool runs as a child run of its flow; it has no execute of its own"
+    raise InvalidDefinitionError(msg)
+
+
+def flow_tool(name: str, description: str, flow_name: str, input: type[ArgsT]) -> Tool[ArgsT]:
+    """A tool whose execution is a child run of flow ``flow_name`` (docs/child-runs.md).
+
+    A call (by a model in a conversation, or ``ctx.tool`` in a node) starts the
+    child once, its args (validated by ``input``, then by the flow's own
+    ``input`` model; a flow without one gets their JSON as text) being its
+    input; the calling run waits while the child runs, and the child's output
+    is the tool's result. A child that errors or is aborted is the call's
+    error (``ChildRunError``; a model reads it as the tool's result). Raises
+    ``InvalidArgumentError`` for a bad name or flow name.
+    """
+    if not isinstance(flow_name, str) or not flow_name.strip():
+        msg = f"flow_tool {name!r}: flow_name must name a flow, got {flow_name!r}"
+        raise InvalidArgumentError(msg)
+    tool = define_tool(name, description, input, _runs_as_a_child)
+    return dataclasses.replace(tool, child_flow=flow_name)

@@ -15,8 +15,9 @@ so far.
 The classes hold data only. Every reader of the journal is an exhaustive
 dispatch over ``RUN_EVENTS``: the aggregate's fold (``run``), the views
 (``views.fold``), the public events (``events.translate``), the timeline
-(``views.timeline``), fork (``_runtime.fork``) and the crash kit
-(``testing``) each handle or explicitly skip every class, and
+(``views.timeline``), fork (``_runtime.fork``), the re-drive of a recording
+(``_operations.recording``) and the crash kit (``testing``) each handle or
+explicitly skip every class, and
 ``tests/test_catalogue.py`` names any reader that forgot one.
 
 Class names differ from the public event types of ``kuralle_es.events``
@@ -35,6 +36,7 @@ from eventsourcing.utils import register_topic
 from .sites import split_lane
 
 __all__ = [
+    "MAIL_EVENTS",
     "RESULTS",
     "RUN_EVENTS",
     "SESSION_EVENTS",
@@ -49,15 +51,19 @@ __all__ = [
     "Errored",
     "Event",
     "Finished",
+    "FlowInputGiven",
     "FlowPinned",
     "Forked",
     "InboundKeyRecorded",
     "InputAccepted",
     "LeaseReleased",
     "LeaseTaken",
+    "MailDelivered",
+    "MailReceived",
     "MessageAppended",
     "Migrated",
     "NodeEntered",
+    "ParentLinked",
     "Paused",
     "Recovered",
     "Resumed",
@@ -137,6 +143,24 @@ class Forked(Event):
 
     from_run_id: str
     at_step: int
+
+
+class ParentLinked(Event):
+    """This run is a child run, started by step ``step`` of run ``run_id`` (of session
+    ``session_id``), which waits for it or will (docs/child-runs.md). Saved with
+    the child's creation, so a child never exists without knowing its parent."""
+
+    run_id: str
+    session_id: str
+    step: int
+
+
+class FlowInputGiven(Event):
+    """The validated input a typed flow was started with (``define_flow(..., input=...)``),
+    as JSON data: what node code reads as ``ctx.input``, on every replay and in any
+    process. Saved with the run's creation."""
+
+    input: dict[str, Any]
 
 
 class TurnStarted(Event):
@@ -368,6 +392,27 @@ class LeaseReleased(Event):
     """Stored by releases before 0.2 (see ``LeaseTaken``); no longer written."""
 
 
+# ------------------------------------------------------------------ mailbox
+class MailReceived(Event):
+    """A message (``runtime.send``) arrived in the run's mailbox, whatever the run
+    was doing; ``ctx.receive(name)`` takes it later, oldest first. Not a chat
+    message (``MessageAppended``). Appended by the sender alone, so a turn that
+    drives the run meanwhile takes it into its own next save (docs/messages.md)."""
+
+    message_id: str
+    name: str
+    payload: Any
+    actor: str | None
+
+
+class MailDelivered(Event):
+    """A message arrived for the ``receive`` the run waited in (its wait's
+    ``request_id``): the run runs again, and the receive takes its message."""
+
+    request_id: str
+    message_id: str
+
+
 # ----------------------------------------------------------- session index
 class SessionIndexCreated(SessionEvent, Aggregate.Created):
     TOPIC = "kuralle_es:SessionRuns.Created"
@@ -392,6 +437,8 @@ STEP_EVENTS = (
 RUN_EVENTS: tuple[type[Event], ...] = (
     RunCreated,
     Forked,
+    ParentLinked,
+    FlowInputGiven,
     TurnStarted,
     NodeEntered,
     FlowPinned,
@@ -413,7 +460,12 @@ RUN_EVENTS: tuple[type[Event], ...] = (
     LeaseTaken,
     LeaseReleased,
     InboundKeyRecorded,
+    MailReceived,
+    MailDelivered,
 )
+#: The events a sender appends to a run without its lease: a turn driving the
+#: run meanwhile takes them into its own state instead of losing its save.
+MAIL_EVENTS: tuple[type[Event], ...] = (MailReceived,)
 #: Every stored event class of a session's index.
 SESSION_EVENTS: tuple[type[SessionEvent], ...] = (SessionIndexCreated, RunIndexed)
 # Events declared outside an aggregate class are not registered by

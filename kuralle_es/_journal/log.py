@@ -446,12 +446,17 @@ class RunLog(SavingApplication):
             return []
         return list(self.recorder.select_events(aggregate_id))
 
-    def run_events(self, run_id: str) -> list[Any]:
-        """The run's events, decoded and upcast, oldest first."""
+    def run_events(self, run_id: str, after: int | None = None) -> list[Any]:
+        """The run's events, decoded and upcast, oldest first (those after version
+        ``after`` only, when given)."""
         aggregate_id = parse_run_id(run_id)
         if aggregate_id is None:
             return []
-        return list(self.events.get(aggregate_id))
+        return list(self.events.get(aggregate_id, gt=after))
+
+    async def run_events_async(self, run_id: str, after: int | None = None) -> list[Any]:
+        """``run_events`` for async code (inline in memory, on a worker thread elsewhere)."""
+        return await self._off_loop(RunLog.run_events, self, run_id, after)
 
     # --------------------------------------------------------------- leases
     def lease(self, run_id: str) -> Lease | None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, NotRequired, TypedDict
 from uuid import UUID
@@ -43,7 +44,7 @@ from .sites import Effect, Lane, Site
 from .spending import normalise_usage
 from .wait import Wait
 
-__all__ = ["CANCELLED", "MIGRATED", "Run", "StepData", "step_record"]
+__all__ = ["CANCELLED", "MIGRATED", "ParentLink", "Run", "StepData", "step_record"]
 
 
 class StepData(TypedDict):
@@ -68,6 +69,16 @@ class StepData(TypedDict):
     retry_at: datetime | None
     #: Held by snapshots of 0.1.0 (the logical run with its lane); never read.
     logical_run: NotRequired[str]
+
+
+@dataclass(frozen=True)
+class ParentLink:
+    """Where a child run comes from: the run that started it (and its session), and
+    the index of that run's step that did (docs/child-runs.md)."""
+
+    run_id: str
+    session_id: str
+    step: int
 
 
 #: How the outcome of a cancelled run begins.
@@ -96,7 +107,9 @@ class Run(Aggregate):
     #: 2: usage, budget and budget raises; delivered signal ids as a mapping
     #: (membership in O(1)); the fields older snapshots lacked, set.
     #: 3: every inbound idempotency key seen, with the digest of its request.
-    class_version = 3
+    #: 4: the mailbox (unread messages, every message id seen) and published values;
+    #: a typed flow's input, a child run's parent, a run's children.
+    class_version = 4
     #: Set on a run folded for its whole journal (``RunStore.load_history``),
     #: never saved: such a run archives nothing.
     keeps_all_steps: bool = False
@@ -157,6 +170,18 @@ class Run(Aggregate):
         self.budget: dict[str, Any] | None = None
         #: Limits a human raised when approving past the budget.
         self.budget_raises: dict[str, Any] = {}
+        #: Messages sent to the run and not received yet, oldest first (docs/messages.md).
+        self.mailbox: list[dict[str, Any]] = []
+        #: Every ``message_id`` that arrived (the values mean nothing): a resend is a no-op.
+        self.mail_ids: dict[str, None] = {}
+        #: The latest value published under each key (``ctx.publish``), as journaled JSON.
+        self.published: dict[str, str] = {}
+        #: The validated input of a typed flow's start, as JSON data (``ctx.input``).
+        self.input: dict[str, Any] | None = None
+        #: ``{"run_id", "session_id", "step"}`` of the run that started this one.
+        self.parent: dict[str, Any] | None = None
+        #: The ids of the child runs this run started, in order (from their steps).
+        self.children: list[str] = []
 
     @staticmethod
     def upcast_v1_v2(state: dict[str, Any]) -> None:
@@ -181,6 +206,17 @@ class Run(Aggregate):
         turns and its last turn's key) are seen, with no digest to compare."""
         keys = [*state.get("turn_keys", {}), state.get("turn_key")]
         state["inbound_keys"] = {key: None for key in keys if key}
+
+    @staticmethod
+    def upcast_v3_v4(state: dict[str, Any]) -> None:
+        """A snapshot before mailboxes, published values, typed input and child
+        runs: a run with none of them (no release before them had any)."""
+        state["mailbox"] = []
+        state["mail_ids"] = {}
+        state["published"] = {}
+        state["input"] = None
+        state["parent"] = None
+        state["children"] = []
 
     # ------------------------------------------------------------------ ids
     @property
@@ -339,6 +375,25 @@ class Run(Aggregate):
         self._require_status("running", "recover the run")
         self.trigger_event(stored.Recovered, previous_holder=previous_holder)
 
+    def link_parent(self, link: ParentLink) -> None:
+        """Record that this run is the child run ``link`` started (with its creation)."""
+        self.trigger_event(
+            stored.ParentLinked, run_id=link.run_id, session_id=link.session_id, step=link.step
+        )
+
+    def give_input(self, data: dict[str, Any]) -> None:
+        """Record the validated input a typed flow starts with (with its creation)."""
+        encode_json(data, "the run's input")
+        self.trigger_event(stored.FlowInputGiven, input=copy.deepcopy(data))
+
+    @property
+    def parent_link(self) -> ParentLink | None:
+        """The run that started this one, if it is a child run."""
+        parent = self.parent
+        if parent is None:
+            return None
+        return ParentLink(parent["run_id"], parent["session_id"], parent["step"])
+
     def mark_forked(self, from_run_id: str, at_step: int) -> None:
         self.trigger_event(stored.Forked, from_run_id=from_run_id, at_step=at_step)
 
@@ -400,6 +455,28 @@ class Run(Aggregate):
             self.abort(outcome)
         return True
 
+    def receive_mail(self, message_id: str, name: str, payload: Any, actor: str | None) -> None:
+        """Put a message in the mailbox (its payload checked to be journal-able)."""
+        if self.status in ("finished", "aborted"):
+            msg = f"cannot receive a message: run {self.run_id} is {self.status}"
+            raise InvalidArgumentError(msg)
+        encode_json(payload, f"the payload of message {name!r}")
+        self.trigger_event(
+            stored.MailReceived, message_id=message_id, name=name, payload=payload, actor=actor
+        )
+
+    def deliver_mail(self, request_id: str, message_id: str) -> None:
+        """Wake the run from the ``receive`` it waits in: ``message_id`` is for it."""
+        wait = self.waiting
+        if self.status != "paused" or wait is None or wait.kind != "message":
+            msg = f"cannot deliver a message: run {self.run_id} is {self.status} in no receive"
+            raise InvalidArgumentError(msg)
+        self.trigger_event(stored.MailDelivered, request_id=request_id, message_id=message_id)
+
+    def unread(self, name: str) -> dict[str, Any] | None:
+        """The oldest message named ``name`` no receive took yet, or None."""
+        return next((m for m in self.mailbox if m["name"] == name), None)
+
     def record_inbound_key(self, idempotency_key: str, request: str) -> None:
         """Record that a call with ``idempotency_key`` (asking what ``request`` digests)
         opened a turn of this run."""
@@ -442,7 +519,8 @@ class Run(Aggregate):
         state: a live step is about an event's worth; messages and recorded
         turns are small and decode in bulk, about sixteen to an event
         (``RunStore`` spaces snapshots by it; benchmarks/long_conversations.py)."""
-        return len(self.steps) + (len(self.messages) + len(self.turn_keys)) // 16
+        small = len(self.messages) + len(self.turn_keys) + len(self.mailbox) + len(self.published)
+        return len(self.steps) + small // 16
 
     # ----------------------------------------------------------------- steps
     def archive_steps(self) -> None:
@@ -515,6 +593,12 @@ class Run(Aggregate):
             outcome=self.outcome,
             forked_from=copy.deepcopy(self.forked_from),
             migrated_to=self.migrated_to,
+            parent=(
+                None
+                if self.parent is None
+                else {"run_id": self.parent["run_id"], "step": self.parent["step"]}
+            ),
+            children=list(self.children),
         )
 
     def step_records(self) -> list[StepRecord]:
@@ -561,6 +645,14 @@ def step_record(step: StepData) -> StepRecord:
 # misses one). Each changes the run as the event says, and nothing else.
 def _forked(run: Run, e: stored.Forked) -> None:
     run.forked_from = {"run_id": e.from_run_id, "at_step": e.at_step}
+
+
+def _parent_linked(run: Run, e: stored.ParentLinked) -> None:
+    run.parent = {"run_id": e.run_id, "session_id": e.session_id, "step": e.step}
+
+
+def _flow_input_given(run: Run, e: stored.FlowInputGiven) -> None:
+    run.input = e.input
 
 
 def _turn_started(run: Run, e: stored.TurnStarted) -> None:
@@ -626,6 +718,14 @@ def _step_intended(run: Run, e: stored.StepIntended) -> None:
     run.slots.setdefault(site.slot, []).append(e.index)
     if e.kind == "model":
         run.count_model_call(e.name)
+    elif e.kind == "receive" and isinstance(e.args, dict) and "message_id" in e.args:
+        # The receive took this message: it is read (a replay takes the same one).
+        taken = e.args["message_id"]
+        run.mailbox = [m for m in run.mailbox if m["message_id"] != taken]
+    elif e.kind == "child" and isinstance(e.args, dict) and "run_id" in e.args:
+        # A child's id is known at its start's intent (it derives from the step's
+        # key), so a cancel that lands while the child is created still finds it.
+        run.children.append(str(e.args["run_id"]))
 
 
 def _step_succeeded(run: Run, e: stored.StepSucceeded) -> None:
@@ -636,6 +736,8 @@ def _step_succeeded(run: Run, e: stored.StepSucceeded) -> None:
     step["finished_at"] = e.timestamp
     if step["kind"] == "model":
         run.count_model_tokens(step["name"], e.result_json)
+    elif step["kind"] == "publish":
+        run.published[step["name"]] = e.result_json
 
 
 def _step_errored(run: Run, e: stored.StepErrored) -> None:
@@ -753,6 +855,20 @@ def _lease_released(run: Run, e: stored.LeaseReleased) -> None:
     run.lease_expires_at = None
 
 
+def _mail_received(run: Run, e: stored.MailReceived) -> None:
+    if e.message_id in run.mail_ids:
+        return  # never stored twice (the sender checks), and harmless if it were
+    run.mail_ids[e.message_id] = None
+    run.mailbox.append(
+        {"message_id": e.message_id, "name": e.name, "payload": e.payload, "actor": e.actor}
+    )
+
+
+def _mail_delivered(run: Run, e: stored.MailDelivered) -> None:
+    run.status = "running"
+    run.waiting_for = None
+
+
 def _created(run: Run, e: stored.RunCreated) -> None:
     """Nothing more: ``Run.__init__`` took the event's fields."""
 
@@ -763,6 +879,8 @@ _FOLD: dict[type[stored.Event], _Fold | None] = stored.dispatch(
     {
         stored.RunCreated: _created,
         stored.Forked: _forked,
+        stored.ParentLinked: _parent_linked,
+        stored.FlowInputGiven: _flow_input_given,
         stored.TurnStarted: _turn_started,
         stored.NodeEntered: _node_entered,
         stored.FlowPinned: _flow_pinned,
@@ -789,5 +907,7 @@ _FOLD: dict[type[stored.Event], _Fold | None] = stored.dispatch(
         stored.LeaseTaken: _lease_taken,
         stored.LeaseReleased: _lease_released,
         stored.InboundKeyRecorded: _inbound_key_recorded,
+        stored.MailReceived: _mail_received,
+        stored.MailDelivered: _mail_delivered,
     },
 )

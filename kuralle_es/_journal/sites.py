@@ -30,6 +30,8 @@ class Lane(StrEnum):
     APPROVAL = "!approval"
     #: A budget's approval, beside the model call it lets start.
     BUDGET = "!budget"
+    #: The wait for a child run, beside the step that started it (``ctx.child``).
+    CHILD = "!child"
 
 
 def split_lane(stored: str) -> tuple[str, str]:

@@ -242,6 +242,11 @@ class RunStore:
         log = self._router.of_run(run_id)
         return [] if log is None else log.run_events(run_id)
 
+    async def run_events_async(self, run_id: str, after: int | None = None) -> list[Any]:
+        """The run's events after version ``after`` (all of them for None), oldest first."""
+        log = await self._router.of_run_async(run_id)
+        return [] if log is None else await log.run_events_async(run_id, after)
+
     def partition_of(self, run_id: str) -> int | None:
         """The number of the partition that holds the run (None: no such run)."""
         log = self._router.of_run(run_id)

@@ -14,7 +14,7 @@ from pydantic import ConfigDict
 from ..shapes import WaitingFor
 from .sites import Lane
 
-__all__ = ["APPROVAL", "BUDGET", "INPUT", "IN_DOUBT", "TIMER", "Wait"]
+__all__ = ["APPROVAL", "BUDGET", "CHILD", "INPUT", "IN_DOUBT", "TIMER", "Wait"]
 
 
 #: The stored names of the waits the runtime makes itself (a signal's own name
@@ -26,6 +26,9 @@ IN_DOUBT = "__in_doubt"
 INPUT = "__input"
 #: The wait of a run paused on a durable sleep (``ctx.sleep``); nothing is delivered to it.
 TIMER = "__timer"
+#: The wait of a parent run for a child run to end (``ctx.child``, ``ctx.wait_child``,
+#: a ``flow_tool`` call); the child's end is its delivery, never an operator's.
+CHILD = "__child"
 
 
 class Wait(WaitingFor):
@@ -65,9 +68,11 @@ class Wait(WaitingFor):
         )
 
     def to_json(self) -> dict[str, Any]:
-        """The stored JSON: every field, but ``step_index`` and ``schema_topic`` only
-        where set (a wait without them is stored as releases before them stored it)."""
-        unset = {name for name in ("step_index", "schema_topic") if getattr(self, name) is None}
+        """The stored JSON: every field, but ``step_index``, ``schema_topic`` and
+        ``child_run_id`` only where set (a wait without them is stored as releases
+        before them stored it)."""
+        optional = ("step_index", "schema_topic", "child_run_id")
+        unset = {name for name in optional if getattr(self, name) is None}
         return self.model_dump(mode="json", exclude=unset)
 
     @classmethod

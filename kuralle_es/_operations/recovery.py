@@ -9,9 +9,16 @@ Something has to come back for a run when nobody else will:
   ``on_in_doubt``;
 - a paused run whose wait's deadline passed gets the deadline deny
   (``sweep_deadlines``): an approval reads as denied, ``ctx.signal`` returns
-  the deny payload;
+  the deny payload, a ``ctx.receive`` raises ``DeadlineExpiredError``;
 - a run paused on a durable sleep (``ctx.sleep``) is woken once its wake
-  time came (``fire_timers``).
+  time came (``fire_timers``);
+- a parent run paused for a child run that ended, whose end nobody handed
+  to it (the process that ended the child died first), goes on
+  (``recover_orphaned_runs``, docs/child-runs.md).
+- only when asked (``resume_in_doubt_runs``, off in the sweeper by default),
+  a run in ``error`` whose last step is in doubt (a model call that failed,
+  its answer never recorded) is resumed once it has been left alone a while:
+  the step runs again, what was recorded replays.
 
 Candidates come from the run views (``RunViews.orphaned_runs``,
 ``expired_deadlines``, ``due_timers``), never from a scan of the streams;
@@ -31,21 +38,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import inspect
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, Protocol, runtime_checkable
 
+from .._clock import SYSTEM_CLOCK, FixedClock
 from .._durations import positive_seconds
+from .._runtime.children import ChildEnded
 from .._runtime.handle import TurnSink
 from .._runtime.observability import LOGGER_NAME, log_event
 from .._runtime.runtime import Runtime
 from .._runtime.suspensions import DEADLINE_DENY
 from .._runtime.turn import drive_turn
-from .._runtime.turn_calls import Command, Deliver, Recover, Wake
-from .._runtime.writer import utcnow
+from .._runtime.turn_calls import Command, Deliver, Recover, ResumeInDoubt, TurnEnv, Wake
 from ..errors import InvalidArgumentError
 from ..shapes import SignalDelivery, StreamPart
 from ..views import RunSummary
@@ -59,6 +68,7 @@ __all__ = [
     "create_sweep_job_runner",
     "fire_timers",
     "recover_orphaned_runs",
+    "resume_in_doubt_runs",
     "start_run_sweeper",
     "sweep_deadlines",
 ]
@@ -85,7 +95,18 @@ class _Watch(TurnSink):
             self.closed_as = part.type
 
 
-async def _drive(runtime: Runtime, command: Command, run_id: str, done: str, skipped: str) -> bool:
+def _swept_at(runtime: Runtime, now: datetime | None) -> tuple[TurnEnv, datetime]:
+    """What a sweep's turns run with, and the moment the sweep counts from: the
+    runtime's clock, or ``now`` when given (as a clock that reads ``now``)."""
+    if now is None:
+        return runtime.env, runtime.clock.now()
+    clock = FixedClock(now)
+    return dataclasses.replace(runtime.env, clock=clock), clock.at
+
+
+async def _drive(
+    runtime: Runtime, env: TurnEnv, command: Command, run_id: str, done: str, skipped: str
+) -> bool:
     """Drive one turn of ``command``; whether this sweeper drove the run to its next stop.
 
     A turn that found nothing to do (another sweeper was first) is quiet; a
@@ -94,7 +115,7 @@ async def _drive(runtime: Runtime, command: Command, run_id: str, done: str, ski
     sink = _Watch()
     error: Exception | None = None
     try:
-        await drive_turn(runtime.env, command, sink)
+        await drive_turn(env, command, sink)
     except Exception as exc:
         error = exc
     if sink.closed_as is None:
@@ -113,6 +134,7 @@ async def _drive(runtime: Runtime, command: Command, run_id: str, done: str, ski
 
 async def _drive_all(
     runtime: Runtime,
+    env: TurnEnv,
     found: Sequence[RunSummary],
     command: Callable[[RunSummary], Command | None],
     done: str,
@@ -126,7 +148,7 @@ async def _drive_all(
         if made is None:
             return False
         async with gate:
-            return await _drive(runtime, made, summary.run_id, done, skipped)
+            return await _drive(runtime, env, made, summary.run_id, done, skipped)
 
     driven = await asyncio.gather(*(one(s) for s in found))
     return [s.run_id for s, ok in zip(found, driven, strict=True) if ok]
@@ -136,24 +158,45 @@ async def _drive_all(
 async def recover_orphaned_runs(runtime: Runtime, now: datetime | None = None) -> list[str]:
     """Drive every orphan (a ``running`` run whose lease expired before ``now``) again.
 
-    ``now`` (this machine's time by default) only picks the candidates from
-    the views: whether a lease expired is the store's clock's to say, in the
-    take that opens each recovery, so a run whose lease is live by the
-    store's clock is never taken, however far ahead ``now`` is. Each orphan is
+    ``now`` only picks the candidates from the views; by default it is the
+    later of the runtime's clock and this machine's (a lease's expiry is
+    written by the store's clock, so a test clock standing still must not
+    hide a real orphan). Whether a lease expired is the store's clock's to
+    say, in the take that opens each recovery, so a run whose lease is live
+    by the store's clock is never taken, however far ahead ``now`` is. Each orphan is
     re-entered through the resume path with this runtime's holder as its new
     lease holder, and driven to its next pause or its end. A run another
     worker holds (``LeaseHeldError``), or that refuses (``FlowDriftError``,
-    ...) or errors, is logged and skipped. Returns the ids of the runs this
-    call drove.
+    ...) or errors, is logged and skipped.
+
+    Then every parent run paused for a child run that has ended gets the
+    child's end (the process that ended the child died before it handed the
+    end over) and goes on. Returns the ids of the runs this call drove.
     """
-    orphans = await runtime.views.orphaned_runs(now or utcnow())
-    return await _drive_all(
+    env, at = _swept_at(runtime, now)
+    if now is None:
+        at = max(at, SYSTEM_CLOCK.now())
+    orphans = await runtime.views.orphaned_runs(at)
+    recovered = await _drive_all(
         runtime,
+        env,
         orphans,
         lambda s: Recover(s.session_id, s.run_id),
         "run recovered",
         "recovery skipped",
     )
+    parents = await runtime.views.child_waits()
+    handed = await _drive_all(
+        runtime, env, parents, _child_end, "child end handed over", "hand-over skipped"
+    )
+    return recovered + [run_id for run_id in handed if run_id not in recovered]
+
+
+def _child_end(summary: RunSummary) -> Command | None:
+    wait = summary.waiting_for
+    if wait is None or wait.kind != "child" or wait.child_run_id is None:
+        return None
+    return ChildEnded(summary.session_id, summary.run_id, wait.child_run_id)
 
 
 def _deadline_deny(summary: RunSummary) -> Command | None:
@@ -171,7 +214,8 @@ def _deadline_deny(summary: RunSummary) -> Command | None:
 
 
 async def sweep_deadlines(runtime: Runtime, now: datetime | None = None) -> list[str]:
-    """Deliver the deadline deny to every paused run whose wait's deadline passed.
+    """Deliver the deadline deny to every paused run whose wait's deadline passed
+    (a message wait's receive then raises ``DeadlineExpiredError``).
 
     The payload is ``{"approved": False, "denied": True, "by": "deadline",
     "reason": "deadline-expired"}`` with ``signal_id = "deadline:" +
@@ -179,8 +223,9 @@ async def sweep_deadlines(runtime: Runtime, now: datetime | None = None) -> list
     Durable sleeps are skipped (``fire_timers`` wakes them). Returns the ids
     of the runs this call drove.
     """
-    expired = await runtime.views.expired_deadlines(now or utcnow())
-    return await _drive_all(runtime, expired, _deadline_deny, "run swept", "sweep skipped")
+    env, at = _swept_at(runtime, now)
+    expired = await runtime.views.expired_deadlines(at)
+    return await _drive_all(runtime, env, expired, _deadline_deny, "run swept", "sweep skipped")
 
 
 def _wake(summary: RunSummary) -> Command | None:
@@ -197,48 +242,94 @@ async def fire_timers(runtime: Runtime, now: datetime | None = None) -> list[str
     whoever else sweeps; the run re-executes its node, where ``ctx.sleep``
     now returns. Returns the ids of the runs this call drove.
     """
-    due = await runtime.views.due_timers(now or utcnow())
-    return await _drive_all(runtime, due, _wake, "timer fired", "wake skipped")
+    env, at = _swept_at(runtime, now)
+    due = await runtime.views.due_timers(at)
+    return await _drive_all(runtime, env, due, _wake, "timer fired", "wake skipped")
+
+
+#: How long (seconds) a run in doubt is left alone before ``resume_in_doubt_runs``
+#: resumes it: a failure that lasts (a model provider down) costs one try per
+#: this long, not one per sweep pass.
+IN_DOUBT_IDLE = 60.0
+
+
+async def resume_in_doubt_runs(
+    runtime: Runtime, idle_for: float = IN_DOUBT_IDLE, now: datetime | None = None
+) -> list[str]:
+    """Resume every run in ``error`` whose last step is in doubt and that nothing
+    changed for ``idle_for`` seconds: ``runtime.run(session_id, run_id=...)``.
+
+    A step in doubt is one whose outcome was never recorded (a model call that
+    failed): the resume runs it again under the same key, replays everything
+    recorded before it, and drives the run to its next stop. Frozen errors stay
+    frozen; a run that errs again waits ``idle_for`` more. Why the sweeper does
+    not do this by default: the step's effect runs again without a human
+    looking (a paid model call, a tool whose outcome is unknown), and an error
+    that is not transient repeats every ``idle_for``. Returns the ids of the
+    runs this call drove.
+    """
+    idle_for = positive_seconds(idle_for, "idle_for", zero_ok=True)
+    env, at = _swept_at(runtime, now)
+    found = await runtime.views.in_doubt_runs(at - timedelta(seconds=idle_for))
+    return await _drive_all(
+        runtime,
+        env,
+        found,
+        lambda s: ResumeInDoubt(s.session_id, s.run_id),
+        "run resumed",
+        "resume skipped",
+    )
 
 
 # ---------------------------------------------------------------- the job
 @dataclass(frozen=True)
 class SweepReport:
-    """What one pass of the sweeper drove: run ids per sweep."""
+    """What one pass of the sweeper drove: run ids per sweep (``resumed``: runs in
+    doubt, when the job resumes them)."""
 
     recovered: list[str] = field(default_factory=list)
     swept: list[str] = field(default_factory=list)
     woken: list[str] = field(default_factory=list)
+    resumed: list[str] = field(default_factory=list)
 
     @property
     def driven(self) -> list[str]:
         """Every run the pass drove, in sweep order."""
-        return [*self.recovered, *self.swept, *self.woken]
+        return [*self.recovered, *self.swept, *self.woken, *self.resumed]
 
 
 class SweepJob:
-    """One pass of the three sweeps over a runtime's store, as an async callable.
+    """One pass of the sweeps over a runtime's store, as an async callable.
 
     ``await job()`` recovers orphans, then denies expired deadlines, then
-    fires due timers, and returns a ``SweepReport``.
+    fires due timers, then (with ``resume_in_doubt`` seconds) resumes the runs
+    in doubt left alone that long, and returns a ``SweepReport``.
     """
 
-    def __init__(self, runtime: Runtime) -> None:
+    def __init__(self, runtime: Runtime, resume_in_doubt: float | None = None) -> None:
         self.runtime = runtime
+        self.resume_in_doubt = resume_in_doubt
 
     async def __call__(self) -> SweepReport:
         recovered = await recover_orphaned_runs(self.runtime)
         swept = await sweep_deadlines(self.runtime)
         woken = await fire_timers(self.runtime)
-        return SweepReport(recovered, swept, woken)
+        resumed = []
+        if self.resume_in_doubt is not None:
+            resumed = await resume_in_doubt_runs(self.runtime, self.resume_in_doubt)
+        return SweepReport(recovered, swept, woken, resumed)
 
 
-def create_sweep_job_runner(runtime: Runtime) -> SweepJob:
-    """The recurring job of the sweeper: an async callable running the three sweeps."""
+def create_sweep_job_runner(runtime: Runtime, *, resume_in_doubt: float | None = None) -> SweepJob:
+    """The recurring job of the sweeper: an async callable running the three sweeps,
+    and ``resume_in_doubt_runs`` with that many seconds of ``idle_for`` when given
+    (None, the default: runs in doubt wait for a person; see that function)."""
     if not isinstance(runtime, Runtime):
         msg = f"create_sweep_job_runner takes a Runtime, got {type(runtime).__name__}"
         raise InvalidArgumentError(msg)
-    return SweepJob(runtime)
+    if resume_in_doubt is not None:
+        resume_in_doubt = positive_seconds(resume_in_doubt, "resume_in_doubt", zero_ok=True)
+    return SweepJob(runtime, resume_in_doubt)
 
 
 # ------------------------------------------------------------ the sweeper

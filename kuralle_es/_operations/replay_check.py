@@ -20,16 +20,13 @@ resume would go on live), at a wait, or at the node's own error.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
 from .._definitions.agents import Agent
 from .._definitions.flows import Flow, pinned_version, version_key
-from .._definitions.llm import ModelRequest, ModelResponse
-from .._definitions.tools import Tool, define_tool
 from .._journal.run import Run
 from .._journal.store import RunStore
 from .._runtime.flow_driver import drive
@@ -39,6 +36,7 @@ from .._runtime.writer import RunWriter
 from ..errors import FlowDriftError, InvalidArgumentError, NonDeterminismError
 from ..shapes import StreamPart
 from ..views import RunSummary, RunViews
+from .dry_run import AnyTools, StubModel, WouldExecute, stubbed
 
 __all__ = ["ReplayFinding", "RunCheck", "check_runs", "replay_check"]
 
@@ -82,47 +80,6 @@ class RunCheck(BaseModel):
     message: str | None = None
 
 
-class _WouldExecute(BaseException):
-    """The replay reached an effect the journal does not hold: stop, nothing ran.
-
-    A ``BaseException``, so that no node's ``except Exception`` can swallow it
-    and go on executing.
-    """
-
-
-class _AnyArgs(BaseModel):
-    """Arguments of a tool the check was not given: whatever the node passes."""
-
-    model_config = ConfigDict(extra="allow")
-
-
-async def _forbidden(args: BaseModel) -> Any:
-    raise _WouldExecute
-
-
-class _StubModel:
-    """A model that answers nothing: a recorded turn replays, a new one stops the check."""
-
-    def __init__(self, model_id: str) -> None:
-        self._id = model_id
-
-    @property
-    def id(self) -> str:
-        return self._id
-
-    async def respond(self, request: ModelRequest) -> ModelResponse:
-        raise _WouldExecute
-
-
-class _AnyTools(dict[str, Tool[Any]]):
-    """Every tool name a node asks for, as a stub (when the check has no agents)."""
-
-    def get(self, name: str, default: Any = None) -> Tool[Any]:
-        if name not in self:
-            self[name] = define_tool(name, "", _AnyArgs, _forbidden)
-        return self[name]
-
-
 def _definitions(agent: Agent) -> tuple[Flow, ...]:
     return agent.flow_versions or tuple(agent.flows.values())
 
@@ -132,13 +89,11 @@ def _dry_agent(flow: Flow, agents: Sequence[Agent], model_id: str) -> Agent:
     defining = [a for a in agents if any(f is flow for f in _definitions(a))]
     for agent in defining or agents:
         if flow.name in agent.flows:
-            tools = {
-                name: dataclasses.replace(tool, execute=_forbidden, wants_call=False)
-                for name, tool in agent.tools.items()
-            }
-            model = _StubModel(getattr(agent.model, "id", model_id))
-            return Agent(agent.id, agent.instructions, model, tools, {flow.name: flow})
-    return Agent("replay-check", "", _StubModel(model_id), _AnyTools(), {flow.name: flow})
+            model = StubModel(getattr(agent.model, "id", model_id))
+            return Agent(
+                agent.id, agent.instructions, model, stubbed(agent.tools), {flow.name: flow}
+            )
+    return Agent("replay-check", "", StubModel(model_id), AnyTools(), {flow.name: flow})
 
 
 def _step_of(run: Run, error: NonDeterminismError) -> int | None:
@@ -176,7 +131,7 @@ async def _nondeterminism(
         if e.recorded_key is not None and not agents:
             return None  # other args or defaults: only the tools' input models can tell
         return e, _step_of(run, e)
-    except (_WouldExecute, Exception):
+    except (WouldExecute, Exception):
         return None  # the frontier, a wait, or the node's own error: as recorded
     finally:
         await writer.close()

@@ -20,6 +20,7 @@ from .._definitions.llm import ModelRequest, ModelResponse, ToolCallRequest
 from .._definitions.tools import Tool
 from .._journal.sites import Site
 from ..errors import (
+    ChildRunError,
     InvalidToolArgsError,
     ModelResponseError,
     SuspendError,
@@ -94,6 +95,8 @@ async def _outcome(writer: RunWriter, call: _Planned) -> Any:
         return denied_result(e.tool_name, e.denied_by, e.reason)
     except ToolExecutionError as e:
         return {"error": f"{e.error_type}: {e.message}"}
+    except (ChildRunError, InvalidToolArgsError) as e:  # a flow_tool's child run
+        return {"error": f"{type(e).__name__}: {e}"}
 
 
 def _groups(calls: list[_Planned]) -> list[list[_Planned]]:

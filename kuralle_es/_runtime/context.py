@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 from collections.abc import Callable, Coroutine, Mapping
 from datetime import datetime, timedelta
 from typing import Any, Literal
@@ -24,7 +25,7 @@ from pydantic import BaseModel, ValidationError
 from .._definitions.tools import Tool
 from .._durations import deadline_at, positive_seconds
 from .._journal.run import StepData
-from .._journal.sites import Effect, Site
+from .._journal.sites import Effect, Lane, Site
 from .._journal.wait import APPROVAL, TIMER
 from ..errors import (
     DeadlineExpiredError,
@@ -34,10 +35,14 @@ from ..errors import (
     UnknownToolError,
 )
 from ..shapes import ApprovalDecision, StreamPart
+from .children import ChildRequest, child_request, start_child, wait_child
 from .cursor import Cursor
+from .deliveries import EXPIRED, take_message
+from .input_checks import check_name
+from .replay_logger import ReplayQuietLogger
 from .suspensions import Schemas, WaitRequest, approval_decision, is_deadline_deny, suspend
 from .tool_calls import run_tool
-from .writer import RunWriter, decode, utcnow
+from .writer import RunWriter, decode
 
 __all__ = ["RunContext", "TurnBound"]
 
@@ -72,13 +77,19 @@ class RunContext(TurnBound):
         tools: Mapping[str, Tool[Any]],
         emit: Callable[[StreamPart], None],
         schemas: Schemas,
+        input_model: type[BaseModel] | None = None,
     ) -> None:
         super().__init__(writer, cursor, emit)
         self._tools = tools
         self._schemas = schemas
+        #: The flow's ``input`` model (``define_flow(..., input=...)``), if it has one.
+        self._input_model = input_model
+        self._input: BaseModel | None = None
         self._closed = False
         #: The turn's event loop, the only one this context answers on.
         self._loop = asyncio.get_running_loop()
+        #: The node's logger, quiet while this pass replays (docs/messages.md).
+        self.logger = ReplayQuietLogger(writer, cursor)
 
     def close(self) -> None:
         """End this context's node visit (the driver calls it when the node is done)."""
@@ -99,6 +110,18 @@ class RunContext(TurnBound):
         suspended (``SuspendError``); nothing is reserved or executed then."""
         self._require_open(what)
         self._writer.admit(what)
+
+    @property
+    def input(self) -> Any:
+        """The run's input, validated by the flow's ``input`` model: the model the run
+        was started with, read from the run's journal (the same on every replay
+        and in any process). None for a flow without ``input=``, whose start is
+        text (the run's first user message), or a run given no typed input."""
+        self._require_open("input")
+        given = self._writer.input
+        if self._input is None and self._input_model is not None and given is not None:
+            self._input = self._input_model.model_validate(given)
+        return self._input
 
     # ----------------------------------------------------------------- tools
     def tool(
@@ -144,6 +167,78 @@ class RunContext(TurnBound):
         with contextlib.suppress(RuntimeError):  # the turn's loop is closed: nothing waits
             self._loop.call_soon_threadsafe(self._cursor.settled)
 
+    # ---------------------------------------------------------- child runs
+    def child(
+        self, flow_name: str, input: Any = None, *, session_id: str | None = None
+    ) -> Coroutine[Any, Any, Any]:
+        """Start a child run of flow ``flow_name`` once, wait for it to end, and return
+        its output (docs/child-runs.md).
+
+        ``input`` is the child's start, validated as any flow start (text, or for a
+        typed flow a mapping, JSON string or model); ``session_id`` defaults to
+        this run's session. The start is one step of this run (the child's id
+        derives from its key, so a replay or a crash never starts a second
+        child); while the child runs, this run pauses on a ``child`` wait, and
+        resumes when the child ends. A child that errored or was aborted raises
+        ``ChildRunError``. Refused when called (nothing reserved): an unknown
+        flow (``FlowNotFoundError``), an input the flow refuses
+        (``InvalidArgumentError``).
+        """
+        return self._start(flow_name, input, session_id, wait=True)
+
+    def start_child(
+        self, flow_name: str, input: Any = None, *, session_id: str | None = None
+    ) -> Coroutine[Any, Any, str]:
+        """Start a child run once, like ``child``, without waiting for it: returns its
+        id, for ``wait_child`` (or nothing: it runs on its own)."""
+        return self._start(flow_name, input, session_id, wait=False)
+
+    def _start(
+        self, flow_name: str, input: Any, session_id: str | None, *, wait: bool
+    ) -> Coroutine[Any, Any, Any]:
+        self._admit(f"child run of {flow_name!r}")
+        request = child_request(flow_name, input, session_id, self._writer.session_id)
+        return self._child(self._cursor.request(), request, wait)
+
+    async def _child(self, site: Site, request: ChildRequest, wait: bool) -> Any:
+        try:
+            self._require_open(f"child run of {request.flow.name!r}")
+        except TurnClosedError:
+            self._settle_refused()
+            raise
+        try:
+            child_run_id = await start_child(self._writer, site, request)
+            if not wait:
+                return child_run_id
+            return await wait_child(self._writer, site.in_lane(Lane.CHILD), child_run_id)
+        finally:
+            self._cursor.settled()
+
+    def wait_child(self, child_run_id: str) -> Coroutine[Any, Any, Any]:
+        """Wait for a child run this run started (``start_child``) to end; returns its
+        output, or raises ``ChildRunError`` (it errored or was aborted). Takes one
+        callsite; pauses the run (a ``child`` wait) until the child ends.
+        ``InvalidArgumentError`` for an id that is not one of this run's children."""
+        self._admit("wait_child")
+        if child_run_id not in self._writer.children:
+            msg = (
+                f"run {self._writer.run_id} started no child run {child_run_id!r}; wait for "
+                "an id that ctx.start_child returned"
+            )
+            raise InvalidArgumentError(msg)
+        return self._wait_child(self._cursor.request(), child_run_id)
+
+    async def _wait_child(self, site: Site, child_run_id: str) -> Any:
+        try:
+            self._require_open("wait_child")
+        except TurnClosedError:
+            self._settle_refused()
+            raise
+        try:
+            return await wait_child(self._writer, site, child_run_id)
+        finally:
+            self._cursor.settled()
+
     # ------------------------------------------------------------- waiting
     def approve(
         self,
@@ -152,7 +247,7 @@ class RunContext(TurnBound):
         deadline: datetime | timedelta | float | None = None,
     ) -> Coroutine[Any, Any, ApprovalDecision]:
         """Suspend until an ``__approval`` signal arrives; returns the decision."""
-        deadline_at(deadline, utcnow())  # refused now, not when awaited
+        deadline_at(deadline, self._writer.now())  # refused now, not when awaited
         self._admit("approval")
         return self._approve(title, description, deadline)
 
@@ -178,7 +273,7 @@ class RunContext(TurnBound):
         if not isinstance(name, str) or not name or name.startswith("__"):
             msg = f"signal name must be a non-empty string not starting with '__', got {name!r}"
             raise InvalidArgumentError(msg)
-        deadline_at(deadline, utcnow())  # refused now, not when awaited
+        deadline_at(deadline, self._writer.now())  # refused now, not when awaited
         self._admit(f"signal {name!r}")
         return self._signal(name, deadline, schema)
 
@@ -220,6 +315,85 @@ class RunContext(TurnBound):
         finally:
             self._cursor.settled()
 
+    # ------------------------------------------------------ messages, values
+    def receive(
+        self,
+        name: str,
+        *,
+        deadline: datetime | timedelta | float | None = None,
+        schema: type[BaseModel] | None = None,
+    ) -> Coroutine[Any, Any, Any]:
+        """Take the oldest unread message ``name`` from the run's mailbox
+        (``runtime.send``) and return its payload (validated by ``schema``, a
+        pydantic model, when given: ``InvalidSignalError`` if it does not fit).
+
+        With none there, the turn suspends (``waiting_for.kind == "message"``)
+        until one is sent. Which message a receive took is journaled, so a
+        replay takes the same one. Past ``deadline`` (the sweeper's
+        ``sweep_deadlines``) it raises ``DeadlineExpiredError``, which the node
+        may catch: a timer that a message can cut short (docs/messages.md).
+        """
+        check_name(name, "message name")
+        deadline_at(deadline, self._writer.now())  # refused now, not when awaited
+        self._admit(f"receive {name!r}")
+        return self._receive(name, deadline, schema)
+
+    async def _receive(
+        self,
+        name: str,
+        deadline: datetime | timedelta | float | None,
+        schema: type[BaseModel] | None,
+    ) -> Any:
+        self._require_open(f"receive {name!r}")
+        site = self._cursor.request()
+        try:
+            recorded = await self._take(site, WaitRequest(name, deadline=deadline, schema=schema))
+        finally:
+            self._cursor.settled()
+        if EXPIRED in recorded:
+            expired = recorded[EXPIRED]
+            raise DeadlineExpiredError(name, datetime.fromisoformat(expired) if expired else None)
+        payload = recorded["payload"]
+        if schema is None:
+            return payload
+        try:
+            return schema.model_validate(payload)
+        except ValidationError as e:
+            raise InvalidSignalError(name, f"payload of message {name!r}: {e}") from None
+
+    async def _take(self, site: Site, request: WaitRequest) -> dict[str, Any]:
+        """What the receive at ``site`` took: recorded, or the oldest unread message
+        (journaled now), or the turn suspends on the wait for one."""
+        writer, name = self._writer, request.name
+        step = writer.recorded(Effect(site, "receive", name))
+        if step is not None:
+            recorded: dict[str, Any] = decode(step)
+            return recorded
+        if writer.unread(name) is None:  # sent since this turn last saved? Look once more.
+            await writer.take_in_mail()
+        taken = await take_message(writer, site, name)
+        if taken is None:
+            suspend(writer, site, "message", request, self._schemas)
+        return taken
+
+    def publish(self, key: str, value: Any) -> Coroutine[Any, Any, None]:
+        """Publish ``value`` (JSON) under ``key`` for others to read while the run
+        lives: ``runtime.published``, ``runtime.wait_published``, ``GET
+        /api/runs/{run_id}/published``, the dashboard. Journaled as a ``publish``
+        step, so a replay publishes nothing again; a later publish of the same
+        key replaces the value others read (docs/messages.md)."""
+        check_name(key, "published key")
+        self._admit(f"publish {key!r}")
+        return self._publish(key, copy.deepcopy(value))
+
+    async def _publish(self, key: str, value: Any) -> None:
+        self._require_open(f"publish {key!r}")
+        site = self._cursor.request()
+        try:
+            await self._writer.record_value(Effect(site, "publish", key), make=lambda: value)
+        finally:
+            self._cursor.settled()
+
     # ----------------------------------------------------------------- sleep
     def sleep(self, duration: float | timedelta) -> Coroutine[Any, Any, None]:
         """Sleep durably for ``duration`` (seconds, or a ``timedelta``).
@@ -248,10 +422,10 @@ class RunContext(TurnBound):
     async def _sleep_at(self, site: Site, seconds: float) -> None:
         recorded = await self._writer.record_value(
             Effect(site, "timer", "sleep", {"seconds": seconds}),
-            make=lambda: {"wake_at": (utcnow() + timedelta(seconds=seconds)).isoformat()},
+            make=lambda: {"wake_at": (self._writer.now() + timedelta(seconds=seconds)).isoformat()},
         )
         wake_at = datetime.fromisoformat(recorded["wake_at"])
-        left = (wake_at - utcnow()).total_seconds()
+        left = (wake_at - self._writer.now()).total_seconds()
         if left <= 0:
             return
         if left <= self._writer.inline_sleep_limit:
@@ -266,7 +440,7 @@ class RunContext(TurnBound):
         return self._now()
 
     async def _now(self) -> datetime:
-        value = await self._value("now", lambda: utcnow().isoformat())
+        value = await self._value("now", lambda: self._writer.now().isoformat())
         return datetime.fromisoformat(value)
 
     def uuid(self) -> Coroutine[Any, Any, str]:
@@ -281,7 +455,7 @@ class RunContext(TurnBound):
         self._require_open(kind)
         site = self._cursor.request()
         try:
-            return await self._writer.record_value(Effect(site, kind, kind), make=make)
+            return await self._writer.record_value(Effect(site, kind, kind), make=make, defer=True)
         finally:
             self._cursor.settled()
 

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ValidationError
 
 from .._definitions.budget import Budget
 from .._journal.json_data import encode_json, plain_json_problem
+from .._journal.mail import receive_step
 from .._journal.run import CANCELLED, Run
 from .._journal.sites import Effect, Lane, Site
 from .._journal.wait import APPROVAL, BUDGET, IN_DOUBT, Wait
@@ -31,32 +32,48 @@ from .suspensions import Schemas
 from .writer import RunWriter
 
 __all__ = [
+    "EXPIRED",
     "accept",
     "approval_delivery",
     "check",
     "delivery_id",
     "is_duplicate",
+    "journal_payload",
+    "take_message",
     "validate_payload",
     "waits_for",
 ]
 
+#: The key of what a ``receive`` step records when its wait's deadline passed
+#: (the deadline sweeper's deny), in place of a message.
+EXPIRED = "deadline_expired"
 
-def validate_payload(wait: Wait, payload: Any, schemas: Schemas, *, from_sweeper: bool) -> Any:
-    """The payload as it will be journaled, or ``InvalidSignalError`` naming the problem."""
-    name = wait.name
+
+def journal_payload(name: str, payload: Any, what: str = "signal") -> Any:
+    """A delivered payload (of a signal, or of a message: ``what``) as the journal
+    will hold it: plain JSON within the size bound, a pydantic model dumped; else
+    ``InvalidSignalError`` naming the problem."""
     if isinstance(payload, BaseModel):
         payload = payload.model_dump(mode="json")
     problem = plain_json_problem(payload)
     if problem is not None:
         msg = (
-            f"the payload of signal {name!r} {problem}; send plain JSON data "
+            f"the payload of {what} {name!r} {problem}; send plain JSON data "
             "(string keys, finite numbers, valid Unicode)"
         )
         raise InvalidSignalError(name, msg)
     try:
-        encode_json(payload, f"the payload of signal {name!r}")
+        encode_json(payload, f"the payload of {what} {name!r}")
     except (TypeError, KuralleError) as e:
         raise InvalidSignalError(name, f"{e}; send a JSON payload within the size bound") from None
+    return payload
+
+
+def validate_payload(wait: Wait, payload: Any, schemas: Schemas, *, from_sweeper: bool) -> Any:
+    """The payload as it will be journaled, or ``InvalidSignalError`` naming the problem."""
+    name = wait.name
+    what = "message" if wait.kind == "message" else "signal"
+    payload = journal_payload(name, payload, what)
     if from_sweeper:
         return payload
     if name == APPROVAL:
@@ -73,7 +90,7 @@ def validate_payload(wait: Wait, payload: Any, schemas: Schemas, *, from_sweeper
                 schema.model_validate(payload)
             except ValidationError as e:
                 msg = (
-                    f"payload of signal {name!r} fails {schema.__name__}: "
+                    f"payload of {what} {name!r} fails {schema.__name__}: "
                     f"{e.errors(include_url=False)}; send a payload matching the schema"
                 )
                 raise InvalidSignalError(name, msg) from None
@@ -168,6 +185,20 @@ def check(
             f"run {run.run_id} sleeps on a durable timer until {until} and takes no "
             f"delivery; signal {delivery.name!r} was not delivered (fire_timers wakes it)",
         )
+    if wait.kind == "message" and not from_sweeper:
+        raise SignalMismatchError(
+            run.run_id,
+            f"run {run.run_id} waits in ctx.receive for a message {wait.name!r}, which is "
+            f"sent with runtime.send (kuralle-es send), not as a signal; signal "
+            f"{delivery.name!r} was not delivered",
+        )
+    if wait.kind == "child":
+        raise SignalMismatchError(
+            run.run_id,
+            f"run {run.run_id} waits for its child run {wait.child_run_id} to end and takes "
+            f"no delivery; signal {delivery.name!r} was not delivered. Look at the child run "
+            f"(kuralle-es runs show {wait.child_run_id}): its end resumes this run",
+        )
     if wait.kind == "input":
         raise SignalMismatchError(
             run.run_id,
@@ -233,6 +264,13 @@ async def accept(writer: RunWriter, delivery: SignalDelivery, payload: Any) -> N
     if wait.name == BUDGET and payload.get("approved") and payload.get("raise_to"):
         writer.raise_budget(dict(payload["raise_to"]))
     site = Site(wait.logical_run, wait.callsite, wait.lane)
+    if wait.kind == "message":
+        # Only the deadline sweeper delivers to a receive: it records the expiry,
+        # which the receive raises as DeadlineExpiredError on every pass.
+        deadline = wait.deadline.isoformat() if wait.deadline is not None else None
+        expired = {EXPIRED: deadline}
+        await writer.record_value(Effect(site, "receive", wait.name), make=lambda: expired)
+        return
     operation = wait.operation.model_dump(mode="json") if wait.operation else None
     kind: StepKind = "approval" if wait.kind == "approval" else "signal"
     args: dict[str, Any] | None = {"operation": operation} if wait.lane is Lane.APPROVAL else None
@@ -240,6 +278,21 @@ async def accept(writer: RunWriter, delivery: SignalDelivery, payload: Any) -> N
         # What a typed wait's DeadlineExpiredError names, the same on every replay.
         args = {"deadline": wait.deadline.isoformat()}
     await writer.record_value(Effect(site, kind, wait.name, args), make=lambda: payload)
+
+
+async def take_message(writer: RunWriter, site: Site, name: str) -> dict[str, Any] | None:
+    """Journal, as the ``receive`` step at ``site``, that the receive of ``name`` took
+    the oldest unread message of that name; what it took (``message_id`` and
+    ``payload``), or None when the mailbox has none. A replay finds the step, so
+    it takes the same message."""
+    mail = writer.unread(name)
+    if mail is None:
+        return None
+    args, taken = receive_step(mail)
+    result: dict[str, Any] = await writer.record_value(
+        Effect(site, "receive", name, args), make=lambda: taken
+    )
+    return result
 
 
 def delivery_id(signal_id: str | None) -> str:

@@ -107,7 +107,7 @@ async def drive_flow(
             writer.callsite_base,
         )
         state = writer.state()
-        ctx = RunContext(writer, cursor, agent.tools, emit, schemas)
+        ctx = RunContext(writer, cursor, agent.tools, emit, schemas, flow.input)
         visit = _Visit(writer, cursor, flow, agent, emit, schemas, ctx)
         try:
             returned = await _run_node(node, state, visit)

@@ -17,6 +17,8 @@ journal gets:
   keeps it: that key is a business identity, not a position in a run;
 - input accepted by a ``collect`` node becomes a plain user message;
 - a budget the run was given or raised is copied (the fork spends under it);
+- messages that arrived in the mailbox are copied (the copied receives took
+  the same ones, and the fork's own receives find those left unread);
 - waits, deliveries, leases, turn records and the run's end are not copied:
   a delivered payload lives on in its step, and the fork has its own leases
   and its own end.
@@ -217,13 +219,19 @@ _WALK: Mapping[type[stored.Event], Callable[[_Walk, Any], None] | None] = stored
         stored.InputAccepted: _input_accepted,
         stored.Paused: _paused,
         stored.DeliveryAccepted: _delivered,
+        stored.FlowInputGiven: _copied,  # the fork's ctx.input is the original's
         stored.BudgetSet: _copied,
         stored.BudgetRaised: _copied,
+        # The fork's mailbox is the original's there: its copied receives took
+        # the same messages, and a receive it re-executes finds the rest.
+        stored.MailReceived: _copied,
     },
     skipped=(
         stored.InboundKeyRecorded,
         stored.Forked,  # the fork records its own origin
+        stored.ParentLinked,  # a fork is a run of its own, nobody's child
         stored.TimerFired,
+        stored.MailDelivered,  # a wake, like a timer's: the fork's receive waits afresh
         stored.Resumed,
         stored.Recovered,
         stored.Finished,

@@ -19,6 +19,7 @@ from ..shapes import SignalDelivery
 __all__ = [
     "MAX_ID_LENGTH",
     "check_id",
+    "check_name",
     "check_turn_args",
 ]
 
@@ -54,6 +55,16 @@ def check_id(value: Any, what: str) -> str:
     if problem is not None:
         raise InvalidArgumentError(_id_refusal(value, what, problem))
     return str(value)
+
+
+def check_name(value: Any, what: str) -> str:
+    """A name users give (a message's, a published key): an id (``check_id``) that
+    does not start with ``__``, which the library keeps for its own waits."""
+    name = check_id(value, what)
+    if name.startswith("__"):
+        msg = f"{what} {name!r} starts with '__', which the library keeps for its own waits"
+        raise InvalidArgumentError(msg)
+    return name
 
 
 def _check_text(value: Any, what: str) -> str:

@@ -15,12 +15,13 @@ from typing import Any
 from .._definitions.agents import Agent
 from .._definitions.llm import Model, ModelRequest, ModelResponse
 from .._definitions.tools import Tool
+from .._journal.sites import Effect
 from ..shapes import ApprovalDecision, Message, StreamPart
 from .context import TurnBound
 from .cursor import Cursor
 from .model_calls import assistant_message, model_turn
 from .tool_calls import ask_approval, recorded_approval, run_tool
-from .writer import RunWriter
+from .writer import RunWriter, decode
 
 __all__ = ["JournalTurn"]
 
@@ -66,6 +67,18 @@ class JournalTurn(TurnBound):
 
     def reserve(self, n: int) -> list[int]:
         return self._cursor.reserve(n)
+
+    async def given(self, name: str, value: Any) -> Any:
+        writer, cursor = self._writer, self._cursor
+        site = cursor.site(cursor.next)
+        step = writer.peek(Effect(site, "value", name))
+        if step is not None and step["status"] == "finished":
+            cursor.take()
+            return decode(step)
+        if value is None or writer.holds(site):
+            return None
+        site = cursor.take()
+        return await writer.record_value(Effect(site, "value", name), make=lambda: value)
 
     async def approval(
         self, callsite: int, tool_name: str, args: Any, description: str | None = None

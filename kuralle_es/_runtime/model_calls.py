@@ -9,6 +9,7 @@ start past it fails the run, or waits for a human's yes on ``__budget``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 from .._definitions.budget import Budget
 from .._definitions.llm import Model, ModelRequest, ModelResponse, as_response
 from .._journal.json_data import plain_json_problem
+from .._journal.keys import canonical_json
 from .._journal.sites import Effect, Lane, Site
 from .._journal.wait import BUDGET
 from ..errors import BudgetExceededError, InvalidArgumentError, ModelResponseError
@@ -24,12 +26,30 @@ from .cursor import Cursor
 from .suspensions import WaitRequest, approval_decision, frozen_operation, suspend
 from .writer import RunWriter, decode
 
-__all__ = ["assistant_message", "model_call", "model_turn", "tool_message"]
+__all__ = ["assistant_message", "model_call", "model_turn", "request_digest", "tool_message"]
 
 
-def model_call(site: Site, model_id: str, purpose: str) -> Effect:
-    """A model turn at ``site``, as the journal files it."""
-    return Effect(site, "model", model_id, {"purpose": purpose})
+def model_call(
+    site: Site, model_id: str, purpose: str, request: ModelRequest | None = None
+) -> Effect:
+    """A model turn at ``site``, as the journal files it. The step keeps a digest of
+    the ``request`` (not part of its key), so a replay under new code or a new
+    model tells an unchanged request from a changed one (docs/howto/evaluating-models.md)."""
+    args: dict[str, Any] = {"purpose": purpose}
+    if request is not None:
+        args["request"] = request_digest(request)
+    return Effect(site, "model", model_id, args)
+
+
+def request_digest(request: ModelRequest) -> str:
+    """What a model was asked, as one hash: purpose, instructions, messages, tools, schema.
+    Never refuses: a value canonical JSON has no form for (NaN in a schema) hashes by repr."""
+    dumped = request.model_dump(mode="json", by_alias=True)
+    try:
+        text = canonical_json(dumped)
+    except ValueError:
+        text = repr(dumped)
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 async def model_turn(
@@ -58,7 +78,7 @@ async def model_turn(
         raise InvalidArgumentError(msg)
     site = cursor.take()
     model_id = model.id
-    call = model_call(site, model_id, request.purpose)
+    call = model_call(site, model_id, request.purpose, request)
     if writer.recorded(call) is None:
         await _within_budget(writer, site, budget)
 

@@ -16,6 +16,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 from uuid import uuid4
 
+from .._clock import Clock, check_clock
 from .._definitions.agents import Agent
 from .._definitions.budget import Budget
 from .._definitions.flows import Flow
@@ -25,9 +26,12 @@ from .._journal.store import RunStore
 from ..errors import InvalidArgumentError, RunNotFoundError
 from ..shapes import RunState, SignalDelivery, StepRecord, TurnResult
 from .cancel import cancel_run
+from .children import ChildRuns, notify_parent
 from .deliveries import approval_delivery, delivery_id
 from .handle import TurnHandle, TurnSink
 from .input_checks import check_turn_args
+from .mail_calls import Mail
+from .mailbox import published_values, send_message, wait_published
 from .migrate import migrate_run
 from .registry import Registry
 from .turn import drive_turn
@@ -62,7 +66,13 @@ def _default_holder() -> str:
 
 
 class Runtime:
-    """Runs agents and flows durably over a ``RunStore``."""
+    """Runs agents and flows durably over a ``RunStore``.
+
+    ``clock`` (an object with ``now() -> datetime``; default this machine's,
+    in UTC) is what the runtime dates by, except leases: a test passes
+    ``kuralle_es.testing.TestClock()`` and moves time with ``advance``
+    (docs/howto/testing.md). ``InvalidArgumentError`` for a clock without ``now``.
+    """
 
     def __init__(
         self,
@@ -73,6 +83,7 @@ class Runtime:
         max_tool_concurrency: int = 8,
         inline_sleep_limit: float = 1.0,
         prices: Mapping[str, tuple[float, float]] | None = None,
+        clock: Clock | None = None,
     ) -> None:
         lease_ttl = positive_seconds(lease_ttl, "lease_ttl")
         inline_sleep_limit = positive_seconds(
@@ -89,6 +100,9 @@ class Runtime:
         self.inline_sleep_limit = inline_sleep_limit
         #: What 1,000 input and output tokens of each model cost (docs/usage.md).
         self.prices = validate_prices(prices)
+        #: What the runtime dates by: ``ctx.now()``, wake times, deadlines, retries
+        #: and what the sweeps count as due (a lease is the store's clock's).
+        self.clock = check_clock(clock)
         self._env = TurnEnv(
             registry=self._registry,
             store=self.store,
@@ -97,6 +111,7 @@ class Runtime:
             max_tool_concurrency=max_tool_concurrency,
             inline_sleep_limit=self.inline_sleep_limit,
             prices=self.prices,
+            clock=self.clock,
         )
 
     @property
@@ -137,7 +152,7 @@ class Runtime:
     def run(
         self,
         session_id: str,
-        input: str | None = None,
+        input: Any = None,
         kind: str | None = None,
         flow_name: str | None = None,
         run_id: str | None = None,
@@ -153,10 +168,18 @@ class Runtime:
         call's conversation is with (default: the first agent given); the
         session's conversation with another agent is refused
         (``InvalidArgumentError``).
+
+        ``input`` is text, except for the start of a flow defined with
+        ``define_flow(..., input=Model)``: a mapping, a JSON string or a ``Model``
+        instance, validated against ``Model`` (docs/child-runs.md).
         """
+        starts_flow = kind == "flow" and run_id is None and signal_delivery is None
 
         def command() -> Command:
-            check_turn_args(session_id, input, idempotency_key, signal_delivery)
+            # A flow start's typed input is the flow's to check (StartFlow); text is
+            # checked here, whoever it is for.
+            text = None if starts_flow and not isinstance(input, str) else input
+            check_turn_args(session_id, text, idempotency_key, signal_delivery)
             if budget is not None and not isinstance(budget, Budget):
                 msg = f"budget must be a kuralle_es.Budget, got {budget!r}"
                 raise InvalidArgumentError(msg)
@@ -268,6 +291,7 @@ class Runtime:
             return state
         await drifted_run(self._env, run_id, session_id)
         run = await change_run(self.store, run_id, session_id, Abandon(self.holder, ABANDONED))
+        await notify_parent(ChildRuns(self._env, drive_turn), run)  # a child: its parent goes on
         return run.to_state(await self.store.lease_async(run_id))
 
     # ------------------------------------------------------ execution control
@@ -282,8 +306,17 @@ class Runtime:
         already cancelled) run is a no-op; a finished run is refused with
         ``InvalidArgumentError``; an unknown or foreign run is
         ``RunNotFoundError``.
+
+        The run's live child runs are cancelled too, and theirs; a cancelled
+        child run's parent, waiting for it, goes on within this call (its
+        ``ctx.child`` raises ``ChildRunError``), docs/child-runs.md.
         """
-        return await cancel_run(self.store, run_id, session_id, reason)
+        state = await cancel_run(self.store, run_id, session_id, reason)
+        if state.parent is not None:
+            cancelled = await self.store.load_async(run_id)
+            if cancelled is not None:
+                await notify_parent(ChildRuns(self._env, drive_turn), cancelled)
+        return state
 
     async def approve(
         self,
@@ -339,6 +372,55 @@ class Runtime:
             signal_id=delivery_id(signal_id), name=name, payload=payload, actor=actor
         )
         return await self._deliver(run_id, session_id, delivery)
+
+    # -------------------------------------------------- messages and values
+    async def send(
+        self,
+        run_id: str,
+        session_id: str,
+        name: str,
+        payload: Any,
+        *,
+        message_id: str,
+        actor: str | None = None,
+    ) -> TurnResult:
+        """Put a message in the run's mailbox, whatever the run is doing (docs/messages.md).
+
+        A node takes it with ``await ctx.receive(name)``, oldest first. When the
+        run is paused in a ``receive`` for ``name``, it is woken and driven on
+        within this call, and this returns that turn's ``TurnResult`` (its
+        errors raised, as ``signal``'s are); otherwise the message waits in the
+        mailbox and this returns the run's ``TurnResult`` as it stands. A
+        ``message_id`` the run already got makes the call a no-op (a retry is
+        safe). An ended run (finished or aborted) refuses it with
+        ``SignalMismatchError``; a payload that is not plain JSON, or that a
+        waiting ``receive``'s schema refuses, with ``InvalidSignalError``; an
+        unknown or foreign run with ``RunNotFoundError``. A refusal writes nothing.
+        """
+        mail = Mail(message_id=message_id, name=name, payload=payload, actor=actor)
+        return await send_message(self._env, run_id, session_id, mail)
+
+    async def published(self, run_id: str, session_id: str, key: str | None = None) -> Any:
+        """What the run published with ``ctx.publish``: the latest value of each key,
+        as a dict, or the latest value of ``key`` (None when it published none under
+        it). ``RunNotFoundError`` for an unknown or foreign run."""
+        return await published_values(self._env, run_id, session_id, key)
+
+    async def wait_published(
+        self,
+        run_id: str,
+        session_id: str,
+        key: str,
+        timeout: float,  # noqa: ASYNC109 - the contract's name for how long to wait
+    ) -> Any:
+        """The latest value the run published under ``key``, as soon as there is one.
+
+        Raises ``NotPublishedError`` (a ``KuralleError`` and a ``TimeoutError``)
+        when nothing was published under it within ``timeout`` seconds, or at
+        once when the run ended without publishing it; ``RunNotFoundError`` for
+        an unknown or foreign run.
+        """
+        return await wait_published(self._env, run_id, session_id, key, timeout)
 
     async def _deliver(self, run_id: str, session_id: str, delivery: SignalDelivery) -> TurnResult:
         """The operator helpers' one turn: ``run`` with the delivery, its result."""

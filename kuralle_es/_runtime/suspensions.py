@@ -23,7 +23,7 @@ from .._journal.keys import canonical_json, sha256_hex
 from .._journal.sites import Site
 from .._journal.wait import Wait
 from ..shapes import ApprovalDecision, FrozenOperation, WaitKind
-from .writer import RunWriter, utcnow
+from .writer import RunWriter
 
 __all__ = [
     "DEADLINE_DENY",
@@ -82,8 +82,8 @@ def frozen_operation(tool_name: str, args: Any) -> FrozenOperation:
     )
 
 
-def _absolute(deadline: datetime | timedelta | float | None) -> datetime | None:
-    return deadline_at(deadline, utcnow())
+def _absolute(deadline: datetime | timedelta | float | None, writer: RunWriter) -> datetime | None:
+    return deadline_at(deadline, writer.now())
 
 
 @dataclass(frozen=True)
@@ -107,6 +107,8 @@ class WaitRequest:
     step_index: int | None = None
     #: The model a signal's payload is validated against.
     schema: type[BaseModel] | None = None
+    #: The child run a parent waits for (``kind == "child"``).
+    child_run_id: str | None = None
 
 
 def suspend(
@@ -127,10 +129,10 @@ def suspend(
         site.logical_run, site.callsite, request.name, site.lane
     ):
         request_id = current.request_id
-        absolute = current.deadline or _absolute(request.deadline)
+        absolute = current.deadline or _absolute(request.deadline, writer)
     else:
         request_id = uuid4().hex
-        absolute = _absolute(request.deadline)
+        absolute = _absolute(request.deadline, writer)
     topic = None
     if request.schema is not None:
         topic = (schemas or Schemas()).remember(request.schema)
@@ -147,6 +149,7 @@ def suspend(
         lane=site.lane,
         step_index=request.step_index,
         schema_topic=topic,
+        child_run_id=request.child_run_id,
     )
     writer.suspend(wait)
 

@@ -17,6 +17,7 @@ from .._journal.sites import Effect, Lane, Site
 from .._journal.wait import APPROVAL, IN_DOUBT
 from ..errors import ToolApprovalDeniedError
 from ..shapes import ApprovalDecision, StreamPart, ToolCall
+from .children import run_flow_tool
 from .suspensions import WaitRequest, approval_decision, frozen_operation, suspend
 from .writer import RunWriter, decode
 
@@ -108,8 +109,12 @@ async def run_tool(
     Failed attempts are retried as ``tool.retry`` allows, each with the same key.
     Raises ``ToolExecutionError`` (frozen failure), ``ToolApprovalDeniedError``
     or ``SuspendError`` (approval or in-doubt pending). ``emit`` receives the
-    tool-call and tool-result parts of a call that really executes.
+    tool-call and tool-result parts of a call that really executes. A
+    ``flow_tool`` runs as a child run instead (``ChildRunError`` if it did not
+    finish; ``SuspendError`` while it runs).
     """
+    if tool.child_flow is not None:
+        return await run_flow_tool(writer, site, tool, args)
     if tool.policy is not None or tool.needs_approval:
         args = await _approved_args(writer, site, tool, args)
     args_json = args.model_dump(mode="json")
@@ -164,4 +169,7 @@ async def run_tool(
         on_executed=executed,
         retry=tool.retry,
         heartbeat_for=tool.timeout,
+        # A result left unsaved by a crash is re-run under its key: only a tool
+        # that may run again in doubt lets its result ride the next save.
+        defer_result=tool.on_in_doubt == "retry",
     )

@@ -28,10 +28,11 @@ from ..errors import (
     error_fields,
 )
 from ..shapes import StepError, StreamPart, TurnResult
+from .children import ChildRuns, driving, follow_up
 from .flow_driver import Driven, drive
 from .handle import TurnSink
 from .observability import log_event, set_status, span
-from .turn_calls import Command, Opening, Recover, TurnEnv
+from .turn_calls import Command, Opening, Recover, Resume, TurnEnv
 from .writer import RunStopped, RunWriter, result_of
 
 __all__ = ["drive_turn", "result_of"]
@@ -42,8 +43,15 @@ async def drive_turn(
 ) -> TurnResult:
     """Run one turn of ``command`` to its end; its refusals and errors are raised.
 
-    ``budget`` (the caller's, for the run) is saved with the turn's opening."""
-    return await _Turn(env, command, sink, budget).drive()
+    ``budget`` (the caller's, for the run) is saved with the turn's opening. A
+    turn whose close was answered by a message (the run was pausing in a
+    ``receive`` when it came: the close woke the run, its lease kept) drives
+    the run on at once, in a turn of its own (docs/messages.md)."""
+    turn = _Turn(env, command, sink, budget)
+    result = await turn.drive()
+    if turn.woken is None:
+        return result
+    return await drive_turn(env, turn.woken, sink)
 
 
 class _Turn:
@@ -56,6 +64,8 @@ class _Turn:
         self.budget = budget
         self.last_text: str | None = None
         self.span: Any = None
+        #: The turn that drives the run on when the close was woken by a message.
+        self.woken: Resume | None = None
 
     def emit(self, part: StreamPart) -> None:
         if part.type == "text" and part.text:
@@ -140,6 +150,8 @@ class _Turn:
             lease_ttl=env.lease_ttl,
             inline_sleep_limit=env.inline_sleep_limit,
             prices=env.prices,
+            clock=env.clock,
+            source=env.source,
         )
         try:
             return await self._open_and_drive(run, fresh, held, writer, opening, agent, flow)
@@ -185,14 +197,15 @@ class _Turn:
             waiting = StreamPart(type="paused", waiting_for=run.public_wait())
             return await self._close(writer, waiting)
         try:
-            driven = await drive(
-                writer,
-                agent,
-                flow,
-                self.emit,
-                schemas=env.registry.schemas,
-                max_tool_concurrency=env.max_tool_concurrency,
-            )
+            with driving(ChildRuns(env, drive_turn)):
+                driven = await drive(
+                    writer,
+                    agent,
+                    flow,
+                    self.emit,
+                    schemas=env.registry.schemas,
+                    max_tool_concurrency=env.max_tool_concurrency,
+                )
         except SuspendError as suspended:
             await self._refused_unless(writer, functools.partial(writer.pause, suspended.wait))
             part = StreamPart(type="paused", waiting_for=suspended.waiting_for)
@@ -282,6 +295,10 @@ class _Turn:
 
     async def _close(self, writer: RunWriter, part: StreamPart) -> TurnResult:
         result = await writer.close_turn(self.command.idempotency_key, self.last_text)
+        if writer.woken_at_close:
+            # Not paused after all: the run runs on under this worker's lease.
+            self.woken = Resume(self.command.session_id, result.run_id, None)
+            return result
         wait = result.waiting_for
         log_event(
             "turn closed",
@@ -293,7 +310,10 @@ class _Turn:
             error=writer.error_type,
         )
         self.sink.emit(part.model_copy(update={"data": result.model_dump(mode="json")}))
-        return result
+        # A child that ended tells its parent; a parent whose child ended meanwhile
+        # goes on (docs/child-runs.md): within this call, after this turn's close.
+        followed = await follow_up(ChildRuns(self.env, drive_turn), writer, result)
+        return followed if followed is not None else result
 
 
 def _after_opening(lost: StaleWriteError) -> StaleWriteError:

@@ -16,11 +16,15 @@ from dataclasses import dataclass, field
 from typing import Any
 from uuid import UUID, uuid4, uuid5
 
+from pydantic import BaseModel
+
+from .._clock import SYSTEM_CLOCK, Clock
 from .._definitions.agents import Agent
+from .._definitions.flow_input import FlowInput, flow_input
 from .._definitions.flows import Flow
 from .._journal.keys import canonical_json, sha256_hex
 from .._journal.leases import Lease
-from .._journal.run import Run
+from .._journal.run import ParentLink, Run
 from .._journal.spending import Prices
 from .._journal.store import RunStore
 from ..errors import (
@@ -33,7 +37,8 @@ from ..shapes import Message, SignalDelivery
 from . import deliveries
 from .fork import ForkPlan, plan_fork
 from .registry import Registry
-from .writer import RunWriter, utcnow
+from .replay_source import ReplaySource
+from .writer import RunWriter
 
 __all__ = [
     "Command",
@@ -45,12 +50,15 @@ __all__ = [
     "Recover",
     "RestartFlow",
     "Resume",
+    "ResumeInDoubt",
     "StartFlow",
     "TurnEnv",
     "Wake",
     "conversation_run_id",
     "drifted_run",
+    "in_doubt",
     "load_run",
+    "new_flow_run",
 ]
 
 #: Namespace of conversation run ids (one run per session).
@@ -90,6 +98,10 @@ class TurnEnv:
     inline_sleep_limit: float = 1.0
     #: What 1,000 tokens of each model cost (``Runtime(prices=...)``), for budgets.
     prices: Prices | None = None
+    #: What the turn dates by (``Runtime(clock=...)``); a lease is the store's clock's.
+    clock: Clock = SYSTEM_CLOCK
+    #: Recorded outcomes the turn reuses instead of executing (``replay_with`` only).
+    source: ReplaySource | None = None
 
 
 async def load_run(
@@ -167,13 +179,28 @@ def _user_message(text: str | None) -> Message | None:
     return Message(role="user", content=text) if text else None
 
 
+def new_flow_run(
+    start: FlowInput, idempotency_key: str | None, parent: ParentLink | None = None
+) -> Opening:
+    """The opening of a new flow run started with ``start`` (a child's with its ``parent``)."""
+    return _NewRun(_user_message(start.text), idempotency_key, given=start.data, parent=parent)
+
+
 @dataclass
 class _NewRun(Opening):
     message: Message | None
     idempotency_key: str | None
     enters: tuple[Agent, Flow] | None = None
+    #: A typed flow's validated input (``ctx.input``), saved with the creation.
+    given: dict[str, Any] | None = None
+    #: The run that starts this one, for a child run (docs/child-runs.md).
+    parent: ParentLink | None = None
 
     async def open(self, writer: RunWriter, env: TurnEnv) -> None:
+        if self.parent is not None:
+            writer.link_parent(self.parent)
+        if self.given is not None:
+            writer.give_input(self.given)
         writer.start_turn(0, self.message, self.idempotency_key)
         if writer.active_flow is not None:
             _, flow = env.registry.run_flow(
@@ -271,6 +298,12 @@ def _input_opening(run: Run, text: str, env: TurnEnv) -> Opening | None:
     if run.status == "paused" and wait is not None:
         if wait.kind == "input":
             return _AcceptInput(message)
+        if wait.kind == "child":
+            raise SignalMismatchError(
+                run.run_id,
+                f"run {run.run_id} waits for its child run {wait.child_run_id} to end, not "
+                "for input; look at the child run: its end resumes this run",
+            )
         raise SignalMismatchError(
             run.run_id,
             f"run {run.run_id} waits for {wait.name!r}, not for input; deliver that signal first",
@@ -341,7 +374,8 @@ class StartFlow(Command):
 
     session_id: str
     flow_name: str | None
-    input: str | None
+    #: Text, or for a typed flow a mapping, a JSON string or a model instance.
+    input: Any
     idempotency_key: str | None
 
     async def address(self, env: TurnEnv) -> tuple[Run, bool]:
@@ -349,6 +383,7 @@ class StartFlow(Command):
             msg = "kind='flow' needs flow_name, the name of one of the agents' flows"
             raise InvalidArgumentError(msg)
         agent, flow = env.registry.flow(self.flow_name)
+        flow_input(flow, self.input)  # refused here, before anything is read or written
         key = self.idempotency_key
         minted = flow_run_id(key)
         if key is not None:
@@ -362,13 +397,18 @@ class StartFlow(Command):
         return run, True
 
     def request(self) -> Any:
-        return {"start": self.flow_name, "session": self.session_id, "input": self.input}
+        given = self.input
+        if isinstance(given, BaseModel):
+            given = given.model_dump(mode="json")
+        return {"start": self.flow_name, "session": self.session_id, "input": given}
 
     def prepare(self, run: Run, fresh: bool, env: TurnEnv, held: Lease | None) -> Opening | None:
+        _, flow = env.registry.flow(str(self.flow_name))
+        start = flow_input(flow, self.input)
         if fresh:
-            return _NewRun(_user_message(self.input), self.idempotency_key)
-        if self.input is not None:
-            return _input_opening(run, self.input, env)
+            return new_flow_run(start, self.idempotency_key)
+        if start.text is not None:
+            return _input_opening(run, start.text, env)
         return _resume_opening(run, env)
 
     def won_elsewhere(self, latest: Run, fresh: bool, lease: Lease | None) -> bool:
@@ -510,8 +550,9 @@ class Deliver(Command):
 
     def prepare(self, run: Run, fresh: bool, env: TurnEnv, held: Lease | None) -> Opening | None:
         require_current_flow(run, env.registry)
+        now = env.clock.now()
         payload = deliveries.check(
-            run, self.delivery, utcnow(), env.registry.schemas, from_sweeper=self.from_sweeper
+            run, self.delivery, now, env.registry.schemas, from_sweeper=self.from_sweeper
         )
         return _AcceptDelivery(self.delivery, payload)
 
@@ -541,6 +582,30 @@ class Resume(_ForStoredRun):
 
     def prepare(self, run: Run, fresh: bool, env: TurnEnv, held: Lease | None) -> Opening | None:
         return _resume_opening(run, env)
+
+
+def in_doubt(run: Run) -> bool:
+    """Whether the run is in ``error`` with its last step left ``running``: the
+    effect's outcome was never recorded (a model call that failed), so a resume
+    runs it again rather than replaying a frozen error."""
+    return run.status == "error" and bool(run.steps) and run.steps[-1]["status"] == "running"
+
+
+@dataclass(frozen=True)
+class ResumeInDoubt(_ForStoredRun):
+    """A sweeper re-drives a run in ``error`` whose last step is in doubt.
+
+    A run that is no longer so when it is loaded (resumed by someone else,
+    errored again on a frozen error, cancelled) is left alone.
+    """
+
+    idempotency_key: str | None = None
+
+    def prepare(self, run: Run, fresh: bool, env: TurnEnv, held: Lease | None) -> Opening | None:
+        return _resume_opening(run, env) if in_doubt(run) else None
+
+    def won_elsewhere(self, latest: Run, fresh: bool, lease: Lease | None) -> bool:
+        return not in_doubt(latest)
 
 
 @dataclass(frozen=True)
@@ -583,7 +648,7 @@ class Wake(_ForStoredRun):
             return None  # woken already, or never this timer
         require_current_flow(run, env.registry)
         wait = run.waiting
-        if wait is not None and wait.deadline is not None and wait.deadline > utcnow():
+        if wait is not None and wait.deadline is not None and wait.deadline > env.clock.now():
             return None  # not due yet (a view ahead of this clock)
         return _TimerFired(self.request_id)
 

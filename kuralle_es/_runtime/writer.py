@@ -10,6 +10,12 @@ signals, model turns) goes through ``Journal.effect`` or
     recorded running (crash window)  -> execute again with the same key
     absent                           -> persist intent, execute, persist result or error
 
+A writer that re-drives a recording (``replay_with``) asks its
+``ReplaySource`` before executing an absent step: the recorded outcome under
+the same key stands in for the execution (``replay_source``). Every time a
+turn dates (a clock read, a wake time, a deadline, a retry's next attempt)
+comes from its clock (``Runtime(clock=)``), never a lease's.
+
 Once an effect has suspended the turn, the journal refuses every effect
 node code requests afterwards (``SuspendError`` again, on the first wait),
 and once the turn has ended it refuses every effect (``TurnClosedError``):
@@ -41,17 +47,19 @@ from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any, Generic, Never, NoReturn, TypeVar, overload
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Never, NoReturn, TypeVar, overload
 from uuid import uuid4
 
+from .._clock import SYSTEM_CLOCK, Clock
 from .._definitions.budget import Budget
 from .._definitions.retry import NO_RETRY, RetryPolicy
 from .._definitions.tools import ToolExited
 from .._journal.json_data import encode_json
 from .._journal.leases import Lease, LeaseOp, LeaseRefused
+from .._journal.mail import receive_step, take_in_mail
 from .._journal.recorders import LeasingRecorder
-from .._journal.run import Run, StepData
-from .._journal.sites import Effect
+from .._journal.run import ParentLink, Run, StepData
+from .._journal.sites import Effect, Site
 from .._journal.spending import ModelUsage, Prices, total
 from .._journal.store import RunStore
 from .._journal.wait import Wait
@@ -79,6 +87,7 @@ from ..shapes import (
 )
 from .heartbeat import Heartbeat
 from .observability import traced_step, tracing_on
+from .replay_source import RecordedFailure, ReplaySource
 
 if TYPE_CHECKING:
     from .fork import ForkPlan
@@ -87,6 +96,7 @@ __all__ = [
     "Abandon",
     "Cancel",
     "MigrateTo",
+    "Post",
     "RunChange",
     "RunStopped",
     "RunWriter",
@@ -94,7 +104,6 @@ __all__ = [
     "decode",
     "frozen_error",
     "result_of",
-    "utcnow",
 ]
 
 
@@ -112,12 +121,10 @@ class RunStopped(Exception):
 _UNRECORDABLE = "unrecordable_result"
 #: ``StepError.data`` marker of an attempt cancelled by the tool's timeout.
 _TIMEOUT = "timeout"
+#: How many times one save is made again after messages that arrived meanwhile.
+_MAIL_ROUNDS = 50
 
 _T = TypeVar("_T")
-
-
-def utcnow() -> datetime:
-    return datetime.now(UTC)
 
 
 def result_of(run: Run, output: Any = None) -> TurnResult:
@@ -153,6 +160,8 @@ def _step_error(exc: Exception) -> StepError:
         )
     if isinstance(exc, ToolExited):
         return StepError(type=type(exc.raised).__name__, message=str(exc), data={})
+    if isinstance(exc, RecordedFailure):
+        return exc.error
     return StepError(type=type(exc).__name__, message=str(exc), data=error_fields(exc))
 
 
@@ -212,9 +221,15 @@ class RunWriter:
         lease_ttl: float,
         inline_sleep_limit: float = 1.0,
         prices: Prices | None = None,
+        clock: Clock = SYSTEM_CLOCK,
+        source: ReplaySource | None = None,
     ) -> None:
         self._store = store
+        #: Recorded outcomes a re-drive reuses instead of executing (``replay_with``).
+        self._source = source
         self._prices = prices
+        #: What this turn dates by (``Runtime(clock=)``); never a lease (the store's clock).
+        self.clock = clock
         self._run = run
         #: The run's id, made once: a run never changes its id, and the text of a
         #: UUID is made afresh on every read of ``Run.run_id``.
@@ -236,6 +251,15 @@ class RunWriter:
         self._idle = asyncio.Event()
         self._idle.set()
         self._broken: StaleWriteError | None = None
+        #: What a save of this turn's own flush raised (a dead store, a simulated
+        #: crash): the turn's next save raises it again.
+        self._flush_failed: BaseException | None = None
+        #: Outcomes recorded on the run and not saved yet (each step's index, how
+        #: it is recorded, what it was): they ride the turn's next save.
+        self._unsaved: list[_Outcome] = []
+        #: The timer that saves those outcomes when no other save comes soon.
+        self._flush_timer: asyncio.TimerHandle | None = None
+        self._flush_task: asyncio.Task[None] | None = None
         #: What stopped the turn first: the wait it suspended on, the outcome it
         #: ended the run with, or the replay mismatch that refused an effect.
         self._stopped: Wait | str | NonDeterminismError | None = None
@@ -244,6 +268,9 @@ class RunWriter:
         #: Whether this turn's steps make spans (a provider set meanwhile counts
         #: from the next turn).
         self.tracing = tracing_on()
+        #: Whether the turn's close woke the run again, its lease kept: a message
+        #: answered the receive it was pausing in (``_save_taking_in_mail``).
+        self.woken_at_close = False
 
     # ---------------------------------------------------------------- reads
     session_id = _OfRun[str]()
@@ -257,6 +284,24 @@ class RunWriter:
     flow_version = _OfRun[str | None]()
     status = _OfRun[RunStatus]()
     outcome = _OfRun[str | None]()
+    #: How many steps the run has journaled: the index its next step gets.
+    step_count = _OfRun[int]()
+
+    def last_recorded_callsite(self) -> int | None:
+        """The highest callsite the active node's (or epoch's) live steps hold: a
+        pass of the node replays until it has asked for that one."""
+        return max((step["callsite"] for step in self._run.steps), default=None)
+
+    #: A typed flow's validated input as JSON data (``ctx.input``), if it was given one.
+    input = _OfRun[dict[str, Any] | None]()
+    #: The run that started this one (a child run), if any.
+    parent_link = _OfRun[ParentLink | None]()
+    #: The ids of the child runs this run started.
+    children = _OfRun[list[str]]()
+
+    def now(self) -> datetime:
+        """The time by the runtime's clock (a ``TestClock`` in tests)."""
+        return self.clock.now()
 
     def state(self) -> dict[str, Any]:
         """A copy of the flow state bag, for a node to change."""
@@ -288,6 +333,14 @@ class RunWriter:
     ) -> None:
         """Move to ``node``; its effects count from ``callsite_base`` (saved with the next save)."""
         self._run.enter_node(flow, node, state, callsite_base)
+
+    def link_parent(self, link: ParentLink) -> None:
+        """Record the run that started this one (saved with the run's creation)."""
+        self._run.link_parent(link)
+
+    def give_input(self, data: dict[str, Any]) -> None:
+        """Record a typed flow's validated input (saved with the run's creation)."""
+        self._run.give_input(data)
 
     def take_lease(self) -> None:
         """Take the run's lease with the next save (refused: ``LeaseHeldError``)."""
@@ -375,28 +428,114 @@ class RunWriter:
 
     async def _persist_locked(self) -> None:
         run = self._run
-        if self._broken is not None:
-            raise self._broken
+        if self._flush_failed is not None:
+            raise self._flush_failed
         op, self._lease_op = self._lease_op, None
         sent_at = time.monotonic()
         renewed_at = self._heartbeat.renewed_at
         if op is None and renewed_at is not None and sent_at - renewed_at > self._renew_after:
             op = LeaseOp.renew(run.id, self._token, self.lease_ttl)
-        if not run.pending_events and op is None:
+        if self._broken is None and not run.pending_events and op is None:
             return
         try:
-            await self._store.save_run_async(run, op)
+            if self._broken is not None:
+                raise self._broken
+            op = await self._save_taking_in_mail(op)
         except StaleWriteError as clash:
             # The unsaved events are gone from the aggregate, which is now
             # ahead of the store: no later save of this turn may follow.
             self._broken = clash
+            await self._keep_outcomes(clash)
             raise
         except BaseException as exc:
             self._broken = StaleWriteError(
                 run.run_id, f"a save of this turn failed with {exc!r}", clash=False
             )
+            self._unsaved.clear()  # in doubt: the next turn re-runs them under their keys
             raise
+        self._unsaved.clear()
         self._hold(op, sent_at)
+
+    async def _keep_outcomes(self, lost: StaleWriteError) -> None:
+        """After a lost save: record the executed steps' outcomes it carried on the
+        run as stored, when the run was ended from outside while they ran (a
+        cancel, a migration), and say so (docs/guarantees.md, "At the edges"). A
+        run another worker took over is left to it (it re-runs a step in doubt
+        under the same key)."""
+        unsaved, self._unsaved = self._unsaved, []
+        if not unsaved or not await self._record_on_stored(unsaved):
+            return
+        what = " and ".join(outcome.what for outcome in unsaved)
+        raise StaleWriteError(
+            self.run_id,
+            f"the run ended elsewhere while {what} executed; its outcome is recorded "
+            "and nothing after it ran",
+            clash=lost.clash,
+            recorded=True,
+        ) from None
+
+    async def _save_taking_in_mail(self, op: LeaseOp | None) -> LeaseOp | None:
+        """Save the run's pending events (with ``op``); the lease op the save carried.
+
+        A save that clashes only with messages sent to the run meanwhile takes
+        them in and is made again after them (``mail.take_in_mail``): a message
+        never costs a turn its save. When that save is the turn's close and
+        pauses the run in a ``receive`` that one of them answers, the run is
+        woken in the same save and the lease kept (``woken_at_close``): the
+        turn drives it on, or, should the process die first, a recovery does.
+        """
+        run = self._run
+        for _ in range(_MAIL_ROUNDS):
+            unsaved = list(run.pending_events)
+            try:
+                await self._store.save_run_async(run, op)
+                return op
+            except StaleWriteError:
+                stored_version = run.version - len(unsaved)
+                arrived = await self._store.run_events_async(self.run_id, stored_version)
+                if not unsaved or not take_in_mail(run, arrived, unsaved):
+                    raise
+                if op is not None and op.kind == "release" and self.wake_for_mail():
+                    op = LeaseOp.renew(run.id, self._token, self.lease_ttl)
+                    self.woken_at_close = True
+        raise StaleWriteError(self.run_id, "messages kept arriving faster than it could save")
+
+    def wake_for_mail(self) -> bool:
+        """Wake the run from the ``receive`` it is paused (or pausing) in, if a message
+        for it is in its mailbox: the wake, and the receive's step at the wait's
+        site taking the oldest such message, saved with the next save. So the
+        node's next pass replays the receive, as it does a delivered signal."""
+        run = self._run
+        wait = run.waiting
+        if run.status != "paused" or wait is None or wait.kind != "message":
+            return False
+        mail = run.unread(wait.name)
+        if mail is None:
+            return False
+        run.deliver_mail(wait.request_id, mail["message_id"])
+        args, taken = receive_step(mail)
+        site = Site(wait.logical_run, wait.callsite, wait.lane)
+        index = run.start_step(Effect(site, "receive", wait.name, args))
+        run.finish_step(index, encode_json(taken, f"the message {wait.name!r}"))
+        return True
+
+    async def take_in_mail(self) -> None:
+        """Take in the messages sent to the run since this turn last saved (a
+        ``receive`` that finds none in the run's state looks once more). Anything
+        else stored meanwhile is left for the next save to clash with."""
+        async with self._lock:
+            run = self._run
+            unsaved = list(run.pending_events)
+            stored_version = run.version - len(unsaved)
+            arrived = await self._store.run_events_async(self.run_id, stored_version)
+            take_in_mail(run, arrived, unsaved)
+
+    def unread(self, name: str) -> dict[str, Any] | None:
+        """The oldest message named ``name`` in the run's mailbox, not received yet."""
+        return self._run.unread(name)
+
+    def receive_mail(self, message_id: str, name: str, payload: Any, actor: str | None) -> None:
+        self._run.receive_mail(message_id, name, payload, actor)
 
     def _hold(self, op: LeaseOp | None, sent_at: float) -> None:
         """What this turn holds after a save, sent at ``sent_at``, that carried ``op``."""
@@ -452,7 +591,40 @@ class RunWriter:
     async def close(self) -> None:
         """End the turn: no effect is admitted any more, and the heartbeat stops."""
         self._closed = True
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
         self._heartbeat.stop()
+
+    # ------------------------------------------------------- deferred outcomes
+    def _defer(self, outcome: _Outcome) -> None:
+        """Leave a recorded outcome to ride the turn's next save (the next intent,
+        a pause, the turn's end), or a save of its own when none comes within
+        ``FLUSH_AFTER`` seconds: a sequential step costs one commit, and a crash
+        before that save leaves the step in doubt, as a crash between execute and
+        result always did (docs/guarantees.md, "One commit a step")."""
+        self._unsaved.append(outcome)
+        if self._flush_timer is None and not self._closed:
+            loop = asyncio.get_running_loop()
+            self._flush_timer = loop.call_later(FLUSH_AFTER, self._start_flush)
+
+    def _start_flush(self) -> None:
+        self._flush_timer = None
+        if self._unsaved and not self._closed:
+            self._flush_task = asyncio.ensure_future(self._flush())
+
+    async def _flush(self) -> None:
+        """The timer's save of outcomes no other save carried. What it raises is the
+        turn's next save's to raise: nobody awaits this task."""
+        async with self._lock:
+            if not self._unsaved or self._closed:
+                return
+            try:
+                await self._persist_locked()
+            except StaleWriteError:
+                pass  # ``_broken``: the turn's next save raises it
+            except BaseException as exc:  # a dead store or a simulated crash
+                self._flush_failed = exc
 
     # ------------------------------------------------------------ admission
     def suspend(self, wait: Wait) -> NoReturn:
@@ -549,6 +721,10 @@ class RunWriter:
             self._idle.set()
 
     # ---------------------------------------------------------------- lookup
+    def holds(self, site: Site) -> bool:
+        """Whether the run holds a step at ``site``, of whatever kind."""
+        return bool(self._run.steps_at(site))
+
     def peek(self, effect: Effect) -> StepData | None:
         """The step recorded for this effect if it matches, else None; refuses nothing."""
         step, mismatch = self._find(effect)
@@ -600,6 +776,7 @@ class RunWriter:
         retry: RetryPolicy = NO_RETRY,
         journal_errors: bool = True,
         heartbeat_for: float | None = None,
+        defer_result: bool = False,
     ) -> Any:
         """Run one effect through the journal; returns its (recorded) JSON result.
 
@@ -615,7 +792,8 @@ class RunWriter:
         propagates and the step stays ``running``, so the next pass runs it
         again as its next attempt (a model call: nothing is frozen). While an
         attempt executes, the heartbeat keeps the lease ``heartbeat_for``
-        seconds at most (a tool's ``timeout``; None: as long as it runs).
+        seconds at most (a tool's ``timeout``; None: as long as it runs). With
+        ``defer_result`` the result rides the turn's next save (``_defer``).
         """
         self.require_open(f"{effect.kind} {effect.name!r}")
         self._enter()
@@ -643,6 +821,9 @@ class RunWriter:
                             await on_running(step)
                         self._run.retry_step(index)
                     # else between attempts of a retried tool: not in doubt.
+                served = self._served(effect)
+            if served is not None:
+                execute, retry = served, NO_RETRY
             await self._save_intent()
             if retry_at is not None:
                 await self._next_attempt(index, retry_at)
@@ -665,7 +846,9 @@ class RunWriter:
                 if on_recorded is not None and run is self._run:
                     on_recorded(result)
 
-            await self._save_outcome(index, succeeded, f"{effect.kind} {effect.name!r}")
+            await self._save_outcome(
+                _Outcome(index, succeeded, f"{effect.kind} {effect.name!r}"), defer=defer_result
+            )
             if on_executed is not None:
                 on_executed(result)
             return result
@@ -679,6 +862,7 @@ class RunWriter:
         *,
         make: Callable[[], Any],
         on_recorded: Callable[[Any], None] | None = None,
+        defer: bool = False,
     ) -> Any:
         """Journal an effect with no outside side effect (a clock read, a uuid, a
         delivered payload, a model turn) as intent and result in one save.
@@ -687,7 +871,10 @@ class RunWriter:
         intent-before-execute window buys nothing here and costs a save. If
         ``make`` fails, nothing is journaled and the error propagates: the next
         pass asks again. ``on_recorded`` runs only when the value is new, and
-        whatever events it triggers are saved in the same transaction.
+        whatever events it triggers are saved in the same transaction. With
+        ``defer`` (a clock read, a uuid) the value rides the turn's next save,
+        whenever that comes: a crash before it only means the value is made
+        again, and nothing outside can have used a value no save carried.
         """
         self.require_open(f"{effect.kind} {effect.name!r}")
         self._enter()
@@ -698,7 +885,8 @@ class RunWriter:
                     done, result = _settled(step)
                     if done:
                         return result
-            value = make()
+            served = self._served(effect)
+            value = make() if served is None else await served()
             if inspect.isawaitable(value):
                 beating = self._heartbeat.enter()
                 try:
@@ -712,10 +900,25 @@ class RunWriter:
                 self._run.finish_step(index, result_json)
                 if on_recorded is not None:
                     on_recorded(result)
-                await self._persist_locked()
+                if not defer:
+                    await self._persist_locked()
             return result
         finally:
             self._leave()
+
+    def _served(self, effect: Effect) -> Callable[[], Awaitable[Any]] | None:
+        """The recorded outcome of ``effect`` as its execution, when this writer
+        re-drives a recorded run and the recording holds it (docs/howto/evaluating-models.md)."""
+        served = self._source.serve(effect) if self._source is not None else None
+        if served is None:
+            return None
+
+        async def recorded() -> Any:
+            if served.error is not None:
+                raise RecordedFailure(served.error)
+            return served.result
+
+        return recorded
 
     def answer_in_doubt(self, index: int, answer: dict[str, Any]) -> None:
         """Apply a human's answer to a step left running: retry, resolve or fail.
@@ -760,7 +963,7 @@ class RunWriter:
                 failures = self._run.step(index).get("failures", 0) + 1 - counted_from
                 if not retry.retries(exc, failures):
                     raise await self._record_failure(index, error) from exc
-                retry_at = utcnow() + timedelta(seconds=retry.delay(failures))
+                retry_at = self.now() + timedelta(seconds=retry.delay(failures))
 
                 def attempt_failed(
                     run: Run, at: datetime = retry_at, failure: StepError = error
@@ -770,7 +973,7 @@ class RunWriter:
                     else:  # the run ended meanwhile: no attempt follows, the error stands
                         run.fail_step(index, failure)
 
-                await self._save_outcome(index, attempt_failed, f"step {index}")
+                await self._save_outcome(_Outcome(index, attempt_failed, f"step {index}"))
             finally:
                 self._heartbeat.leave(beating)
             await self._next_attempt(index, retry_at)
@@ -779,7 +982,7 @@ class RunWriter:
         """Wait until the next attempt is due (the lease kept by the heartbeat
         meanwhile), then journal its start; a crash before that save resumes
         the wait, never the count."""
-        delay = (_as_utc(retry_at) - utcnow()).total_seconds()
+        delay = (_as_utc(retry_at) - self.now()).total_seconds()
         if delay > 0:
             await self.hold(delay)
         async with self._lock:
@@ -787,48 +990,42 @@ class RunWriter:
             await self._persist_locked()
 
     async def _record_failure(self, index: int, error: StepError) -> ToolExecutionError:
-        await self._save_outcome(index, lambda run: run.fail_step(index, error), f"step {index}")
+        await self._save_outcome(
+            _Outcome(index, lambda run: run.fail_step(index, error), f"step {index}")
+        )
         return frozen_error(self._run.step(index))
 
-    async def _save_outcome(self, index: int, record: Callable[[Run], None], what: str) -> None:
-        """Save the outcome of step ``index`` (``record`` triggers it on a run).
-
-        An executed effect is always recorded: when the save loses because the
-        run was ended from outside while the effect ran (a cancel, a
-        migration), the outcome is recorded on the run as stored, then the turn
-        stops with a ``StaleWriteError`` that says so (docs/guarantees.md, "At
-        the edges"). A run another worker took over is left to it (it re-runs
-        the step in doubt under the same key).
-        """
+    async def _save_outcome(self, outcome: _Outcome, *, defer: bool = False) -> None:
+        """Record the outcome of a step and save it (with ``defer``, with the turn's
+        next save). An executed effect is always recorded: a save lost because the
+        run was ended from outside meanwhile records it on the run as stored
+        (``_keep_outcomes``)."""
         async with self._lock:
-            record(self._run)
-            try:
-                await self._persist_locked()
+            outcome.record(self._run)
+            if defer:
+                self._defer(outcome)
                 return
-            except StaleWriteError as lost:
-                if not await self._record_on_stored(index, record):
-                    raise
-                raise StaleWriteError(
-                    self.run_id,
-                    f"the run ended elsewhere while {what} executed; its outcome is recorded "
-                    "and nothing after it ran",
-                    clash=lost.clash,
-                    recorded=True,
-                ) from None
+            self._unsaved.append(outcome)
+            await self._persist_locked()
 
-    async def _record_on_stored(self, index: int, record: Callable[[Run], None]) -> bool:
-        """Record a step's outcome on the run as stored, if it ended there with the
-        step still running; whether the outcome is recorded now."""
+    async def _record_on_stored(self, outcomes: list[_Outcome]) -> bool:
+        """Record steps' outcomes on the run as stored, if it ended there with the
+        steps still running; whether they are recorded now."""
         for attempt in range(20):
             latest = await self._store.load_async(self.run_id)
             if latest is None or latest.status not in ("aborted", "finished"):
                 return False
-            position = index - latest.step_base
-            if not 0 <= position < len(latest.steps):
-                return False
-            if latest.steps[position]["status"] != "running":
+            missing = []
+            for outcome in outcomes:
+                position = outcome.index - latest.step_base
+                if not 0 <= position < len(latest.steps):
+                    return False
+                if latest.steps[position]["status"] == "running":
+                    missing.append(outcome)
+            if not missing:
                 return True
-            record(latest)
+            for outcome in missing:
+                outcome.record(latest)
             try:
                 await self._store.save_run_async(latest, None)
             except StaleWriteError:
@@ -836,6 +1033,21 @@ class RunWriter:
                 continue
             return True
         return False
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    """A step's outcome on its way to the store: ``record`` triggers it on a run
+    (the turn's, or the run as stored after an outside change)."""
+
+    index: int
+    record: Callable[[Run], None]
+    what: str
+
+
+#: Seconds a deferred step outcome waits for another save to ride before it is
+#: saved alone (docs/guarantees.md, "One commit a step").
+FLUSH_AFTER = 0.005
 
 
 def _lease_record(store: RunStore, run_id: str, op: LeaseOp) -> LeasingRecorder:
@@ -850,7 +1062,11 @@ def _lease_record(store: RunStore, run_id: str, op: LeaseOp) -> LeasingRecorder:
 
 # ------------------------------------------------------- outside a turn
 class RunChange(ABC):
-    """A change made to a run from outside its turns (cancel, migrate, abandon)."""
+    """A change made to a run from outside its turns (cancel, migrate, abandon, a message)."""
+
+    #: Whether the change takes the run away from whoever holds its lease (a
+    #: stop does; a message waits in the mailbox and leaves the holder be).
+    clears_lease: ClassVar[bool] = True
 
     @abstractmethod
     def apply(self, run: Run, lease: Lease | None) -> bool:
@@ -895,13 +1111,37 @@ class Abandon(RunChange):
         return True
 
 
+@dataclass(frozen=True)
+class Post(RunChange):
+    """Put a message in the run's mailbox (``runtime.send``), whatever the run is
+    doing, its lease left alone: a turn driving the run takes the message into
+    its next save (``mail.take_in_mail``). ``screen`` may refuse the run as
+    stored, raising before anything is triggered; a ``message_id`` the run
+    already has is a no-op."""
+
+    message_id: str
+    name: str
+    payload: Any
+    actor: str | None
+    screen: Callable[[Run], None]
+    clears_lease: ClassVar[bool] = False
+
+    def apply(self, run: Run, lease: Lease | None) -> bool:
+        if self.message_id in run.mail_ids:
+            return False
+        self.screen(run)
+        run.receive_mail(self.message_id, self.name, self.payload, self.actor)
+        return True
+
+
 async def change_run(store: RunStore, run_id: str, session_id: str, change: RunChange) -> Run:
     """Apply ``change`` to the run as stored and save it with the run's lease record
-    cleared: one compare-and-set that wins over whoever holds the lease (a turn
-    driving the run elsewhere loses its next save, and its heartbeat finds the
-    record gone). A save that loses to a turn's reloads what the turn wrote and
-    tries again, until it lands, so a busy turn cannot starve it. Returns the run
-    as it stands after; ``RunNotFoundError`` for an unknown or foreign run.
+    cleared (unless the change leaves the holder be: ``clears_lease``): one
+    compare-and-set that wins over whoever holds the lease (a turn driving the
+    run elsewhere loses its next save, and its heartbeat finds the record gone).
+    A save that loses to a turn's reloads what the turn wrote and tries again,
+    until it lands, so a busy turn cannot starve it. Returns the run as it
+    stands after; ``RunNotFoundError`` for an unknown or foreign run.
     """
     attempt = 0
     while True:
@@ -912,7 +1152,7 @@ async def change_run(store: RunStore, run_id: str, session_id: str, change: RunC
         if not change.apply(run, lease):
             return run
         try:
-            await store.save_run_async(run, LeaseOp.clear(run.id))
+            await store.save_run_async(run, LeaseOp.clear(run.id) if change.clears_lease else None)
         except StaleWriteError:
             attempt += 1
             await asyncio.sleep(random.uniform(0, min(0.05, 0.002 * attempt)))

@@ -15,7 +15,7 @@ docs/cli.md documents every command and its exit codes.
 Each command is one ``add_*`` function (its parser and its handler) listed
 in ``COMMANDS``: adding a command is adding a function to that list. The
 functions live in one module per group of commands (``demo``, ``runs``,
-``deliveries``, ``cancel``, ``views``, ``servers``, ``consume``, ``sweeps``,
+``deliveries``, ``drive``, ``cancel``, ``views``, ``servers``, ``consume``, ``sweeps``,
 ``deploy``); what they share is in ``common`` (and ``sweep_logs``); this module
 holds the parser and ``main``. All of them but this one are internal.
 """
@@ -51,6 +51,7 @@ from .consume import add_consume
 from .deliveries import add_deliveries
 from .demo import add_demo
 from .deploy import add_deploy
+from .drive import add_drive
 from .runs import add_runs, format_runs, format_usage
 from .servers import add_dashboard, add_serve
 from .sweeps import add_recovery, stop_before_started
@@ -81,8 +82,8 @@ def _version() -> str:
 
 #: Every command: each adds its parser (and handler) to the subparsers.
 COMMANDS: list[Callable[[SubParsers], None]] = [
-    add_demo, add_runs, add_deliveries, add_cancel, add_views, add_dashboard, add_consume,
-    add_recovery, add_serve, add_deploy,
+    add_demo, add_runs, add_deliveries, add_drive, add_cancel, add_views, add_dashboard,
+    add_consume, add_recovery, add_serve, add_deploy,
 ]  # fmt: skip
 
 

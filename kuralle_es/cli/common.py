@@ -11,12 +11,13 @@ import json
 import math
 import os
 import sys
-from collections.abc import Callable, Coroutine, Mapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from typing import Any, TypeVar
 
 from .._definitions.agents import Agent
 from .._durations import positive_seconds
 from .._journal.run import Run
+from .._journal.spending import PRICES_ENV, prices_from_json
 from .._journal.store import RunStore
 from .._journal.store_url import (
     POOL_SIZE_VAR,
@@ -236,22 +237,87 @@ def print_result(result: TurnResult) -> None:
 
 #: What an operator command does to a run, given the runtime and the run's session.
 RunAct = Callable[[Runtime, str], Coroutine[Any, Any, TurnResult]]
+_T = TypeVar("_T")
 
 
-async def act_on_run(args: argparse.Namespace, act: RunAct) -> int:
-    """The operator commands that drive a run (approve, deny, signal, fork, migrate):
-    ``act`` on run ``args.run_id`` with the agents of ``--app``, on behalf of the
-    run's session, read from the store; its result is printed. 1 when there is no
-    such run (said on stderr)."""
+async def act_on_run(
+    args: argparse.Namespace,
+    act: Callable[[Runtime, str], Awaitable[_T]],
+    show: Callable[[_T], None] = print_result,  # type: ignore[assignment]
+) -> int:
+    """The operator commands that drive a run (approve, deny, signal, input, fork,
+    migrate, runs resume, resolve-drift): ``act`` on run ``args.run_id`` with the
+    agents of ``--app``, on behalf of the run's session, read from the store (the
+    operator holds the store, not a session); its result is shown (``show``:
+    a ``TurnResult`` as JSON by default). 1 when there is no such run (said on
+    stderr)."""
     agents = load_agents(args.app)
     with open_store(args, must_exist=True) as store:
-        runtime = Runtime(agents, store=store)  # refuses a bad --app before the run is read
+        # Refuses a bad --app before the run is read.
+        runtime = driving_runtime(args, agents, store)
         run = await stored_run(store, args.run_id)
         if run is None:
             return 1
         result = await act(runtime, run.session_id)
-    print_result(result)
+    show(result)
     return 0
+
+
+async def turn_of(run_id: str, work: Awaitable[_T]) -> _T:
+    """``work``'s answer, where ``work`` drives a turn of run ``run_id`` without a handle
+    (a delivery, a drift resolved): a refusal or a frozen error raises as itself (its
+    class and message say it); a node that raised is one line naming the run."""
+    try:
+        return await work
+    except KuralleError:
+        raise
+    except Exception as e:  # the node raised: the run is saved as error
+        raise TurnFailed(
+            f"run {run_id}: the turn ended in error: {type(e).__name__}: {e} "
+            f"(kuralle-es runs show {run_id})"
+        ) from None
+
+
+#: The lease a command that drives a run takes, unless ``--lease-ttl`` says otherwise.
+LEASE_TTL = 30.0
+#: The longest ``ctx.sleep`` a command sleeps through, unless ``--inline-sleep-limit``.
+INLINE_SLEEP_LIMIT = 1.0
+
+
+def add_driving_options(parser: argparse.ArgumentParser, who: str = "this command") -> None:
+    """``--lease-ttl`` and ``--inline-sleep-limit``: what every command that drives a
+    run takes, so a crash inside it is recovered after the lease the operator chose,
+    and a deployment whose sleeps must all be durable can say so."""
+    parser.add_argument(
+        "--lease-ttl",
+        type=seconds_flag(),
+        default=LEASE_TTL,
+        metavar="SECONDS",
+        help=f"the lease {who} takes on the runs it drives: if it dies, a worker takes "
+        f"them over after that long (default {LEASE_TTL:g})",
+    )
+    parser.add_argument(
+        "--inline-sleep-limit",
+        type=seconds_flag(zero_ok=True),
+        default=INLINE_SLEEP_LIMIT,
+        metavar="SECONDS",
+        help="a ctx.sleep this short is slept in the process; a longer one pauses the run "
+        f"until a worker wakes it (0: every sleep pauses; default {INLINE_SLEEP_LIMIT:g})",
+    )
+
+
+def driving_runtime(
+    args: argparse.Namespace, agents: list[Agent], store: RunStore, **more: Any
+) -> Runtime:
+    """The ``Runtime`` a command drives runs with: ``--app``'s agents over the store,
+    with the command's ``--lease-ttl`` and ``--inline-sleep-limit``."""
+    return Runtime(
+        agents,
+        store=store,
+        lease_ttl=getattr(args, "lease_ttl", LEASE_TTL),
+        inline_sleep_limit=getattr(args, "inline_sleep_limit", INLINE_SLEEP_LIMIT),
+        **more,
+    )
 
 
 def add_common_options(
@@ -332,3 +398,28 @@ def seconds_flag(zero_ok: bool = False) -> Callable[[str], float]:
             raise argparse.ArgumentTypeError(f"{e} (got {text!r})") from None
 
     return parse
+
+
+def add_prices(parser: argparse.ArgumentParser) -> None:
+    """``--prices JSON``: what a command that shows a cost prices tokens with."""
+    parser.add_argument(
+        "--prices",
+        metavar="JSON",
+        help=(
+            "model -> [input_per_1k, output_per_1k], e.g. '{\"gpt-4o-mini\": [0.00015, 0.0006]}' "
+            f"(env {PRICES_ENV}); without prices the cost is unknown"
+        ),
+    )
+
+
+def prices_from_args(args: argparse.Namespace) -> dict[str, tuple[float, float]] | None:
+    """The prices ``--prices`` (else ``KURALLE_PRICES``) gives, checked; None without."""
+    text, source = args.prices, "--prices"
+    if text is None:
+        text, source = os.environ.get(PRICES_ENV) or None, PRICES_ENV
+    if text is None:
+        return None
+    try:
+        return prices_from_json(text, source)
+    except InvalidArgumentError as e:
+        raise CliError(str(e)) from None

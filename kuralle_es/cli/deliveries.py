@@ -1,5 +1,6 @@
 """The delivery commands (internal): ``approve``, ``deny`` and ``signal`` deliver to a
-waiting run on behalf of its session and drive it on in this process.
+waiting run on behalf of its session and drive it on in this process; ``send`` puts a
+message in a run's mailbox, driving the run on here when a ``receive`` waited for it.
 """
 
 from __future__ import annotations
@@ -12,16 +13,16 @@ from pathlib import Path
 from typing import Any
 
 from .._runtime.runtime import Runtime
-from ..errors import KuralleError
 from ..shapes import TurnResult
 from .common import (
     CliError,
     Handler,
     RunAct,
     SubParsers,
-    TurnFailed,
     act_on_run,
     add_command,
+    add_driving_options,
+    turn_of,
 )
 
 
@@ -31,6 +32,7 @@ def _delivery_command(
     """A command that delivers to a paused run, named by its first argument."""
     parser = add_command(sub, name, help, handler)
     parser.add_argument("run_id", metavar="RUN_ID", help="the paused run's id")
+    add_driving_options(parser)
     return parser
 
 
@@ -53,14 +55,31 @@ def add_deliveries(sub: SubParsers) -> None:
 
     signal = _delivery_command(sub, "signal", "deliver a named signal to a waiting run", _signal)
     signal.add_argument("name", metavar="NAME", help="the signal the run waits for")
-    signal.add_argument(
+    _payload_option(signal)
+    signal.add_argument("--signal-id", help="makes a retry of this command a no-op")
+    signal.add_argument("--actor", metavar="NAME", help="who sends it (kept in the journal)")
+
+    send = _delivery_command(
+        sub, "send", "put a message in a run's mailbox (ctx.receive takes it)", _send
+    )
+    send.add_argument("name", metavar="NAME", help="the message's name")
+    _payload_option(send)
+    send.add_argument(
+        "--message-id",
+        required=True,
+        metavar="ID",
+        help="the message's id: a retry with it is a no-op",
+    )
+    send.add_argument("--actor", metavar="NAME", help="who sends it (kept in the journal)")
+
+
+def _payload_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
         "--payload",
         default="null",
         metavar="JSON",
         help="the payload, as JSON; @FILE reads it from a file, - from stdin (default null)",
     )
-    signal.add_argument("--signal-id", help="makes a retry of this command a no-op")
-    signal.add_argument("--actor", metavar="NAME", help="who sends it (kept in the journal)")
 
 
 async def _deliver(args: argparse.Namespace, act: RunAct) -> int:
@@ -68,15 +87,7 @@ async def _deliver(args: argparse.Namespace, act: RunAct) -> int:
     what the turn ended in, where a refusal or frozen error raises as itself."""
 
     async def delivered(runtime: Runtime, session_id: str) -> TurnResult:
-        try:
-            return await act(runtime, session_id)
-        except KuralleError:
-            raise  # a refusal, or a frozen error: its class and message say it
-        except Exception as e:  # the resumed node raised: the run is saved as error
-            raise TurnFailed(
-                f"run {args.run_id}: the turn ended in error: {type(e).__name__}: {e} "
-                f"(kuralle-es runs show {args.run_id})"
-            ) from None
+        return await turn_of(args.run_id, act(runtime, session_id))
 
     return await act_on_run(args, delivered)
 
@@ -131,12 +142,26 @@ def _payload_text(value: str) -> str:
     return value
 
 
-async def _signal(args: argparse.Namespace) -> int:
+async def _payload(args: argparse.Namespace) -> Any:
     text = await asyncio.to_thread(_payload_text, args.payload)
     try:
-        payload = json.loads(text)
+        return json.loads(text)
     except json.JSONDecodeError as e:
         raise CliError(f"--payload is not JSON: {e}") from None
+
+
+async def _send(args: argparse.Namespace) -> int:
+    payload = await _payload(args)
+    return await _deliver(
+        args,
+        lambda runtime, session: runtime.send(
+            args.run_id, session, args.name, payload, message_id=args.message_id, actor=args.actor
+        ),
+    )
+
+
+async def _signal(args: argparse.Namespace) -> int:
+    payload = await _payload(args)
     return await _deliver(
         args,
         lambda runtime, session: runtime.signal(

@@ -1,5 +1,6 @@
 """The deploy commands (internal): ``check`` replays the live runs against new code,
-``migrate`` moves a live flow run onto the newest definition of its flow.
+``migrate`` moves a live flow run onto the newest definition of its flow, ``replay``
+re-drives recorded runs under new code or a new model (its handler: ``replay``).
 """
 
 from __future__ import annotations
@@ -13,10 +14,13 @@ from .common import (
     SubParsers,
     act_on_run,
     add_command,
+    add_driving_options,
     add_fork_point,
+    add_prices,
     load_agents,
     open_store,
 )
+from .replay import replay_command
 
 
 def add_deploy(sub: SubParsers) -> None:
@@ -39,6 +43,34 @@ def add_deploy(sub: SubParsers) -> None:
         migrate,
         "the live flow run to move",
         "the first step to execute afresh under the new definition: 0 to the step count",
+    )
+    add_driving_options(migrate)
+    _add_replay(sub)
+
+
+def _add_replay(sub: SubParsers) -> None:
+    replay = add_command(
+        sub,
+        "replay",
+        "re-drive recorded runs under --app (new code, a new prompt or model) without "
+        "executing a tool or writing anything to the runs; say how many would decide "
+        "differently and how the cost would change (docs/howto/evaluating-models.md)",
+        replay_command,
+    )
+    replay.add_argument(
+        "run_id", nargs="?", metavar="RUN_ID", help="one run (else the runs the filters select)"
+    )
+    replay.add_argument(
+        "--since", metavar="ISO-8601", help="runs updated at or after this time (UTC if naive)"
+    )
+    replay.add_argument("--flow", metavar="NAME", help="only runs of this flow")
+    replay.add_argument("--session", metavar="ID", help="only this session's runs")
+    replay.add_argument(
+        "--limit", type=int, default=1000, metavar="N", help="at most N runs, the latest"
+    )
+    add_prices(replay)
+    replay.add_argument(
+        "--json", action="store_true", help="one JSON object: runs and summary (for CI)"
     )
 
 

@@ -8,13 +8,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 from collections.abc import Sequence
 from datetime import datetime
 
-from .._journal.spending import PRICES_ENV, prices_from_json
-from .._runtime.runtime import Runtime
+from .._journal.spending import PRICES_ENV
 from ..errors import InvalidArgumentError
 from ..shapes import Usage
 from ..views import RunSummary, RunViews
@@ -24,14 +22,19 @@ from .common import (
     SubParsers,
     act_on_run,
     add_command,
+    add_driving_options,
     add_fork_point,
+    add_prices,
+    driving_runtime,
     load_agents,
     open_store,
+    prices_from_args,
     print_result,
     result_text,
     stored_run,
     turn_result,
 )
+from .drive import add_runs_resume
 
 _COLUMNS = (
     "RUN_ID",
@@ -48,7 +51,7 @@ _COLUMNS = (
 
 
 def add_runs(sub: SubParsers) -> None:
-    runs = sub.add_parser("runs", help="list and inspect runs; start or fork one")
+    runs = sub.add_parser("runs", help="list and inspect runs; start, resume or fork one")
     runs_sub = runs.add_subparsers(dest="runs_command", required=True, metavar="COMMAND")
 
     listing = add_command(
@@ -63,6 +66,18 @@ def add_runs(sub: SubParsers) -> None:
     listing.add_argument("--flow", metavar="NAME", help="only runs of this flow (ended ones too)")
     listing.add_argument(
         "--limit", type=int, default=100, metavar="N", help="at most N runs (default 100)"
+    )
+    listing.add_argument("--run-id", metavar="ID", help="only runs whose id starts with ID")
+    listing.add_argument(
+        "--since", metavar="ISO-8601", help="only runs last updated at or after this (UTC if naive)"
+    )
+    listing.add_argument(
+        "--until", metavar="ISO-8601", help="only runs last updated before this (UTC if naive)"
+    )
+    listing.add_argument(
+        "--after",
+        metavar="CURSOR",
+        help="the next page: the cursor a full page printed on stderr",
     )
     listing.add_argument("--json", action="store_true", help="a JSON array of RunSummary")
 
@@ -84,8 +99,10 @@ def add_runs(sub: SubParsers) -> None:
     fork.add_argument(
         "--into-session", metavar="ID", help="the fork's session (default: the run's)"
     )
+    add_driving_options(fork)
     _add_runs_usage(runs_sub)
     _add_runs_start(runs_sub)
+    add_runs_resume(runs_sub)
 
 
 def _row(s: RunSummary) -> tuple[str, ...]:
@@ -118,13 +135,19 @@ async def _runs_list(args: argparse.Namespace) -> int:
     if args.limit < 1:
         raise CliError(f"--limit must be at least 1, got {args.limit}")
     with open_store(args, must_exist=True, read_only=True) as store:
-        summaries = await RunViews(store).list_runs(
-            status=args.status, session_id=args.session, flow=args.flow, limit=args.limit
-        )
+        try:
+            summaries = await RunViews(store).list_runs(
+                status=args.status, session_id=args.session, flow=args.flow, limit=args.limit,
+                run_id=args.run_id, since=args.since, until=args.until, after=args.after,
+            )  # fmt: skip
+        except InvalidArgumentError as e:
+            raise CliError(str(e).replace("after must", "--after must")) from None
     if args.json:
         print(json.dumps([s.model_dump(mode="json") for s in summaries], indent=2))
     else:
         print(format_runs(summaries, tty=sys.stdout.isatty()))
+    if len(summaries) == args.limit:
+        print(f"more may follow: --after {summaries[-1].cursor}", file=sys.stderr)
     return 0
 
 
@@ -170,7 +193,12 @@ def _add_runs_start(runs_sub: SubParsers) -> None:
         "--session", required=True, metavar="ID", help="the session the run belongs to"
     )
     start.add_argument(
-        "--input", metavar="TEXT", help="the user's first message; - reads it from stdin"
+        "--input",
+        metavar="TEXT",
+        help=(
+            "the user's first message; for a flow with typed input (define_flow(..., "
+            "input=Model)) a JSON object that Model validates; - reads it from stdin"
+        ),
     )
     start.add_argument(
         "--idempotency-key",
@@ -178,6 +206,7 @@ def _add_runs_start(runs_sub: SubParsers) -> None:
         help="a retried start with this key (same session and flow) returns the first run",
     )
     start.add_argument("--json", action="store_true", help="the TurnResult as JSON")
+    add_driving_options(start)
 
 
 async def _runs_start(args: argparse.Namespace) -> int:
@@ -186,7 +215,7 @@ async def _runs_start(args: argparse.Namespace) -> int:
         text = await asyncio.to_thread(sys.stdin.read)
     agents = load_agents(args.app)  # before the store: a bad --app creates no database
     with open_store(args) as store:
-        handle = Runtime(agents, store=store).run(
+        handle = driving_runtime(args, agents, store).run(
             args.session,
             input=text,
             kind="flow",
@@ -217,27 +246,8 @@ def _add_runs_usage(runs_sub: SubParsers) -> None:
         metavar="ISO-8601",
         help="only steps started at or after this time (UTC if naive)",
     )
-    usage.add_argument(
-        "--prices",
-        metavar="JSON",
-        help=(
-            "model -> [input_per_1k, output_per_1k], e.g. '{\"gpt-4o-mini\": [0.00015, 0.0006]}' "
-            f"(env {PRICES_ENV}); without prices the cost is unknown"
-        ),
-    )
+    add_prices(usage)
     usage.add_argument("--json", action="store_true", help="one JSON object (the Usage fields)")
-
-
-def _usage_prices(args: argparse.Namespace) -> dict[str, tuple[float, float]] | None:
-    text, source = args.prices, "--prices"
-    if text is None:
-        text, source = os.environ.get(PRICES_ENV) or None, PRICES_ENV
-    if text is None:
-        return None
-    try:
-        return prices_from_json(text, source)
-    except InvalidArgumentError as e:
-        raise CliError(str(e)) from None
 
 
 def format_usage(usage: Usage) -> str:
@@ -258,7 +268,7 @@ def format_usage(usage: Usage) -> str:
 
 async def _runs_usage(args: argparse.Namespace) -> int:
     # Read-only: never imports --app; the sums come from the views, not the journals.
-    prices = _usage_prices(args)
+    prices = prices_from_args(args)
     if args.since is not None:
         try:
             datetime.fromisoformat(args.since)

@@ -7,8 +7,16 @@ from __future__ import annotations
 import argparse
 import os
 
-from .._runtime.runtime import Runtime
-from .common import CliError, SubParsers, add_command, load_agents, open_store, store_label
+from .common import (
+    CliError,
+    SubParsers,
+    add_command,
+    add_driving_options,
+    driving_runtime,
+    load_agents,
+    open_store,
+    store_label,
+)
 
 
 def _add_bind(parser: argparse.ArgumentParser, token_env: str, port: int) -> None:
@@ -39,6 +47,7 @@ def add_dashboard(sub: SubParsers) -> None:
         sub, "dashboard", "web pages over the runs; approve or deny from a browser", _dashboard
     )
     _add_bind(dash, "KURALLE_DASHBOARD_TOKEN", 8765)
+    add_driving_options(dash, "the dashboard")
 
 
 async def _dashboard(args: argparse.Namespace) -> int:
@@ -53,7 +62,7 @@ async def _dashboard(args: argparse.Namespace) -> int:
     with open_store(args, must_exist=True) as store:
         await serve(
             store,
-            lambda s: Runtime(agents, store=s),
+            lambda s: driving_runtime(args, agents, s),
             args.host,
             args.port,
             token,
@@ -69,6 +78,7 @@ def add_serve(sub: SubParsers) -> None:
         sub, "serve", "the HTTP API over the runs, JSON in and out (docs/http.md)", _serve
     )
     _add_bind(serve, "KURALLE_API_TOKEN", 8000)
+    add_driving_options(serve, "the server")
 
 
 async def _serve(args: argparse.Namespace) -> int:
@@ -80,7 +90,7 @@ async def _serve(args: argparse.Namespace) -> int:
     check_bind(args.host, token, args.allowed_hosts)  # before anything is opened
     agents = load_agents(args.app)  # starts and deliveries drive runs in this process
     with open_store(args) as store:
-        runtime = Runtime(agents, store=store)
+        runtime = driving_runtime(args, agents, store)
         await serve(
             runtime, args.host, args.port, token,
             allowed_hosts=args.allowed_hosts, store_label=store_label(args),

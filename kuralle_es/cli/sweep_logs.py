@@ -17,8 +17,8 @@ from .common import app_hint
 
 #: The log lines a worker shows without --verbose: one per run it drove or skipped.
 _SWEEP_EVENTS = frozenset(
-    {"run recovered", "run swept", "timer fired", "recovery skipped", "sweep skipped",
-     "wake skipped"}
+    {"run recovered", "run swept", "timer fired", "run resumed", "recovery skipped",
+     "sweep skipped", "wake skipped", "resume skipped"}
 )  # fmt: skip
 
 
@@ -35,6 +35,7 @@ _SKIP_EVENTS = {
     "recovery skipped": "recovery",
     "sweep skipped": "deadline deny",
     "wake skipped": "timer wake",
+    "resume skipped": "resume in doubt",
 }
 
 

@@ -12,6 +12,8 @@ import sys
 
 from .._journal.store import RunStore
 from .._operations.recovery import (
+    IN_DOUBT_IDLE,
+    create_sweep_job_runner,
     fire_timers,
     recover_orphaned_runs,
     start_run_sweeper,
@@ -22,7 +24,9 @@ from ..errors import FlowNotFoundError
 from .common import (
     SubParsers,
     add_command,
+    add_driving_options,
     app_hint,
+    driving_runtime,
     load_agents,
     open_store,
     seconds_flag,
@@ -46,6 +50,21 @@ def add_recovery(sub: SubParsers) -> None:
         help="seconds between sweep passes (default 5)",
     )
     worker.add_argument("--verbose", action="store_true", help="also log each turn's lines")
+    worker.add_argument(
+        "--resume-in-doubt",
+        action="store_true",
+        help="also resume runs in error whose last step is in doubt (a model call that "
+        "failed): off by default, since that step's effect then runs again with no one "
+        "looking, and a lasting error repeats (docs/howto/recovery.md)",
+    )
+    worker.add_argument(
+        "--resume-in-doubt-after",
+        type=seconds_flag(zero_ok=True),
+        default=IN_DOUBT_IDLE,
+        metavar="SECONDS",
+        help="with --resume-in-doubt: how long such a run is left alone first, and between "
+        f"two tries (default {IN_DOUBT_IDLE:g})",
+    )
     recover = add_command(
         sub, "recover", "one pass: drive every orphaned run (its lease expired) again", _recover
     )
@@ -53,13 +72,7 @@ def add_recovery(sub: SubParsers) -> None:
         sub, "sweep", "one pass: deny expired deadlines and wake due timers", _sweep
     )
     for parser in (worker, recover, sweep):
-        parser.add_argument(
-            "--lease-ttl",
-            type=seconds_flag(),
-            default=30.0,
-            metavar="SECONDS",
-            help="the lease this worker takes on the runs it drives (default 30)",
-        )
+        add_driving_options(parser, "this worker")
         parser.add_argument(
             "--holder",
             metavar="NAME",
@@ -68,7 +81,7 @@ def add_recovery(sub: SubParsers) -> None:
 
 
 def _sweeping_runtime(args: argparse.Namespace, store: RunStore) -> Runtime:
-    return Runtime(load_agents(args.app), store=store, lease_ttl=args.lease_ttl, holder=args.holder)
+    return driving_runtime(args, load_agents(args.app), store, holder=args.holder)
 
 
 def stop_before_started(signum: int, frame: object) -> None:
@@ -89,14 +102,18 @@ async def _worker(args: argparse.Namespace) -> int:
 
     with open_store(args) as store, collect_skips(hint):
         runtime = _sweeping_runtime(args, store)
-        sweeper = start_run_sweeper(runtime, interval=args.interval)
+        in_doubt = args.resume_in_doubt_after if args.resume_in_doubt else None
+        job = create_sweep_job_runner(runtime, resume_in_doubt=in_doubt)
+        sweeper = start_run_sweeper(job, interval=args.interval)
         loop = asyncio.get_running_loop()
         for sig in (signals.SIGTERM, signals.SIGINT):
             loop.add_signal_handler(sig, sweeper.stop)
         logger.info(
-            "worker started holder=%s interval=%s lease_ttl=%s pid=%s store=%s app=%s",
-            runtime.holder, args.interval, args.lease_ttl, os.getpid(), store_label(args),
-            args.app,
+            "worker started holder=%s interval=%s lease_ttl=%s inline_sleep_limit=%s "
+            "resume_in_doubt=%s pid=%s store=%s app=%s",
+            runtime.holder, args.interval, args.lease_ttl, args.inline_sleep_limit,
+            "off" if in_doubt is None else f"after {in_doubt:g}s", os.getpid(),
+            store_label(args), args.app,
         )  # fmt: skip
         await sweeper.wait()
         logger.info("worker stopped holder=%s passes=%s", runtime.holder, sweeper.passes)

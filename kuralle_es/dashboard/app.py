@@ -2,23 +2,29 @@
 
 ``create_app(store, runtime_factory, host=..., token=...)`` builds the ASGI
 app; ``serve(...)`` runs it with uvicorn. Pages are rendered on the server
-(Jinja2 with autoescape, so run data is always text) and refresh themselves.
-Reads go to the store and its views; the only write is an approve or deny,
-delivered by ``Runtime.run`` like any other delivery. The runtime (and with
-it the user's agents) is built on the first decision, so the read-only pages
-never import the user's app.
+(Jinja2 with autoescape, so run data is always text) and change in place as
+their runs do: the page's one script (``static/live.js``) listens to the run
+events (``live``) and swaps the page's live parts (without a script, the page
+reloads itself every ``refresh_seconds``). Reads go to the store and its
+views; the writes are an operator's decisions and actions (``decisions``,
+``actions``), each a call of the library's own API. The runtime (and with it
+the user's agents) is built on the first write, or the first run page an
+operator opens (it says whether the run's flow drifted), so the read-only
+pages never import the user's app.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import os
 import sys
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 import jinja2
 import uvicorn
@@ -26,7 +32,12 @@ from starlette.applications import Starlette
 from starlette.datastructures import MutableHeaders
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import PlainTextResponse, RedirectResponse, Response
+from starlette.responses import (
+    PlainTextResponse,
+    RedirectResponse,
+    Response,
+    StreamingResponse,
+)
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
@@ -36,11 +47,13 @@ from .._journal.spending import PRICES_ENV, Prices, prices_from_json, validate_p
 from .._journal.store import RunStore
 from .._runtime.runtime import Runtime
 from .._serving import HostGate, Server, UnservedHostError, refuse_open_bind, served_hosts
-from ..errors import KuralleError
+from ..errors import InvalidArgumentError, KuralleError
 from ..http.errors import status_of  # the statuses of the HTTP API's refusals, one mapping
 from ..shapes import RunState
 from ..views import RunViews
 from ..views.timeline import read_deliveries
+from .actions import ACTIONS, ActionRefused, drifted, perform
+from .chat import chat_items
 from .decisions import (
     RAISABLE,
     Decision,
@@ -50,21 +63,26 @@ from .decisions import (
     raise_to_of,
     valid_signal_id,
 )
+from .live import heads, positions_text, read_positions, run_events
 from .overview import overview, tool_overview, usage_overview
+from .search import PAGE_SIZE, Search
 from .security import TOKEN_ENV, Gate, Operator
 from .security import valid_operator_name as _valid_name
-from .timeline import pretty_json, timeline_rows
+from .timeline import compact_json, pretty_json, timeline_rows
 
 __all__ = ["REFRESH_SECONDS", "RuntimeFactory", "check_bind", "create_app", "serve"]
 
 RuntimeFactory = Callable[[RunStore], Runtime]
+logger = logging.getLogger("kuralle_es.dashboard")
 Handler = Callable[[Request], Awaitable[Response]]
 REFRESH_SECONDS = 5
 _FAILED_LOGIN_PAUSE = 0.5
+#: How long a stopping dashboard waits for open requests (live streams) to end.
+STOP_SECONDS = 2
 _SECURITY_HEADERS = {
     "Content-Security-Policy": (
-        "default-src 'none'; style-src 'self'; img-src 'self' data:; "
-        "form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
+        "default-src 'none'; style-src 'self'; img-src 'self' data:; script-src 'self'; "
+        "connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
     ),
     "X-Frame-Options": "DENY",
     "X-Content-Type-Options": "nosniff",
@@ -121,6 +139,7 @@ def _templates() -> Jinja2Templates:
     env.filters["when_ms"] = _when_ms
     env.filters["relative"] = _relative
     env.filters["pretty"] = pretty_json
+    env.filters["compact"] = compact_json
     return Jinja2Templates(env=env)
 
 
@@ -141,6 +160,7 @@ class _Dashboard:
     gate: Gate
     refresh_seconds: int
     prices: Prices | None = None
+    page_size: int = PAGE_SIZE
     templates: Jinja2Templates = field(default_factory=_templates, init=False)
     _runtime: Runtime | None = field(default=None, init=False)
     _runtime_lock: asyncio.Lock = field(default_factory=asyncio.Lock, init=False)
@@ -157,12 +177,16 @@ class _Dashboard:
         context: dict[str, Any],
         status: int = 200,
         refresh: bool = False,
+        live: str | None = None,
     ) -> Response:
+        """A page; ``refresh``: one that changes as its runs do, live (``live`` names its
+        event stream) or, without a script, by reloading itself."""
         page = {
             "operator": self.operator(request),
             "writable": self.gate.writable,
             "csrf_token": self.gate.csrf_token(request.session),
             "refresh": self.refresh_seconds if refresh else None,
+            "live": live,
             "path": request.url.path,
             **context,
         }
@@ -227,34 +251,134 @@ class _Dashboard:
 
     # ---------------------------------------------------------------- pages
     async def index(self, request: Request) -> Response:
-        filters = {k: request.query_params.get(k) or None for k in ("status", "session", "flow")}
-        context = await overview(self.views(), **filters)
-        return self.render(request, "index.html", {"o": context}, refresh=True)
+        live = await self.live()  # first: what the page reads is at or after it
+        search = Search.of(request.query_params)
+        context = await overview(self.views(), search, self.page_size)
+        return self.render(request, "index.html", {"o": context}, refresh=True, live=live)
 
     async def tools(self, request: Request) -> Response:
+        live = await self.live()
         context = {"tools": await tool_overview(self.views())}
-        return self.render(request, "tools.html", context, refresh=True)
+        return self.render(request, "tools.html", context, refresh=True, live=live)
 
     async def usage(self, request: Request) -> Response:
+        live = await self.live()
         window = request.query_params.get("window") or None
         context = {"u": await usage_overview(self.views(), window, datetime.now(UTC))}
-        return self.render(request, "usage.html", context, refresh=True)
+        return self.render(request, "usage.html", context, refresh=True, live=live)
 
     async def run_page(self, request: Request) -> Response:
         run_id = request.path_params["run_id"]
+        live = await self.live(run_id)
         run = await self.store.load_async(run_id, history=True)
         if run is None:
             return self.problem(request, 404, "No such run", f"There is no run {run_id}.")
         deliveries = await asyncio.to_thread(read_deliveries, self.store, run_id)
         delivered = request.query_params.get("delivered", "")
+        state = run.to_state(await self.store.lease_async(run_id))
+        steps = run.step_records()
         context = {
-            "run": run.to_state(await self.store.lease_async(run_id)),
-            "rows": timeline_rows(run.step_records(), deliveries),
+            "run": state,
+            "rows": timeline_rows(steps, deliveries),
             "delivered": valid_signal_id(delivered) and delivered,
+            "done": _DONE.get(request.query_params.get("done", "")),
             "usage": await self.views().usage(run_id=run_id),
             "priced": self.prices is not None,
+            # What its nodes published (ctx.publish), the latest value of each key.
+            "published": {key: json.loads(text) for key, text in run.published.items()},
+            "summary": next(iter(await self.views().list_runs(run_id=run_id, limit=1)), None),
+            "chat": chat_items(state, steps),
+            "drifted": await self.drifted(request, state),
+            "resumable": _resumable(state),
+            "signal_id": new_signal_id(),
+            "turn_id": new_signal_id(),
         }
-        return self.render(request, "run.html", context, refresh=True)
+        return self.render(request, "run.html", context, refresh=True, live=live)
+
+    async def chat_page(self, request: Request) -> Response:
+        run_id = request.path_params["run_id"]
+        live = await self.live(run_id)
+        run = await self.store.load_async(run_id, history=True)
+        if run is None:
+            return self.problem(request, 404, "No such run", f"There is no run {run_id}.")
+        state = run.to_state(await self.store.lease_async(run_id))
+        chat = chat_items(state, run.step_records())
+        context = {
+            "run": state,
+            "chat": chat,
+            # The approval a tool call waits for is shown on its card, in place.
+            "wait_in_place": any(card.waiting for item in chat for card in item.calls),
+            "done": _DONE.get(request.query_params.get("done", "")),
+            "turn_id": new_signal_id(),
+        }
+        return self.render(request, "chat.html", context, refresh=True, live=live)
+
+    async def drifted(self, request: Request, run: RunState) -> bool:
+        """Whether the run's flow changed, as the app's agents define it: asked only
+        for an operator, who may settle it (the runtime imports the user's app)."""
+        if self.operator(request) is None or run.active_flow is None:
+            return False
+        try:
+            return drifted(await self.runtime(), run)
+        except Exception:  # the app does not load: its actions say so when tried
+            return False
+
+    async def events(self, request: Request) -> Response:
+        """The run events as server-sent events (``live``); 401 where a login is needed."""
+        if self.gate.writable and self.operator(request) is None:
+            return PlainTextResponse("log in first", status_code=401)
+        run_id = request.query_params.get("run") or None
+        partitions = len(self.store.partitions)
+        after = read_positions(request.query_params.get("after"), partitions)
+        after.update(read_positions(request.headers.get("last-event-id"), partitions))
+        headers = {"X-Accel-Buffering": "no"}
+        stream = run_events(self.store, run_id, after)
+        return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
+
+    async def live(self, run_id: str | None = None) -> str:
+        """The event stream of a page rendered now: after the events it shows."""
+        query = {"run": run_id} if run_id else {}
+        return "/events?" + urlencode({**query, "after": positions_text(await heads(self.store))})
+
+    def action(self, name: str) -> Handler:
+        """POST: one of an operator's ``ACTIONS`` on the run (token, then CSRF)."""
+
+        async def handler(request: Request) -> Response:
+            return await self.act(request, name)
+
+        return handler
+
+    async def act(self, request: Request, name: str) -> Response:
+        fields = await self.form(request)
+        if isinstance(fields, Response):
+            return fields
+        operator = self.operator(request)
+        assert operator is not None
+        for minted in ("signal_id", "turn_id"):
+            if minted in fields and not valid_signal_id(fields[minted]):
+                return self.problem(request, 400, "Refused", f"The form has no valid {minted}.")
+        run_id = request.path_params["run_id"]
+        run = await self.load(run_id)
+        if run is None:
+            return self.problem(request, 404, "No such run", f"There is no run {run_id}.")
+        try:
+            runtime = await self.runtime()
+        except Exception as error:  # the user's app failed to load: say so, keep serving
+            detail = f"The dashboard could not build its runtime: {type(error).__name__}: {error}"
+            return self.problem(request, 503, "Cannot act on runs", detail)
+        # The journal keeps no actor for some actions (input, resume, drift): the log does.
+        logger.info("dashboard %s run=%s operator=%s", name, run_id, operator.name)
+        try:
+            await perform(runtime, run, name, operator.name, fields)
+        except ActionRefused as error:
+            return self.problem(request, 422, "Refused", str(error))
+        except KuralleError as error:
+            now = await self.load(run_id) or run
+            context = {"run": now, "error_type": type(error).__name__, "message": str(error)}
+            return self.render(request, "refused.html", context, status_of(error))
+        back = "chat" if fields.get("back") == "chat" else ""
+        path = f"/runs/{run_id}/chat" if back else f"/runs/{run_id}"
+        return RedirectResponse(f"{path}?done={name}", status_code=303)
 
     def decision(self, approve: bool) -> Handler:
         """GET: the confirmation step; POST: the delivery."""
@@ -370,6 +494,25 @@ class _SecurityHeaders:
         await self.app(scope, receive, send_with_headers)
 
 
+#: What a run's page says after each action (``?done=ACTION``): never the request's text.
+_DONE = {
+    "cancel": "The run was cancelled.",
+    "input": "Your answer was delivered.",
+    "signal": "The signal was delivered.",
+    "resume": "The run was resumed: recorded steps replayed, the rest ran again.",
+    "resolve-drift": "The drift was settled.",
+}
+
+
+def _resumable(run: RunState) -> bool:
+    """Whether a resume would drive the run: it is in error, or running with no live
+    lease (its worker died)."""
+    if run.status == "error":
+        return True
+    expires = run.lease_expires_at
+    return run.status == "running" and (expires is None or expires < datetime.now(UTC))
+
+
 def create_app(
     store: RunStore,
     runtime_factory: RuntimeFactory,
@@ -379,19 +522,29 @@ def create_app(
     allowed_hosts: Iterable[str] | None = None,
     refresh_seconds: int = REFRESH_SECONDS,
     prices: Prices | None = None,
+    page_size: int = PAGE_SIZE,
 ) -> Starlette:
     """The dashboard as an ASGI app; refuses a non-loopback ``host`` without a token.
 
     ``runtime_factory(store)`` builds the ``Runtime`` (with the user's agents)
-    that delivers decisions; it is called once, at the first decision.
+    that delivers decisions and actions; it is called once, at the first write
+    or the first run page a logged-in operator opens.
     ``prices`` (``{"model-name": (input_per_1k, output_per_1k)}``) give the
-    usage page its costs. It answers only requests whose ``Host`` is a loopback
-    name (when ``host`` is loopback) or one of ``allowed_hosts`` (default:
+    usage page its costs; ``page_size`` is how many runs a page of the front
+    page's list shows; ``refresh_seconds`` how often a page reloads itself in a
+    browser that runs no script (one that does updates in place, live). It
+    answers only requests whose ``Host`` is a loopback name (when ``host`` is
+    loopback) or one of ``allowed_hosts`` (default:
     ``KURALLE_ALLOWED_HOSTS``); any other is 400.
     """
     hosts = check_bind(host, token, allowed_hosts)
     gate = Gate(token)
-    dash = _Dashboard(store, runtime_factory, gate, refresh_seconds, validate_prices(prices))
+    if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
+        msg = f"page_size must be a positive integer, got {page_size!r}"
+        raise InvalidArgumentError(msg)
+    dash = _Dashboard(
+        store, runtime_factory, gate, refresh_seconds, validate_prices(prices), page_size
+    )
     routes = [
         Route("/", dash.page(dash.index)),
         Route("/tools", dash.page(dash.tools)),
@@ -399,6 +552,12 @@ def create_app(
         Route("/runs/{run_id}", dash.page(dash.run_page)),
         Route("/runs/{run_id}/approve", dash.decision(True), methods=["GET", "POST"]),
         Route("/runs/{run_id}/deny", dash.decision(False), methods=["GET", "POST"]),
+        Route("/runs/{run_id}/chat", dash.page(dash.chat_page)),
+        *(
+            Route(f"/runs/{{run_id}}/{name}", dash.action(name), methods=["POST"])
+            for name in ACTIONS
+        ),
+        Route("/events", dash.events),
         Route("/login", dash.login, methods=["GET", "POST"]),
         Route("/logout", dash.logout, methods=["POST"]),
         Mount("/static", StaticFiles(packages=[("kuralle_es.dashboard", "static")])),
@@ -436,5 +595,9 @@ async def serve(
     mode = "approve/deny need a login" if token else f"read-only: {TOKEN_ENV} is unset"
     over = f", store {store_label}" if store_label else ""
     print(f"kuralle-es: dashboard on http://{host}:{port}/ ({mode}{over})", file=sys.stderr)
-    config = uvicorn.Config(app, host=host, port=port, log_level="info", server_header=False)
+    # A page's live stream stays open: a stop waits that long for it at most.
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level="info", server_header=False,
+        timeout_graceful_shutdown=STOP_SECONDS,
+    )  # fmt: skip
     await Server(config).serve()

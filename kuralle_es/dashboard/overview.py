@@ -4,7 +4,7 @@
 Every figure comes from the views (``RunViews``): the dashboard never scans
 the runs' streams. Counts by status are read with one capped ``list_runs``
 per status, so a store with millions of runs still answers quickly and a
-count past the cap reads "N+".
+count past the cap reads "N+"; the list is one page of a search (``search``).
 """
 
 from __future__ import annotations
@@ -15,22 +15,25 @@ from typing import get_args
 
 from ..shapes import RunStatus, Usage
 from ..views import RunSummary, RunViews, ToolStats
+from .search import PAGE_SIZE, RunsPage, Search, search_runs
 
 __all__ = [
     "COUNT_CAP",
     "USAGE_WINDOWS",
+    "WAIT_SECTIONS",
     "Overview",
+    "Pending",
     "ToolBar",
     "ToolsOverview",
     "UsageBar",
     "UsageOverview",
     "overview",
+    "pending_sections",
     "tool_overview",
     "usage_overview",
 ]
 
 COUNT_CAP = 1_000
-LIST_LIMIT = 200
 STATUSES: tuple[str, ...] = get_args(RunStatus)
 
 
@@ -41,19 +44,36 @@ class StatusCount:
     capped: bool
 
 
+#: The pending sections of the front page, by the kind of wait, in this order;
+#: a kind not named here (a later library's) gets a section of its own after them.
+WAIT_SECTIONS: dict[str, str] = {
+    "approval": "Pending approvals",
+    "input": "Waiting for input",
+    "signal": "Waiting for signals",
+    "message": "Waiting for messages",
+    "child": "Waiting for child runs",
+    "timer": "Sleeping (durable timers)",
+}
+
+
+@dataclass(frozen=True)
+class Pending:
+    """One pending section: the runs waiting for one kind of thing, oldest first."""
+
+    kind: str
+    title: str
+    runs: list[RunSummary]
+
+
 @dataclass(frozen=True)
 class Overview:
-    """The front page: counts, the filtered list, and what waits for a human."""
+    """The front page: counts, what waits (one section per kind of wait, every kind
+    the views report), and one page of the runs the search finds."""
 
     counts: list[StatusCount]
-    runs: list[RunSummary]
-    approvals: list[RunSummary]
-    signals: list[RunSummary]
-    status: str | None
-    session: str | None
-    flow: str | None
+    pending: list[Pending]
+    page: RunsPage
     statuses: tuple[str, ...]
-    limit: int = LIST_LIMIT
 
 
 @dataclass(frozen=True)
@@ -75,26 +95,30 @@ class ToolsOverview:
     chart_height: int
 
 
-async def overview(
-    views: RunViews, status: str | None = None, session: str | None = None, flow: str | None = None
-) -> Overview:
+async def overview(views: RunViews, search: Search, page_size: int = PAGE_SIZE) -> Overview:
     counts = []
     for each in STATUSES:
         found = await views.list_runs(status=each, limit=COUNT_CAP + 1)
         counts.append(StatusCount(each, min(len(found), COUNT_CAP), len(found) > COUNT_CAP))
-    chosen = status if status in STATUSES else None
-    runs = await views.list_runs(status=chosen, session_id=session, flow=flow, limit=LIST_LIMIT)
-    waiting = await views.waiting_runs()  # oldest first
     return Overview(
         counts=counts,
-        runs=runs,
-        approvals=[r for r in waiting if r.waiting_for and r.waiting_for.kind == "approval"],
-        signals=[r for r in waiting if r.waiting_for and r.waiting_for.kind == "signal"],
-        status=chosen,
-        session=session,
-        flow=flow,
+        pending=pending_sections(await views.waiting_runs()),  # oldest first
+        page=await search_runs(views, search, page_size),
         statuses=STATUSES,
     )
+
+
+def pending_sections(waiting: list[RunSummary]) -> list[Pending]:
+    """The paused runs by the kind of their wait: the known kinds always (an empty
+    section says nothing waits for that), any other kind when a run waits for it."""
+    by_kind: dict[str, list[RunSummary]] = {kind: [] for kind in WAIT_SECTIONS}
+    for run in waiting:
+        if run.waiting_for is not None:
+            by_kind.setdefault(run.waiting_for.kind, []).append(run)
+    return [
+        Pending(kind, WAIT_SECTIONS.get(kind, f"Waiting for {kind}"), runs)
+        for kind, runs in by_kind.items()
+    ]
 
 
 async def tool_overview(views: RunViews) -> ToolsOverview:

@@ -18,7 +18,7 @@ from typing import Any
 from ..shapes import StepRecord
 from ..views.timeline import Delivery
 
-__all__ = ["TimelineRow", "pretty_json", "timeline_rows"]
+__all__ = ["TimelineRow", "compact_json", "pretty_json", "timeline_rows"]
 
 _SHORT = 240
 
@@ -43,6 +43,11 @@ class TimelineRow:
 def pretty_json(value: Any) -> str:
     """Indented JSON for a value the page shows in full (arguments, a result)."""
     return json.dumps(value, ensure_ascii=False, indent=2, default=str, sort_keys=True)
+
+
+def compact_json(value: Any) -> str:
+    """One line of JSON for a value shown inline (a tool call's arguments, its result)."""
+    return json.dumps(value, ensure_ascii=False, default=str)
 
 
 def _shorten(full: str) -> str:

@@ -27,6 +27,7 @@ from .types import (
     StepFailed,
     StepFinished,
     StepStarted,
+    ValuePublished,
     events_json_schema,
     parse_event,
 )
@@ -50,6 +51,7 @@ __all__ = [
     "StepFailed",
     "StepFinished",
     "StepStarted",
+    "ValuePublished",
     "events_json_schema",
     "follow",
     "parse_event",

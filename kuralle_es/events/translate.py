@@ -44,6 +44,7 @@ from .types import (
     StepFailed,
     StepFinished,
     StepStarted,
+    ValuePublished,
 )
 
 __all__ = ["PUBLIC_TOPICS", "Translator"]
@@ -82,7 +83,9 @@ def _opened(e: stored.RunCreated, ctx: _RunContext, base: _Base) -> RunEvent:
     return RunOpened(**base, kind=e.kind, flow=e.flow)
 
 
-def _step_started(e: stored.StepIntended, ctx: _RunContext, base: _Base) -> RunEvent:
+def _step_started(e: stored.StepIntended, ctx: _RunContext, base: _Base) -> RunEvent | None:
+    if e.kind == "publish":
+        return None  # a published value is one public event: its ValuePublished
     return StepStarted(**base, index=e.index, key=e.key, kind=e.kind, name=e.name, attempt=1)
 
 
@@ -99,8 +102,11 @@ def _step_retried(e: stored.AttemptStarted, ctx: _RunContext, base: _Base) -> Ru
 
 
 def _step_finished(e: stored.StepSucceeded, ctx: _RunContext, base: _Base) -> RunEvent:
-    name = ctx.steps[e.index].name
-    return StepFinished(**base, index=e.index, name=name, result=json.loads(e.result_json))
+    step = ctx.steps[e.index]
+    result = json.loads(e.result_json)
+    if step.kind == "publish":
+        return ValuePublished(**base, index=e.index, key=step.name, value=result)
+    return StepFinished(**base, index=e.index, name=step.name, result=result)
 
 
 def _step_failed(e: stored.StepErrored, ctx: _RunContext, base: _Base) -> RunEvent:
@@ -173,6 +179,7 @@ _RULES: Mapping[type[stored.Event], _Rule | None] = stored.dispatch(
         stored.FlowPinned: _Rule(_flow_pinned, "running"),
         stored.Resumed: _Rule(_resumed("error"), "running"),
         stored.TimerFired: _Rule(_resumed("timer"), "running"),
+        stored.MailDelivered: _Rule(_resumed("message"), "running"),
         stored.Recovered: _Rule(_resumed("recovery"), "running"),
         stored.Finished: _Rule(_finished, "finished"),
         stored.Errored: _Rule(_errored, "error"),
@@ -181,6 +188,8 @@ _RULES: Mapping[type[stored.Event], _Rule | None] = stored.dispatch(
     skipped=(
         stored.InboundKeyRecorded,
         stored.Forked,  # the fork's RunOpened and its copied steps say it
+        stored.ParentLinked,  # on RunState (parent); the parent's child step says it
+        stored.FlowInputGiven,  # saved with the RunOpened; node code reads it
         stored.NodeEntered,
         stored.MessageAppended,
         stored.RetryAllowed,  # the attempt it allows is a StepStarted
@@ -190,6 +199,7 @@ _RULES: Mapping[type[stored.Event], _Rule | None] = stored.dispatch(
         stored.BudgetRaised,
         stored.LeaseTaken,
         stored.LeaseReleased,
+        stored.MailReceived,  # its receive is a step (StepStarted, StepFinished) when taken
     ),
 )
 

@@ -43,6 +43,7 @@ __all__ = [
     "StepFailed",
     "StepFinished",
     "StepStarted",
+    "ValuePublished",
     "events_json_schema",
     "parse_event",
 ]
@@ -51,8 +52,9 @@ SCHEMA_VERSION = 1
 
 #: Why a run that had stopped runs again: new user ``input``, a due ``timer``,
 #: a ``recovery`` of an orphaned run, an errored run re-addressed (``error``),
-#: or a drifted flow ``restart``-ed under its current definition.
-ResumeReason = Literal["input", "timer", "recovery", "error", "restart"]
+#: a drifted flow ``restart``-ed under its current definition, or a ``message``
+#: sent to a run waiting in ``ctx.receive`` for it.
+ResumeReason = Literal["input", "timer", "recovery", "error", "restart", "message"]
 
 
 class _Shape(BaseModel):
@@ -99,7 +101,10 @@ class StepStarted(_Event):
     type: Literal["StepStarted"] = "StepStarted"
     index: int
     key: str
-    kind: Literal["tool", "approval", "signal", "now", "uuid", "model", "timer"]
+    kind: Literal[
+        "tool", "approval", "signal", "now", "uuid", "model", "timer", "publish", "receive",
+        "value", "child",
+    ]
     name: str
     attempt: int
 
@@ -137,6 +142,17 @@ class SignalAccepted(_Event):
     signal_id: str
     name: str
     actor: str | None = None
+
+
+class ValuePublished(_Event):
+    """Node code published ``value`` under ``key`` (``ctx.publish``): step ``index``
+    of the run's journal, the one public event of that step (a replay publishes
+    nothing again)."""
+
+    type: Literal["ValuePublished"] = "ValuePublished"
+    index: int
+    key: str
+    value: Any = None
 
 
 class RunResumed(_Event):
@@ -177,7 +193,8 @@ RunEvent = Annotated[
     | RunResumed
     | RunFinished
     | RunErrored
-    | RunAborted,
+    | RunAborted
+    | ValuePublished,
     Field(discriminator="type"),
 ]
 

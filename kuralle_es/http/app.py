@@ -22,7 +22,7 @@ import os
 from collections.abc import Callable, Coroutine, Iterable
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, FastAPI, Header, Path, Query
+from fastapi import APIRouter, Body, Depends, FastAPI, Header, Path, Query
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -30,19 +30,33 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from .._journal.json_data import encode_json, max_payload_bytes
-from .._journal.wait import INPUT, TIMER
+from .._journal.wait import CHILD, INPUT, TIMER
 from .._runtime.deliveries import approval_delivery
 from .._runtime.handle import TurnHandle
 from .._runtime.input_checks import MAX_ID_LENGTH
 from .._runtime.runtime import Runtime
-from .._runtime.turn import result_of
+from .._runtime.turn import drive_turn, result_of
+from .._runtime.turn_calls import RestartFlow
 from .._serving import HostGate
 from ..errors import InvalidSignalError, PayloadTooLargeError
 from ..shapes import RunState, SignalDelivery, StepRecord, TurnResult
 from ..views import RunSummary
 from .auth import TOKEN_ENV, BearerGate, check_bind
 from .errors import error_response, refusal_response, unknown_run
-from .shapes import ID_PATTERN, Approval, Cancel, ErrorBody, Input, ListQuery, Signal, StartRun
+from .shapes import (
+    ID_PATTERN,
+    Approval,
+    Cancel,
+    ErrorBody,
+    Input,
+    ListQuery,
+    ResolveDrift,
+    Resume,
+    SendMessage,
+    Signal,
+    StartRun,
+    Turn,
+)
 
 __all__ = ["BODY_SLACK_BYTES", "IDEMPOTENCY_HEADER", "create_app"]
 
@@ -54,6 +68,10 @@ BODY_SLACK_BYTES = 64 * 1024
 _NOT_SIGNALS = {
     INPUT: f"{INPUT!r} is a collect node's wait for input: POST the text to /input instead",
     TIMER: f"{TIMER!r} is a durable sleep's wait: the sweeper wakes it (kuralle-es worker)",
+    CHILD: (
+        f"{CHILD!r} is a parent run's wait for its child run: it resumes when the child "
+        "ends; look at the child run (waiting_for.child_run_id)"
+    ),
 }
 
 
@@ -125,6 +143,7 @@ StartKey = Annotated[str | None, _key("a retried start with the same key returns
 DeliveryKey = Annotated[str | None, _key("the delivery's signal_id: a retry with it is a no-op")]
 SignalKey = Annotated[str, _key("the delivery's signal_id (required): a retry is a no-op")]
 InputKey = Annotated[str | None, _key("the turn's idempotency key: a retry is a no-op")]
+MessageKey = Annotated[str, _key("the message's message_id (required): a retry is a no-op")]
 
 _REFUSALS = {
     401: "no or another bearer token (only when the server has KURALLE_API_TOKEN)",
@@ -221,6 +240,14 @@ async def get_run(runtime: Served, run_id: RunId) -> RunState:
     return run.to_state(await runtime.store.lease_async(run_id))
 
 
+@router.get(f"{_RUN}/published", operation_id="get_published", responses=_responses(404),
+            summary="get published: the latest value the run published under each key")  # fmt: skip
+async def get_published(runtime: Served, run_id: RunId) -> dict[str, Any]:
+    """``Runtime.published``: what the run's nodes published with ``ctx.publish``."""
+    values: dict[str, Any] = await runtime.published(run_id, await _session_of(runtime, run_id))
+    return values
+
+
 @router.get(f"{_RUN}/steps", operation_id="get_steps", responses=_responses(404),
             summary="get steps: the run's journal, every step it recorded")  # fmt: skip
 async def get_steps(runtime: Served, run_id: RunId) -> list[StepRecord]:
@@ -252,6 +279,26 @@ async def signal(runtime: Served, run_id: RunId, body: Signal, key: SignalKey) -
     # Exactly ``Runtime.signal``, through ``run`` for the turn's handle.
     delivery = SignalDelivery(signal_id=key, name=body.name, payload=body.payload)
     return await _deliver(runtime, run_id, delivery)
+
+
+@router.post(f"{_RUN}/messages", operation_id="send_message", responses=_DELIVERY,
+             summary=f"send message: into the run's mailbox; a run waiting in receive for it "
+             f"is driven on: {_TURN}")  # fmt: skip
+async def send_message(
+    runtime: Served, run_id: RunId, body: SendMessage, key: MessageKey
+) -> TurnResult:
+    # Exactly ``Runtime.send``; an oversized payload is the 413 of a body too large.
+    encode_json(body.payload, f"the payload of message {body.name!r}")
+    session = await _session_of(runtime, run_id)
+    try:
+        return await runtime.send(run_id, session, body.name, body.payload, message_id=key)
+    except Exception:
+        # The message woke the run and the node then failed: journaled, the
+        # run's result is the answer (as for a delivery); else a refusal.
+        run = await runtime.store.load_async(run_id)
+        if run is None or key not in run.mail_ids or run.status == "running":
+            raise
+        return result_of(run)
 
 
 def _decision(approved: bool) -> Callable[..., Coroutine[Any, Any, TurnResult]]:
@@ -288,6 +335,56 @@ async def input(runtime: Served, run_id: RunId, body: Input, key: InputKey = Non
              )  # fmt: skip
 async def cancel(runtime: Served, run_id: RunId, body: Cancel) -> RunState:
     return await runtime.cancel(run_id, await _session_of(runtime, run_id), body.reason)
+
+
+# ----------------------------------------------- conversations, resumes, drift
+SessionId = Annotated[
+    str,
+    Path(
+        description="the session whose conversation it is",
+        max_length=MAX_ID_LENGTH,
+        pattern=ID_PATTERN,
+    ),
+]
+
+
+@router.post("/api/sessions/{session_id}/turns", operation_id="say",
+             responses=_responses(409, 413),
+             summary=f"say: the user's next message in the session's conversation; {_TURN}",
+             )  # fmt: skip
+async def say(
+    runtime: Served, session_id: SessionId, body: Turn, key: InputKey = None
+) -> TurnResult:
+    handle = runtime.run(session_id, input=body.text, agent=body.agent, idempotency_key=key)
+    return await _turn(runtime, handle)
+
+
+@router.post(f"{_RUN}/resume", operation_id="resume", responses=_responses(404, 409),
+             summary="resume: drive an errored run again (recorded steps replay, a step in "
+             f"doubt runs again, frozen errors stay frozen); {_TURN}")  # fmt: skip
+async def resume(
+    runtime: Served, run_id: RunId, body: Annotated[Resume | None, Body()] = None
+) -> TurnResult:
+    session = await _session_of(runtime, run_id)
+    return await _turn(runtime, runtime.run(session, run_id=run_id))
+
+
+@router.post(f"{_RUN}/resolve-drift", operation_id="resolve_drift",
+             responses=_responses(404, 409),
+             summary="resolve drift: restart the run's flow under its current definition, or "
+             "abandon the run; its RunState after")  # fmt: skip
+async def resolve_drift(runtime: Served, run_id: RunId, body: ResolveDrift) -> RunState:
+    session = await _session_of(runtime, run_id)
+    if body.action == "abandon":
+        return await runtime.resolve_drift(run_id, session, "abandon")
+    # ``Runtime.resolve_drift``'s restart, through a handle: a node that raises has
+    # journaled its failure, and the answer is the run as it now stands.
+    restart = RestartFlow(session, run_id)
+    await _turn(runtime, TurnHandle(lambda sink: drive_turn(runtime.env, restart, sink)))
+    state = await runtime.get_run(run_id, session)
+    if state is None:  # pragma: no cover - the turn just saved it
+        raise unknown_run(run_id)
+    return state
 
 
 # HEAD on the reads, as Starlette serves it, left out of the document.
@@ -331,8 +428,9 @@ def create_app(
         title="kuralle_es runs",
         version="1",
         description=(
-            "Start flow runs, read them, and deliver approvals, signals, input and "
-            "cancels to them, durably (docs/http.md)."
+            "Start flow runs and conversation turns, read runs, deliver approvals, signals, "
+            "input and cancels to them, resume errored runs and settle drifted ones, "
+            "durably (docs/http.md)."
         ),
         docs_url=None,
         redoc_url=None,

@@ -14,7 +14,7 @@ check again behind them. Responses are the library's own models
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -31,8 +31,12 @@ __all__ = [
     "ErrorBody",
     "Input",
     "ListQuery",
+    "ResolveDrift",
+    "Resume",
+    "SendMessage",
     "Signal",
     "StartRun",
+    "Turn",
 ]
 
 #: An id as the doors accept it: no control character (C0, DEL, C1) and one
@@ -75,7 +79,13 @@ class StartRun(_Body):
 
     session_id: Id = Field(description="the session the run belongs to")
     flow: str = Field(description="the name of a flow of the server's agents")
-    input: str | None = Field(default=None, description="the user's first message, if any")
+    input: str | dict[str, Any] | None = Field(
+        default=None,
+        description=(
+            "the user's first message, if any; for a flow defined with typed input "
+            "(define_flow(..., input=Model)) an object validated against that model"
+        ),
+    )
 
 
 class Signal(_Body):
@@ -86,6 +96,16 @@ class Signal(_Body):
 
     name: Id = Field(description="the signal the run waits for (ctx.signal's name)")
     payload: Any = Field(default=None, description="any JSON; validated by the wait's schema")
+
+
+class SendMessage(_Body):
+    """``POST /api/runs/{run_id}/messages``: put a message in the run's mailbox
+    (``Idempotency-Key`` is its ``message_id``)."""
+
+    model_config = _example({"name": "item", "payload": {"sku": "A-1", "qty": 2}})
+
+    name: Id = Field(description="the message's name (what ctx.receive takes)")
+    payload: Any = Field(default=None, description="any JSON; validated by a waiting schema")
 
 
 class Approval(_Body):
@@ -119,6 +139,38 @@ class Cancel(_Body):
 
     reason: Annotated[str, Field(pattern=TEXT_PATTERN)] = Field(
         description="why: the run's outcome becomes 'cancelled: <reason>'"
+    )
+
+
+class Turn(_Body):
+    """``POST /api/sessions/{session_id}/turns``: the user's next message in the session's
+    conversation (started on first use)."""
+
+    model_config = _example({"text": "Where is my order?", "agent": "support"})
+
+    text: str = Field(description="what the user says")
+    agent: Id | None = Field(
+        default=None,
+        description="the agent the conversation is with (default: the server's first); a "
+        "session keeps the agent it started with",
+    )
+
+
+class Resume(_Body):
+    """``POST /api/runs/{run_id}/resume``: drive an errored (or orphaned) run again; no
+    fields (``{}``)."""
+
+    model_config = _example({})
+
+
+class ResolveDrift(_Body):
+    """``POST /api/runs/{run_id}/resolve-drift``: settle a run whose flow changed."""
+
+    model_config = _example({"action": "restart"})
+
+    action: Literal["restart", "abandon"] = Field(
+        description="restart: re-pin the current definition and drive the flow from its "
+        "start; abandon: the run becomes aborted with outcome 'abandoned: flow drift'"
     )
 
 

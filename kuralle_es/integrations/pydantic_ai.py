@@ -17,21 +17,30 @@ journal under it, at the three places where a run touches the world:
 
 A resume re-runs the agent from the turn's start; every step the journal has
 is replayed, so the model and the tools are asked only for what is new.
+
+``DurableAgent.run`` takes what ``Agent.run`` takes that a durable turn can
+keep: ``deps`` (handed to the agent on every pass, never journaled: each
+process supplies its own), ``message_history`` (journaled with the turn, so
+every pass in any process sees it), ``usage_limits`` (the run's ``Budget``)
+and an ``idempotency_key``; its ``output`` is typed (the agent's
+``output_type``) whichever process drove the turn, rebuilt from the journal.
 """
 
 from __future__ import annotations
 
 import contextvars
+import inspect
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Union, get_type_hints
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 from pydantic_core import to_json, to_jsonable_python
 
 from kuralle_es import Agent as KuralleAgent
 from kuralle_es import (
+    Budget,
     InvalidArgumentError,
     LoopTurn,
     ModelRequest,
@@ -48,7 +57,7 @@ from kuralle_es._lookup import known_entry
 from kuralle_es.shapes import Message
 
 try:
-    from pydantic_ai import Agent, ModelRetry
+    from pydantic_ai import Agent, ModelRetry, NativeOutput, PromptedOutput, TextOutput, ToolOutput
     from pydantic_ai.capabilities import AbstractCapability
     from pydantic_ai.messages import (
         ModelMessage,
@@ -69,6 +78,7 @@ try:
     from pydantic_ai.tools import DeferredToolRequests, DeferredToolResults, RunContext, ToolDenied
     from pydantic_ai.toolsets import AbstractToolset, WrapperToolset
     from pydantic_ai.toolsets.abstract import ToolsetTool
+    from pydantic_ai.usage import UsageLimits
 except ImportError as missing:  # pragma: no cover - the extra is installed in CI
     msg = (
         "kuralle_es.integrations.pydantic_ai needs Pydantic AI: "
@@ -76,7 +86,14 @@ except ImportError as missing:  # pragma: no cover - the extra is installed in C
     )
     raise ImportError(msg) from missing
 
-__all__ = ["DurableAgent", "DurableRunResult", "definition", "durable", "tool_call"]
+__all__ = [
+    "DurableAgent",
+    "DurableRunResult",
+    "definition",
+    "durable",
+    "tool_call",
+    "typed_output",
+]
 
 #: The key of a model step's recorded Pydantic AI response in ``ModelResponse.data``.
 RESPONSE_KEY = "pydantic_ai"
@@ -86,10 +103,22 @@ MODEL_RETRY_KEY = "__pydantic_ai_model_retry"
 _current_call: contextvars.ContextVar[ToolCall | None] = contextvars.ContextVar(
     "kuralle_pydantic_ai_tool_call", default=None
 )
-#: Outputs of the turns a ``DurableAgent.run`` call drives, by run id (this call's only).
-_outputs: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
-    "kuralle_pydantic_ai_outputs", default=None
+#: What a ``DurableAgent.run`` call gives the turns it drives (this call's only).
+_call: contextvars.ContextVar[_Call | None] = contextvars.ContextVar(
+    "kuralle_pydantic_ai_call", default=None
 )
+#: The name of the ``value`` step a turn's given message history is journaled as.
+HISTORY = "message_history"
+
+
+@dataclass
+class _Call:
+    """One ``DurableAgent.run`` call: what it gives the agent, and the outputs it got."""
+
+    deps: Any = None
+    #: The message history in Pydantic AI's JSON form (None: the run's own chat).
+    history: list[Any] | None = None
+    outputs: dict[str, Any] = field(default_factory=dict)
 
 
 # --------------------------------------------------------------- the result
@@ -97,9 +126,11 @@ _outputs: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar
 class DurableRunResult:
     """What ``DurableAgent.run`` returns: the turn's ``output``, ``run_id`` and ``status``.
 
-    ``output`` is the agent's output as Pydantic AI gave it when the turn ended
-    in this call (None while it is paused); ``waiting_for`` says what a paused
-    run waits for (an ``__approval`` with the frozen operation).
+    ``output`` is the agent's output, typed by its ``output_type``: as Pydantic
+    AI gave it when the turn ended in this call, rebuilt from the journal when
+    another process (or an earlier call with the same key) drove it; None
+    while the run is paused. ``waiting_for`` says what a paused run waits for
+    (an ``__approval`` with the frozen operation).
     """
 
     output: Any
@@ -389,6 +420,9 @@ class PydanticAILoop:
 
     def __init__(self, agent: Agent[Any, Any]) -> None:
         self.agent = agent
+        #: The deps of the turns this process drives outside a ``run`` call (an
+        #: approval, a recovery): the ones given to ``durable`` last.
+        self.deps: Any = None
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, PydanticAILoop) and other.agent is self.agent
@@ -397,18 +431,24 @@ class PydanticAILoop:
         return id(self.agent)
 
     async def drive(self, turn: LoopTurn) -> str | None:
+        call = _call.get()
         history, prompt = _history(turn.messages())
+        given = await turn.given(HISTORY, call.history if call is not None else None)
+        if given is not None:
+            history = ModelMessagesTypeAdapter.validate_python(given)
         result = await self.agent.run(
-            prompt, message_history=history, capabilities=[_OnTheJournal(turn)]
+            prompt,
+            message_history=history,
+            deps=call.deps if call is not None else self.deps,
+            capabilities=[_OnTheJournal(turn)],
         )
         # Tool results after the last response (an output tool's) ride the turn's close.
         new = result.new_messages()
         if new and isinstance(new[-1], PaiRequest):
             for message in _tool_messages(new[-1].parts):
                 turn.append_message(message)
-        outputs = _outputs.get()
-        if outputs is not None:
-            outputs[turn.run_id] = result.output
+        if call is not None:
+            call.outputs[turn.run_id] = result.output
         return _output_text(result.output)
 
 
@@ -422,7 +462,15 @@ class DurableAgent:
         self.name: str = str(agent.name)
 
     async def run(
-        self, prompt: str, *, session_id: str, run_id: str | None = None
+        self,
+        prompt: str,
+        *,
+        session_id: str,
+        run_id: str | None = None,
+        deps: Any = None,
+        usage_limits: UsageLimits | None = None,
+        message_history: Sequence[ModelMessage] | None = None,
+        idempotency_key: str | None = None,
     ) -> DurableRunResult:
         """Run one user turn of the session's conversation with the agent.
 
@@ -433,23 +481,51 @@ class DurableAgent:
         then the turn's own, already recorded); with that of a finished run, a
         new user turn of it. A paused run moves on with ``runtime.approve`` or
         ``runtime.deny`` (or the CLI, the dashboard, the HTTP API).
+
+        ``deps`` go to the agent as ``Agent.run``'s do, on every pass of the
+        turn this call drives; they are not journaled (a turn driven by
+        another call or process gets that one's: ``durable(..., deps=)``).
+        ``message_history`` is what the model sees before ``prompt`` in place
+        of the run's earlier turns; it is journaled with the turn, so every
+        pass of it, in any process, sees the same. ``usage_limits`` become the
+        run's ``Budget`` (``request_limit``, ``total_tokens_limit`` and
+        ``cost_limit``, on top of what the run spent before this call; a turn
+        past them ends ``error`` with ``BudgetExceededError``); its other
+        limits have no budget to keep them and are refused
+        (``InvalidArgumentError``). ``idempotency_key`` makes a retried call
+        (same key, same request) return the first one's result and run
+        nothing more. ``output`` is typed by the agent's ``output_type``
+        whichever process drove the turn: rebuilt from the journal when this
+        call did not.
         """
-        outputs: dict[str, Any] = {}
-        token = _outputs.set(outputs)
+        call = _Call(deps=deps, history=_journalable(message_history))
+        token = _call.set(call)
         try:
-            handle = await self._turn(prompt, session_id, run_id)
+            handle = await self._turn(prompt, session_id, run_id, usage_limits, idempotency_key)
             result = await handle.result()
         finally:
-            _outputs.reset(token)
-        output = outputs.get(result.run_id, result.output)
+            _call.reset(token)
         if result.status == "paused":
             output = None
+        elif result.run_id in call.outputs:
+            output = call.outputs[result.run_id]
+        else:  # driven elsewhere (another process, a retried key): from the journal
+            output = typed_output(self.wrapped, result.output)
         return DurableRunResult(output, result.run_id, result.status, result.waiting_for)
 
-    async def _turn(self, prompt: str, session_id: str, run_id: str | None) -> Any:
+    async def _turn(
+        self,
+        prompt: str,
+        session_id: str,
+        run_id: str | None,
+        usage_limits: UsageLimits | None,
+        idempotency_key: str | None,
+    ) -> Any:
         runtime = self.runtime
+        budget = await self._budget(usage_limits, session_id, run_id)
+        keyed: dict[str, Any] = {"idempotency_key": idempotency_key, "budget": budget}
         if run_id is None:
-            return runtime.run(session_id, input=prompt, agent=self.name)
+            return runtime.run(session_id, input=prompt, agent=self.name, **keyed)
         state = await runtime.get_run(run_id, session_id)
         if state is None:
             raise RunNotFoundError(run_id, session_id)
@@ -459,9 +535,111 @@ class DurableAgent:
                 f"not {self.name!r}"
             )
             raise InvalidArgumentError(msg)
-        if state.status in ("running", "error"):
-            return runtime.run(session_id, run_id=run_id)
-        return runtime.run(session_id, run_id=run_id, input=prompt)
+        if state.status in ("running", "error") and not await self._seen(run_id, idempotency_key):
+            return runtime.run(session_id, run_id=run_id, **keyed)
+        # A new user turn of the session's conversation (this run), or the retry of a
+        # keyed call: asked the way a call without run_id asks it, so that a retry
+        # with or without the run id is the same request (docs/pydantic-ai.md).
+        return runtime.run(session_id, input=prompt, agent=self.name, **keyed)
+
+    async def _seen(self, run_id: str, idempotency_key: str | None) -> bool:
+        """Whether a call with ``idempotency_key`` already opened a turn of the run."""
+        if idempotency_key is None:
+            return False
+        run = await self.runtime.store.load_async(run_id)
+        return run is not None and idempotency_key in run.inbound_keys
+
+    async def _budget(
+        self, limits: UsageLimits | None, session_id: str, run_id: str | None
+    ) -> Budget | None:
+        """``usage_limits`` as the run's ``Budget``: this call's limits on top of what
+        the run (the session's conversation, without ``run_id``) spent before it."""
+        if limits is None:
+            return None
+        _refuse_unkept(limits)
+        if all(getattr(limits, name) is None for name in _KEPT_LIMITS):
+            return None
+        if run_id is None:
+            runs = await self.runtime.views.list_runs(session_id=session_id)
+            run_id = next((r.run_id for r in runs if r.kind == "conversation"), None)
+        spent = await self.runtime.views.usage(run_id=run_id) if run_id else None
+        calls = spent.model_calls if spent is not None else 0
+        tokens = spent.total_tokens if spent is not None else 0
+        cost = (spent.cost or 0.0) if spent is not None else 0.0
+        return Budget(
+            max_model_calls=None if limits.request_limit is None else calls + limits.request_limit,
+            max_total_tokens=(
+                None if limits.total_tokens_limit is None else tokens + limits.total_tokens_limit
+            ),
+            max_cost=None if limits.cost_limit is None else cost + float(limits.cost_limit),
+            on_exceed="fail",
+        )
+
+
+# ------------------------------------------------------------ what it takes
+#: The limits of ``UsageLimits`` that a run's ``Budget`` keeps.
+_KEPT_LIMITS = ("request_limit", "total_tokens_limit", "cost_limit")
+
+
+def _refuse_unkept(limits: UsageLimits) -> None:
+    """Refuse limits that no budget keeps: a durable turn would not honour them."""
+    unkept = [
+        name
+        for name in ("tool_calls_limit", "input_tokens_limit", "output_tokens_limit",
+                     "per_request_input_tokens_limit")
+        if getattr(limits, name, None) is not None
+    ]  # fmt: skip
+    if getattr(limits, "count_tokens_before_request", False):
+        unkept.append("count_tokens_before_request")
+    if unkept:
+        msg = (
+            f"usage_limits {unkept} have no counterpart in the run's Budget; a durable turn "
+            f"keeps {list(_KEPT_LIMITS)} (docs/pydantic-ai.md)"
+        )
+        raise InvalidArgumentError(msg)
+
+
+def _journalable(history: Sequence[ModelMessage] | None) -> list[Any] | None:
+    """A message history in Pydantic AI's own JSON form, as the journal keeps it."""
+    if history is None:
+        return None
+    if isinstance(history, str | bytes) or not isinstance(history, Sequence):
+        msg = f"message_history must be a list of Pydantic AI messages, got {history!r}"
+        raise InvalidArgumentError(msg)
+    dumped: list[Any] = ModelMessagesTypeAdapter.dump_python(list(history), mode="json")
+    return dumped
+
+
+def _output_types(spec: Any) -> list[Any]:
+    """The types an ``output_type`` spec gives its output (a function's: its return type)."""
+    if isinstance(spec, ToolOutput):
+        return _output_types(spec.output)
+    if isinstance(spec, NativeOutput | PromptedOutput):
+        return _output_types(spec.outputs)
+    if isinstance(spec, TextOutput):
+        return _output_types(spec.output_function)
+    if isinstance(spec, Sequence) and not isinstance(spec, str):
+        return [t for one in spec for t in _output_types(one)]
+    if inspect.isfunction(spec) or inspect.ismethod(spec):
+        return [get_type_hints(spec).get("return", Any)]
+    return [spec]
+
+
+def typed_output(agent: Agent[Any, Any], output: Any) -> Any:
+    """The agent's output as its ``output_type`` types it, from the text the journal
+    recorded (a turn's output is JSON text unless it was a ``str``); the text itself
+    when it does not parse as that type."""
+    if not isinstance(output, str):
+        return output
+    types = _output_types(agent.output_type)
+    if types == [str]:
+        return output
+    union: Any = types[0] if len(types) == 1 else Union[tuple(types)]  # noqa: UP007
+    adapter: TypeAdapter[Any] = TypeAdapter(union)
+    try:
+        return adapter.validate_json(output)
+    except ValidationError:
+        return output
 
 
 def definition(agent: Agent[Any, Any]) -> KuralleAgent:
@@ -489,14 +667,19 @@ def definition(agent: Agent[Any, Any]) -> KuralleAgent:
     return define_agent(agent.name, "", None, loop=PydanticAILoop(agent))
 
 
-def durable(agent: Agent[Any, Any], runtime: Runtime) -> DurableAgent:
+def durable(agent: Agent[Any, Any], runtime: Runtime, *, deps: Any = None) -> DurableAgent:
     """Make a Pydantic AI agent durable on ``runtime``'s journal (docs/pydantic-ai.md).
 
     The agent needs a ``name`` and a model (``definition`` says why). Another
     process that calls ``durable`` on its own runtime with the same agent
     resumes, recovers and approves its runs. Calling ``durable`` again with the
     same agent is harmless; another agent under a taken name is
-    ``InvalidArgumentError``.
+    ``InvalidArgumentError``. ``deps`` are the agent's deps for the turns this
+    runtime drives outside a ``DurableAgent.run`` call (an approval, a
+    recovery); a ``run`` call's own ``deps`` win for its turn.
     """
     runtime.add_agent(definition(agent))
+    loop = runtime.agent(str(agent.name)).loop
+    if isinstance(loop, PydanticAILoop):
+        loop.deps = deps
     return DurableAgent(agent, runtime)

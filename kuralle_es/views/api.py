@@ -32,7 +32,7 @@ from .postgres import PostgresViews
 from .projector import DEFAULT_BATCH, catch_up
 from .query import RunQuery, UsageGroup, UsageQuery, sort_key, tool_stats, usage_by_group
 from .sqlite import SQLiteViews
-from .summaries import RunSummary, ToolStats, summary
+from .summaries import RunSummary, ToolStats, read_cursor, summary
 
 __all__ = ["RunViews", "open_backend"]
 
@@ -110,18 +110,53 @@ class RunViews:
         session_id: str | None = None,
         flow: str | None = None,
         limit: int = 100,
+        *,
+        run_id: str | None = None,
+        since: datetime | str | None = None,
+        until: datetime | str | None = None,
+        after: str | None = None,
     ) -> list[RunSummary]:
-        """Runs, most recently updated first; ``flow`` matches finished runs of it too."""
+        """Runs, most recently updated first; ``flow`` matches finished runs of it too.
+
+        ``run_id`` keeps the runs whose id starts with it (a whole id finds its
+        run); ``since`` and ``until`` (datetimes, naive taken as UTC, or ISO-8601
+        text) keep the runs last updated at or after ``since`` and before
+        ``until``; ``after`` (a ``RunSummary.cursor``) starts the list after that
+        run: the next page. Each is answered by an index of the view tables.
+        ``InvalidArgumentError`` for a bad value.
+        """
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
             msg = f"limit must be a positive integer, got {limit!r}"
             raise InvalidArgumentError(msg)
-        return await self._runs(
-            RunQuery(status=status, session_id=session_id, flow=flow, limit=limit)
+        for label, value in (("status", status), ("session_id", session_id), ("flow", flow),
+                             ("run_id", run_id)):  # fmt: skip
+            if value is not None and not isinstance(value, str):
+                msg = f"{label} must be a string or None, got {value!r}"
+                raise InvalidArgumentError(msg)
+        if after is not None and not isinstance(after, str):
+            msg = f"after must be a RunSummary.cursor, got {after!r}"
+            raise InvalidArgumentError(msg)
+        query = RunQuery(
+            status=status,
+            session_id=session_id,
+            flow=flow,
+            limit=limit,
+            run_id_prefix=run_id or None,
+            updated_since=_time("since", since),
+            updated_until=_time("until", until),
+            after=read_cursor(after) if after is not None else None,
         )
+        return await self._runs(query)
 
     async def waiting_runs(self) -> list[RunSummary]:
         """Paused runs (waiting for an approval, a signal, input or a timer), oldest first."""
         return await self._runs(RunQuery(status="paused", order="oldest"))
+
+    async def child_waits(self) -> list[RunSummary]:
+        """Paused runs waiting for a child run to end (``waiting_for.kind == "child"``),
+        oldest first: what ``recover_orphaned_runs`` checks, for a child whose end
+        nobody handed to its parent (docs/child-runs.md)."""
+        return await self._runs(RunQuery(status="paused", wait_kind="child", order="oldest"))
 
     async def orphaned_runs(self, now: datetime | None = None) -> list[RunSummary]:
         """Running runs whose lease expired before ``now``: their worker is gone."""
@@ -146,6 +181,15 @@ class RunViews:
                 deadline_inclusive=True,
                 order="deadline",
             )
+        )
+
+    async def in_doubt_runs(self, before: datetime | None = None) -> list[RunSummary]:
+        """Runs in ``error`` whose last step was left ``running`` (in doubt: a model
+        call that failed, whose answer was never recorded), last updated before
+        ``before`` (default: now), least recently updated first."""
+        at = as_utc(before) if before is not None else _utcnow()
+        return await self._runs(
+            RunQuery(status="error", in_doubt=True, updated_until=at, order="oldest")
         )
 
     async def step_stats(self) -> list[ToolStats]:
@@ -296,19 +340,22 @@ def _usage_query(run_id: Any, session_id: Any, agent_id: Any, since: Any) -> Usa
         if value is not None and not isinstance(value, str):
             msg = f"{label} must be a string or None, got {value!r}"
             raise InvalidArgumentError(msg)
-    return UsageQuery(run_id=run_id, session_id=session_id, agent=agent_id, since=_since(since))
+    return UsageQuery(
+        run_id=run_id, session_id=session_id, agent=agent_id, since=_time("since", since)
+    )
 
 
-def _since(value: Any) -> datetime | None:
+def _time(label: str, value: Any) -> datetime | None:
+    """A time a query was given (a datetime, naive taken as UTC, or ISO-8601 text)."""
     if value is None:
         return None
     if isinstance(value, str):
         try:
             value = datetime.fromisoformat(value)
         except ValueError:
-            msg = f"since must be an ISO-8601 time such as 2025-01-31T09:00:00Z, got {value!r}"
+            msg = f"{label} must be an ISO-8601 time such as 2025-01-31T09:00:00Z, got {value!r}"
             raise InvalidArgumentError(msg) from None
     if not isinstance(value, datetime):
-        msg = f"since must be a datetime or ISO-8601 text, got {value!r}"
+        msg = f"{label} must be a datetime or ISO-8601 text, got {value!r}"
         raise InvalidArgumentError(msg)
     return as_utc(value)

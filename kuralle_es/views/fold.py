@@ -47,7 +47,12 @@ class RunRow:
     ``agent`` is the run's agent now (``Created``, then each ``Finished``: a
     handoff changes it). ``flow_version`` is the version label of the flow
     definition the run is pinned to (``Created``, ``FlowPinned``); like
-    ``flow`` it stays set when the run ends.
+    ``flow`` it stays set when the run ends, and so does ``node``, the last
+    node the run entered. ``outcome`` is the run's as ``RunState`` folds it
+    (an ``end`` reason, a cancel's); ``error_type`` the class of the error
+    the run is in (cleared when a turn or a resume starts again).
+    ``parent_run_id`` and ``parent_step`` say which run (and its step) started
+    a child run.
     """
 
     run_id: str
@@ -67,6 +72,11 @@ class RunRow:
     event_count: int
     agent: str | None
     flow_version: str | None
+    parent_run_id: str | None = None
+    parent_step: int | None = None
+    node: str | None = None
+    outcome: str | None = None
+    error_type: str | None = None
 
     @property
     def wait_kind(self) -> str | None:
@@ -200,7 +210,13 @@ def _set(**changes: Any) -> _Handler:
 
 
 def _node_entered(run: RunRow, e: stored.NodeEntered, step: StepLookup) -> tuple[RunRow, None]:
-    return replace(run, active_flow=e.flow, active_node=e.node, flow=e.flow or run.flow), None
+    return replace(
+        run,
+        active_flow=e.flow,
+        active_node=e.node,
+        flow=e.flow or run.flow,
+        node=e.node or run.node,
+    ), None
 
 
 def _flow_pinned(run: RunRow, e: stored.FlowPinned, step: StepLookup) -> tuple[RunRow, None]:
@@ -212,6 +228,8 @@ def _flow_pinned(run: RunRow, e: stored.FlowPinned, step: StepLookup) -> tuple[R
         flow=e.flow or run.flow,
         flow_version=e.flow_version,
         waiting_for=None,
+        node=e.node,
+        error_type=None,
     ), None
 
 
@@ -222,8 +240,24 @@ def _paused(run: RunRow, e: stored.Paused, step: StepLookup) -> tuple[RunRow, No
 def _finished(run: RunRow, e: stored.Finished, step: StepLookup) -> tuple[RunRow, None]:
     # The run's agent from now on (a handoff names another), as the aggregate folds it.
     return replace(
-        run, status="finished", active_flow=None, active_node=None, waiting_for=None, agent=e.agent
+        run,
+        status="finished",
+        active_flow=None,
+        active_node=None,
+        waiting_for=None,
+        agent=e.agent,
+        outcome=e.outcome,
     ), None
+
+
+def _parent_linked(run: RunRow, e: stored.ParentLinked, step: StepLookup) -> tuple[RunRow, None]:
+    return replace(run, parent_run_id=e.run_id, parent_step=e.step), None
+def _errored(run: RunRow, e: stored.Errored, step: StepLookup) -> tuple[RunRow, None]:
+    return replace(run, status="error", error_type=_type_of(e.error)), None
+
+
+def _aborted(run: RunRow, e: stored.Aborted, step: StepLookup) -> tuple[RunRow, None]:
+    return replace(run, status="aborted", waiting_for=None, outcome=e.reason), None
 
 
 def _lease_taken(run: RunRow, e: stored.LeaseTaken, step: StepLookup) -> tuple[RunRow, None]:
@@ -309,8 +343,9 @@ def _attempt_failed(current: StepRow, e: stored.AttemptFailed) -> StepRow:
 _HANDLERS: Mapping[type[stored.Event], _Handler | None] = stored.dispatch(
     "views",
     {
-        stored.TurnStarted: _set(status="running"),
+        stored.TurnStarted: _set(status="running", error_type=None),
         stored.NodeEntered: _node_entered,
+        stored.ParentLinked: _parent_linked,
         stored.FlowPinned: _flow_pinned,
         stored.StepIntended: _step_intended,
         stored.StepSucceeded: _on_step(_step_succeeded),
@@ -321,11 +356,12 @@ _HANDLERS: Mapping[type[stored.Event], _Handler | None] = stored.dispatch(
         stored.InputAccepted: _set(status="running", waiting_for=None),
         stored.DeliveryAccepted: _set(status="running", waiting_for=None),
         stored.TimerFired: _set(status="running", waiting_for=None),
-        stored.Resumed: _set(status="running"),
+        stored.MailDelivered: _set(status="running", waiting_for=None),
+        stored.Resumed: _set(status="running", error_type=None),
         stored.Recovered: _set(status="running"),
         stored.Finished: _finished,
-        stored.Errored: _set(status="error"),
-        stored.Aborted: _set(status="aborted", waiting_for=None),
+        stored.Errored: _errored,
+        stored.Aborted: _aborted,
         stored.LeaseTaken: _lease_taken,
         stored.LeaseReleased: _set(lease_holder=None, lease_expires_at=None),
     },
@@ -333,11 +369,13 @@ _HANDLERS: Mapping[type[stored.Event], _Handler | None] = stored.dispatch(
         stored.InboundKeyRecorded,
         stored.RunCreated,  # folded by ``_created``, the first event of every run
         stored.Forked,  # where a fork came from is on RunState, not a column of the list
+        stored.FlowInputGiven,  # what node code reads, not a column of the list
         stored.MessageAppended,
         stored.RetryAllowed,
         stored.Migrated,  # on RunState (migrated_to); its Aborted is saved with it
         stored.TurnRecorded,
         stored.BudgetSet,
         stored.BudgetRaised,
+        stored.MailReceived,  # a message waits in the run's state until a receive takes it
     ),
 )

@@ -19,6 +19,7 @@ from .query import (
     RunQuery,
     UsageQuery,
     UsageShare,
+    last_step_running,
     matches,
     sort_key,
     tool_stats,
@@ -73,7 +74,10 @@ class MemoryViews(ViewBackend):
         leases = self._leases()
         with self._lock:
             every = [with_lease(r, leases.get(UUID(r.run_id))) for r in self._runs.values()]
-        rows = [r for r in every if matches(r, query)]
+            in_doubt = last_step_running(self._steps.values()) if query.in_doubt else None
+        rows = [
+            r for r in every if matches(r, query) and (in_doubt is None or r.run_id in in_doubt)
+        ]
         rows.sort(key=sort_key(query), reverse=query.order == "recent")
         return rows if query.limit is None else rows[: query.limit]
 

@@ -59,6 +59,10 @@ from .summaries import ToolStats
 __all__ = ["PostgresViews", "RunViewsProjection"]
 
 _TRACKING_SUFFIX = "_tracking"
+#: How a run id prefix is compared: byte by byte, whatever the database's collation,
+#: so that the range of ``query.prefix_bounds`` holds exactly the ids that start with
+#: it, served by the ``by_id`` index of the same expression.
+_BYTE_ORDER = ' COLLATE "C"'
 
 
 class PostgresViews(PostgresTrackingRecorder, ViewBackend):
@@ -148,7 +152,8 @@ class PostgresViews(PostgresTrackingRecorder, ViewBackend):
                 "lease_holder text, lease_expires_at timestamptz, step_count int NOT NULL, "
                 "created_at timestamptz NOT NULL, updated_at timestamptz NOT NULL, "
                 "version bigint NOT NULL, event_count bigint NOT NULL, agent text, "
-                "flow_version text)"
+                "flow_version text, parent_run_id text, parent_step bigint, node text, "
+                "outcome text, error_type text)"
             ).format(self._runs),
             SQL(
                 "CREATE TABLE IF NOT EXISTS {0} ("
@@ -169,7 +174,7 @@ class PostgresViews(PostgresTrackingRecorder, ViewBackend):
             SQL("CREATE INDEX IF NOT EXISTS {0} ON {1} ({2})").format(
                 Identifier(f"{runs}_{name}"), self._runs, SQL(columns)
             )
-            for name, columns in SQL_INDEXES
+            for name, columns in (*SQL_INDEXES, ("by_id", f"(run_id{_BYTE_ORDER})"))
         ]
         return statements
 
@@ -226,7 +231,8 @@ class PostgresViews(PostgresTrackingRecorder, ViewBackend):
         return None if position is None else int(position)
 
     def select_runs(self, query: RunQuery) -> list[RunRow]:
-        where, params = sql_where(query, "%s", as_utc)
+        steps = self._steps.as_string()
+        where, params = sql_where(query, "%s", as_utc, byte_order=_BYTE_ORDER, steps=steps)
         order, more = sql_order(query, "%s")
         statement = SQL("SELECT * FROM ") + self._runs_read + SQL(where + order)
         with self.datastore.get_connection() as conn, conn.cursor() as curs:

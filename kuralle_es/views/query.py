@@ -35,8 +35,10 @@ __all__ = [
     "UsageGroup",
     "UsageQuery",
     "UsageShare",
+    "last_step_running",
     "matches",
     "percentile",
+    "prefix_bounds",
     "run_row",
     "run_values",
     "sort_key",
@@ -67,6 +69,16 @@ class RunQuery:
     lease_expired_before: datetime | None = None
     deadline_before: datetime | None = None
     deadline_inclusive: bool = False
+    #: Run ids that start with this text (a whole id is its own prefix).
+    run_id_prefix: str | None = None
+    #: Runs last updated at or after ``updated_since`` and before ``updated_until``.
+    updated_since: datetime | None = None
+    updated_until: datetime | None = None
+    #: Keyset pagination ("recent" order only): the rows after this one (its
+    #: ``updated_at`` and ``run_id``), as ``RunSummary.cursor`` names it.
+    after: tuple[datetime, str] | None = None
+    #: Only runs whose last step was left ``running``: in doubt.
+    in_doubt: bool = False
     order: Order = "recent"
     limit: int | None = None
 
@@ -75,7 +87,7 @@ RUN_COLUMNS = (
     "run_id", "session_id", "kind", "status", "flow", "active_flow", "active_node",
     "waiting_for", "wait_kind", "wait_deadline", "lease_holder", "lease_expires_at",
     "step_count", "created_at", "updated_at", "version", "event_count", "agent",
-    "flow_version",
+    "flow_version", "parent_run_id", "parent_step", "node", "outcome", "error_type",
 )  # fmt: skip
 STEP_COLUMNS = (
     "run_id", "idx", "kind", "name", "status", "started_at", "finished_at",
@@ -85,13 +97,22 @@ STEP_COLUMNS = (
 
 #: The generation of the view tables' shape and rows (see the module docstring).
 #: 1: 0.1.0. 2: runs and steps carry their agent, steps their model usage.
-#: 3: runs carry the version of their flow.
-VIEWS_GENERATION = 3
+#: 3: runs carry the version of their flow. 4: runs carry their parent run, their
+#: last node, their outcome and the type of the error they ended in.
+VIEWS_GENERATION = 4
 
 #: Nullable columns added to a table after generation 1, by table ("runs",
 #: "steps"), with a type both SQLite and PostgreSQL read: what an upgrade adds.
 ADDED_COLUMNS: dict[str, tuple[tuple[str, str], ...]] = {
-    "runs": (("agent", "text"), ("flow_version", "text")),
+    "runs": (
+        ("agent", "text"),
+        ("flow_version", "text"),
+        ("parent_run_id", "text"),
+        ("parent_step", "bigint"),
+        ("node", "text"),
+        ("outcome", "text"),
+        ("error_type", "text"),
+    ),
     "steps": (
         ("agent", "text"),
         ("input_tokens", "bigint"),
@@ -149,10 +170,29 @@ def with_lease(row: RunRow, record: Lease | None) -> RunRow:
     return row
 
 
+#: The highest code point: a prefix followed by it sorts after every text with that
+#: prefix (byte order: PostgreSQL's "C" collation, SQLite's BINARY, Python's ``<``).
+_TOP = "\U0010ffff"
+
+
+def prefix_bounds(prefix: str) -> tuple[str, str]:
+    """The texts ``[low, high)`` that hold exactly the texts starting with ``prefix``
+    in byte order: a range an index on the column serves, unlike ``LIKE``."""
+    return prefix, prefix + _TOP
+
+
 def sql_where(
-    q: RunQuery, placeholder: str, time: Callable[[datetime], Any]
+    q: RunQuery,
+    placeholder: str,
+    time: Callable[[datetime], Any],
+    *,
+    byte_order: str = "",
+    steps: str | None = None,
 ) -> tuple[str, list[Any]]:
-    """``" WHERE ..."`` (or ``""``) and its parameters for ``q``."""
+    """``" WHERE ..."`` (or ``""``) and its parameters for ``q``. ``byte_order`` is what
+    makes the database compare ``run_id`` byte by byte (PostgreSQL: ``' COLLATE "C"'``;
+    SQLite's default already does), for a prefix; ``steps`` names the steps table, for
+    ``in_doubt``."""
     clauses: list[str] = []
     params: list[Any] = []
 
@@ -170,8 +210,34 @@ def sql_where(
         add("lease_expires_at < ?", time(q.lease_expired_before))
     if q.deadline_before is not None:
         add(f"wait_deadline {'<=' if q.deadline_inclusive else '<'} ?", time(q.deadline_before))
+    if q.run_id_prefix is not None:
+        column = f"run_id{byte_order}"
+        add(f"{column} >= ? AND {column} < ?", *prefix_bounds(q.run_id_prefix))
+    if q.updated_since is not None:
+        add("updated_at >= ?", time(q.updated_since))
+    if q.updated_until is not None:
+        add("updated_at < ?", time(q.updated_until))
+    if q.after is not None:
+        add("(updated_at, run_id) < (?, ?)", time(q.after[0]), q.after[1])
+    if q.in_doubt:
+        if steps is None:
+            raise ValueError("an in-doubt query needs the steps table")
+        add(
+            f"EXISTS (SELECT 1 FROM {steps} s WHERE s.run_id = runs.run_id "
+            "AND s.status = 'running' "
+            f"AND s.idx = (SELECT max(t.idx) FROM {steps} t WHERE t.run_id = runs.run_id))"
+        )
     where = (" WHERE " + " AND ".join(clauses)) if clauses else ""
     return where, params
+
+
+def last_step_running(steps: Iterable[StepRow]) -> set[str]:
+    """The runs whose last step (by index) is ``running``: ``in_doubt`` in memory."""
+    last: dict[str, StepRow] = {}
+    for step in steps:
+        if step.run_id not in last or step.index > last[step.run_id].index:
+            last[step.run_id] = step
+    return {run_id for run_id, step in last.items() if step.status == "running"}
 
 
 def sql_order(q: RunQuery, placeholder: str) -> tuple[str, list[Any]]:
@@ -200,7 +266,18 @@ def matches(row: RunRow, q: RunQuery) -> bool:
         bound = q.deadline_before
         if not (deadline <= bound if q.deadline_inclusive else deadline < bound):
             return False
-    return True
+    return _in_range(row, q)
+
+
+def _in_range(row: RunRow, q: RunQuery) -> bool:
+    """The id prefix, the time range and the page position of ``matches``."""
+    if q.run_id_prefix is not None and not row.run_id.startswith(q.run_id_prefix):
+        return False
+    if q.updated_since is not None and row.updated_at < q.updated_since:
+        return False
+    if q.updated_until is not None and not row.updated_at < q.updated_until:
+        return False
+    return q.after is None or (row.updated_at, row.run_id) < q.after
 
 
 def sort_key(q: RunQuery) -> Callable[[RunRow], Any]:
@@ -222,6 +299,7 @@ def run_values(row: RunRow, time: Callable[[datetime], Any]) -> tuple[Any, ...]:
         row.wait_kind, None if deadline is None else time(deadline), row.lease_holder,
         None if lease is None else time(lease), row.step_count, time(row.created_at),
         time(row.updated_at), row.version, row.event_count, row.agent, row.flow_version,
+        row.parent_run_id, row.parent_step, row.node, row.outcome, row.error_type,
     )  # fmt: skip
 
 

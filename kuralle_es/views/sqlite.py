@@ -97,7 +97,8 @@ class SQLiteViews(SQLiteCreateTableHook, TrackingRecorder, ViewBackend):
             "waiting_for TEXT, wait_kind TEXT, wait_deadline TEXT, lease_holder TEXT, "
             "lease_expires_at TEXT, step_count INTEGER NOT NULL, created_at TEXT NOT NULL, "
             "updated_at TEXT NOT NULL, version INTEGER NOT NULL, event_count INTEGER NOT NULL, "
-            "agent TEXT, flow_version TEXT)",
+            "agent TEXT, flow_version TEXT, parent_run_id TEXT, parent_step INTEGER, "
+            "node TEXT, outcome TEXT, error_type TEXT)",
             f"CREATE TABLE IF NOT EXISTS {self.steps_table} ("
             "run_id TEXT NOT NULL, idx INTEGER NOT NULL, kind TEXT NOT NULL, name TEXT NOT NULL, "
             "status TEXT NOT NULL, started_at TEXT NOT NULL, finished_at TEXT, "
@@ -193,7 +194,7 @@ class SQLiteViews(SQLiteCreateTableHook, TrackingRecorder, ViewBackend):
         return self.max_tracking_id(self.application_name)
 
     def select_runs(self, query: RunQuery) -> list[RunRow]:
-        where, params = sql_where(query, "?", to_text)
+        where, params = sql_where(query, "?", to_text, steps=self.steps_table)
         order, more = sql_order(query, "?")
         with self.datastore.transaction(commit=False) as c:
             runs = sql_runs(self.runs_table, self.leases_table, "?")

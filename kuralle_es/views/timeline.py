@@ -24,10 +24,11 @@ __all__ = ["Delivery", "format_timeline", "read_deliveries"]
 
 @dataclass(frozen=True)
 class Delivery:
-    """Something delivered to a waiting run: a signal (approvals too) or input."""
+    """Something delivered to a run: a signal (approvals too), input, or a message
+    (``signal_id`` is then its ``message_id``)."""
 
     at: datetime
-    kind: str  # "signal" | "input"
+    kind: str  # "signal" | "input" | "message"
     name: str
     actor: str | None
     payload: Any
@@ -45,6 +46,13 @@ def _signal(e: stored.DeliveryAccepted) -> Delivery:
     )
 
 
+def _mail(e: stored.MailReceived) -> Delivery:
+    return Delivery(
+        at=as_utc(e.timestamp), kind="message", name=e.name, actor=e.actor, payload=e.payload,
+        signal_id=e.message_id,
+    )  # fmt: skip
+
+
 def _input(e: stored.InputAccepted) -> Delivery:
     content = e.message.get("content")
     return Delivery(
@@ -56,9 +64,11 @@ def _input(e: stored.InputAccepted) -> Delivery:
 #: The timeline's reading of the catalogue: deliveries; steps come from the fold.
 _READ: Mapping[type[stored.Event], Callable[[Any], Delivery] | None] = stored.dispatch(
     "timeline",
-    {stored.DeliveryAccepted: _signal, stored.InputAccepted: _input},
+    {stored.DeliveryAccepted: _signal, stored.InputAccepted: _input, stored.MailReceived: _mail},
     skipped=[
-        c for c in stored.RUN_EVENTS if c not in (stored.DeliveryAccepted, stored.InputAccepted)
+        c
+        for c in stored.RUN_EVENTS
+        if c not in (stored.DeliveryAccepted, stored.InputAccepted, stored.MailReceived)
     ],
 )
 _TOPICS = frozenset(c.TOPIC for c, read in _READ.items() if read is not None)
@@ -110,7 +120,8 @@ def _step_line(step: StepRecord) -> str:
 
 def _delivery_line(delivery: Delivery) -> str:
     by = f"by {delivery.actor}" if delivery.actor else "by (no actor)"
-    sid = f"  signal_id={delivery.signal_id}" if delivery.signal_id else ""
+    label = "message_id" if delivery.kind == "message" else "signal_id"
+    sid = f"  {label}={delivery.signal_id}" if delivery.signal_id else ""
     return (
         f"  {_when(delivery.at)}  <-   {delivery.kind:<8} {delivery.name:<16} {by}  "
         f"{_short(delivery.payload)}{sid}"
@@ -138,6 +149,12 @@ def format_timeline(
         lines.append(f"  forked from run {origin['run_id']} at step {origin['at_step']}")
     if state.migrated_to:
         lines.append(f"  migrated to run {state.migrated_to}")
+    if state.parent:
+        lines.append(
+            f"  child of run {state.parent['run_id']} (started by its step {state.parent['step']})"
+        )
+    if state.children:
+        lines.append(f"  children: {', '.join(state.children)}")
     if state.lease_holder:
         lines.append(f"  lease held by {state.lease_holder} until {_when(state.lease_expires_at)}")
     timed: list[tuple[datetime, int, str]] = [
@@ -157,6 +174,8 @@ def format_timeline(
             lines.append(f"    title: {wf.title}")
         if wf.deadline is not None:
             lines.append(f"    deadline: {_when(wf.deadline)} UTC")
+        if wf.child_run_id is not None:
+            lines.append(f"    until child run {wf.child_run_id} ends (kuralle-es runs show it)")
         if wf.operation is not None:
             lines.append(f"    operation: {wf.operation.tool_name} {_short(wf.operation.args)}")
     if state.outcome is not None:

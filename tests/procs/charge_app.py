@@ -24,7 +24,9 @@ payment system deduplicates) and one row per execution in
 ``KT_KILL_AT`` stops the process at one point of every run, for the test to
 ``SIGKILL`` it there: ``before-intent`` (the node runs, the tool's intent is
 not journaled), ``in-tool`` (the charge is written, the result is not
-journaled), ``after-result`` (the result is journaled, the run not closed).
+journaled), ``after-result`` (the result is journaled, the run not closed: the
+node waits until another reader sees it, since a result rides the turn's next
+save).
 Once all N runs stand there, the file ``KT_MARKER`` is written.
 """
 
@@ -135,6 +137,20 @@ async def reach(point: str) -> None:
     await asyncio.sleep(600)
 
 
+#: The store the process drives (the ``start`` command's URL).
+_store_url: list[str] = []
+
+
+async def _journaled(run_id: str) -> None:
+    """Wait until every step of the run is journaled finished, as another reader sees it."""
+    with RunStore.from_url(_store_url[0]) as store:
+        while True:
+            run = await store.load_async(run_id)
+            if run is not None and run.steps and all(s["status"] == "finished" for s in run.steps):
+                return
+            await asyncio.sleep(0.01)
+
+
 def build_agents() -> list[Agent]:
     async def charge(args: Amount, call: ToolCall) -> dict[str, Any]:
         await asyncio.to_thread(record_charge, call.idempotency_key, call.run_id, args.cents)
@@ -144,6 +160,10 @@ def build_agents() -> list[Agent]:
     async def pay(state: dict[str, Any], ctx: Any) -> Any:
         await reach("before-intent")
         state["receipt"] = await ctx.tool("charge", {"cents": 500})
+        if os.environ.get("KT_KILL_AT") == "after-result":
+            # The result rides the turn's next save (alone after a few ms of
+            # nothing): stand here once it is journaled.
+            await _journaled(ctx.run_id)
         await reach("after-result")
         return end("charged")
 
@@ -192,6 +212,7 @@ async def _start_keyed(url: str, session: str, key: str, kind: str) -> None:
 
 async def _start(url: str, session: str, runs: str = "1") -> None:
     os.environ["KT_RUNS"] = runs
+    _store_url.append(url)
     with RunStore.from_url(url) as store:
         runtime = Runtime(
             build_agents(), store=store, lease_ttl=1.0, holder=f"doomed-{os.getpid()}"

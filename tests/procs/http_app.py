@@ -11,6 +11,10 @@
   and ends with its tracking number. ``HTTP_SHIP_VARIANT=2`` adds a node, so a
   server started with it sees the runs of an earlier server drift.
 - ``boom``: its node raises: the run ends ``error``.
+- ``order``: typed input (``Order``: ``sku``, ``qty``); asks for approval, then
+  ends ``"<qty>x<sku>"``.
+- ``household``: a parent run whose child is an ``order`` of two teas; it ends
+  with the child's output.
 """
 
 from __future__ import annotations
@@ -46,6 +50,20 @@ class Charge(BaseModel):
 
 class Shipment(BaseModel):
     tracking: str
+
+
+class Order(BaseModel):
+    sku: str
+    qty: int = 1
+
+
+async def order(state: dict[str, Any], ctx: RunContext) -> Any:
+    await ctx.approve(f"Ship {ctx.input.qty} {ctx.input.sku}?")
+    return end(f"{ctx.input.qty}x{ctx.input.sku}")
+
+
+async def household(state: dict[str, Any], ctx: RunContext) -> Any:
+    return end(f"ordered {await ctx.child('order', {'sku': 'tea', 'qty': 2})}")
 
 
 def ledger_lines(path: Path) -> list[dict[str, Any]]:
@@ -102,6 +120,8 @@ def build_agents() -> list[Agent]:
             define_flow("charge", "charge after approval", "pay", [action("pay", pay)]),
             define_flow("ship", "wait for the carrier", "wait", _ship_nodes()),
             define_flow("boom", "always fails", "boom", [action("boom", explode)]),
+            define_flow("order", "typed input", "go", [action("go", order)], input=Order),
+            define_flow("household", "a parent run", "go", [action("go", household)]),
         ],
     )
     return [refund.build_agent(), ops]

@@ -1,0 +1,137 @@
+"""What an operator does to a run from its page, besides approving and denying: cancel it,
+answer its input, deliver its signal, resume it, settle its drift (internal).
+
+Each action is one call of the library's own API, on behalf of the run's session
+(the dashboard's login is an operator's, not a session's), so every check any
+other caller gets applies: a refusal writes nothing and is shown as the HTTP
+API's status. Each form carries an id minted when its page was shown (the
+delivery's ``signal_id``, the input turn's idempotency key), so a form submitted
+twice acts once. The operator is journaled where the journal has room for it:
+as the ``actor`` of a signal, and in the reason of a cancel (the outcome reads
+``cancelled: <reason> (by <operator>)``). A node that raises once the action
+opened the run has journaled its failure: the run's page shows it, as the run's
+error, like any other turn that ended in error.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from .._runtime.handle import TurnHandle
+from .._runtime.runtime import RECOVERIES, Runtime
+from .._runtime.turn import drive_turn
+from .._runtime.turn_calls import RestartFlow
+from ..errors import FlowNotFoundError
+from ..shapes import RunState, SignalDelivery
+
+__all__ = ["ACTIONS", "ActionRefused", "Done", "drifted", "perform"]
+
+#: The actions, by the last part of their path (``POST /runs/RUN_ID/<action>``).
+ACTIONS = ("cancel", "input", "signal", "resume", "resolve-drift")
+#: The longest text a form field may send (a reason, an answer, a payload).
+FIELD_MAX = 100_000
+
+
+class ActionRefused(ValueError):
+    """The form itself is wrong (an empty reason, a payload that is not JSON): 422,
+    said before the library is asked anything."""
+
+
+@dataclass(frozen=True)
+class Done:
+    """What the run's page says after an action."""
+
+    notice: str
+
+
+def _text(fields: Mapping[str, str], name: str, what: str) -> str:
+    value = fields.get(name, "")
+    if not value.strip():
+        raise ActionRefused(f"The form needs {what}.")
+    if len(value) > FIELD_MAX:
+        raise ActionRefused(f"The {what} is longer than {FIELD_MAX} characters.")
+    return value
+
+
+def _opened(handle: TurnHandle) -> bool:
+    run_id = handle.run_id
+    return run_id.done() and not run_id.cancelled() and run_id.exception() is None
+
+
+async def _turn(handle: TurnHandle) -> None:
+    """Drive the turn; a refusal raises; a failure after the run opened was journaled."""
+    try:
+        await handle.result()
+    except Exception:
+        if not _opened(handle):
+            raise
+
+
+async def perform(
+    runtime: Runtime, run: RunState, action: str, operator: str, fields: Mapping[str, str]
+) -> Done:
+    """Do ``action`` to ``run`` as ``operator`` with the form's ``fields``; a refusal
+    raises its ``KuralleError`` (nothing written) or ``ActionRefused``."""
+    session, run_id = run.session_id, run.run_id
+    if action == "cancel":
+        reason = _text(fields, "reason", "a reason").strip()
+        state = await runtime.cancel(run_id, session, f"{reason} (by {operator})")
+        return Done(f"The run was cancelled: it is {state.status} ({state.outcome}).")
+    if action == "input":
+        text = _text(fields, "text", "the answer")
+        key = fields.get("turn_id") or None
+        await _turn(runtime.run(session, run_id=run_id, input=text, idempotency_key=key))
+        return Done("Your answer was delivered.")
+    if action == "signal":
+        delivery = _signal(fields, operator)
+        await _turn(runtime.run(session, run_id=run_id, signal_delivery=delivery))
+        return Done(f"Signal {delivery.name!r} was delivered (signal {delivery.signal_id}).")
+    if action == "resume":
+        await _turn(runtime.run(session, run_id=run_id))
+        return Done("The run was resumed: recorded steps replayed, the rest ran again.")
+    if action == "resolve-drift":
+        choice = fields.get("choice", "")
+        if choice not in RECOVERIES:
+            raise ActionRefused(f"Choose one of {', '.join(RECOVERIES)}.")
+        if choice == "abandon":
+            await runtime.resolve_drift(run_id, session, "abandon")
+            return Done("The run was abandoned (outcome 'abandoned: flow drift').")
+        # ``Runtime.resolve_drift``'s restart through a handle, to tell a refusal from a
+        # restarted node that raised (journaled; the page shows the run's error).
+        restart = RestartFlow(session, run_id)
+        await _turn(TurnHandle(lambda sink: drive_turn(runtime.env, restart, sink)))
+        return Done("The run was restarted on the flow's current definition.")
+    raise ActionRefused(f"There is no action {action!r}.")
+
+
+def _signal(fields: Mapping[str, str], operator: str) -> SignalDelivery:
+    name = _text(fields, "name", "the signal's name").strip()
+    raw = fields.get("payload", "").strip() or "null"
+    if len(raw) > FIELD_MAX:
+        raise ActionRefused(f"The payload is longer than {FIELD_MAX} characters.")
+    try:
+        payload = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ActionRefused(f"The payload is not JSON: {e}.") from None
+    return SignalDelivery(
+        signal_id=fields.get("signal_id", ""),
+        name=name,
+        payload=payload,
+        request_id=fields.get("request_id") or None,
+        actor=operator,
+    )
+
+
+def drifted(runtime: Runtime, run: RunState) -> bool:
+    """Whether the run's flow changed since it started, as this runtime's agents define
+    it: its next turn would be refused with ``FlowDriftError`` until it is settled."""
+    if run.active_flow is None or run.status in ("finished", "aborted"):
+        return False
+    registry = runtime.env.registry
+    try:
+        registry.flow(run.active_flow)
+    except FlowNotFoundError:
+        return False
+    return registry.pinned(run.active_flow, run.flow_digest, run.flow_version) is None
