@@ -29,6 +29,7 @@ from eventsourcing.persistence import (
     IntegrityError,
     InternalError,
     Mapper,
+    OperationalError,
     ProgrammingError,
     Transcoder,
 )
@@ -38,11 +39,12 @@ from eventsourcing.utils import Environment, EnvType, get_topic
 from psycopg.errors import DuplicateObject, DuplicateTable, UniqueViolation
 from psycopg.errors import InternalError as PsycopgInternalError
 
-from ..errors import LeaseHeldError, StaleWriteError
+from ..errors import LeaseHeldError, StaleWriteError, StoreUnavailableError
 from .encryption import check_readable, cipher_env
 from .eventsourcing_hooks import AggregatesFirst, SavingApplication
 from .leases import Lease, LeaseOp, LeaseRefused
 from .pg_async import AsyncOneTripSaver
+from .pg_pool import PgConnections
 from .recorders import (
     LeasingPOPORecorder,
     LeasingRecorder,
@@ -58,6 +60,7 @@ from .store_url import (
     ShardedAddress,
     StoreAddress,
     address_from_env,
+    server_reason,
 )
 from .subject_keys import KeyTable, key_table_at
 from .transcoding import EscapingJSONTranscoder
@@ -176,6 +179,7 @@ class RunLog(SavingApplication):
         partition: int = 0,
         own_tables: bool = False,
         keys: KeyTable | None = None,
+        connections: PgConnections | None = None,
     ) -> None:
         if own_tables:
             # Another partition of one database: tables of its own
@@ -188,6 +192,10 @@ class RunLog(SavingApplication):
         #: The subjects' key table (``subject_keys``): given by the store, else the
         #: one ``KURALLE_KEY_STORE`` names, else one in the log's own database.
         self.keys = keys
+        #: The database's connections, shared with the store's other partitions of
+        #: it (their store closes them), or this log's own (made and closed here).
+        self.connections = connections
+        self.owns_connections = connections is None
         super().__init__(env=env)
         try:
             check_readable(self.mapper, _first_stored_event(self.recorder))
@@ -241,14 +249,17 @@ class RunLog(SavingApplication):
 
     def construct_factory(self, env: Environment) -> InfrastructureFactory[Any]:
         """The persistence factory of the log's address (``store_url``), read from
-        its environment; on PostgreSQL its pool given libpq's other parameters (a
-        multi-host URL's ``target_session_attrs``, ...) before it first connects."""
+        its environment; on PostgreSQL, using the database's connections
+        (``pg_pool``: one pool for every partition, libpq's other parameters such as
+        a multi-host URL's ``target_session_attrs`` given before it connects)."""
         self.address = address_from_env(env, env.name)
         if isinstance(self.address, PostgresAddress) and not env.get("POSTGRES_CONNECT_TIMEOUT"):
             env["POSTGRES_CONNECT_TIMEOUT"] = str(CONNECT_TIMEOUT + 2)
         factory = super().construct_factory(env)
         if isinstance(self.address, PostgresAddress) and isinstance(factory, PostgresFactory):
-            self.address.configure(factory.datastore.pool)
+            if self.connections is None:
+                self.connections = PgConnections(self.address)
+            self.connections.share(factory)
         return factory
 
     def construct_env(self, name: str, env: EnvType | None = None) -> Environment:
@@ -283,9 +294,9 @@ class RunLog(SavingApplication):
         if isinstance(self.factory, POPOFactory):
             return LeasingPOPORecorder()
         recorder = retry_schema_setup(super().construct_recorder)
-        if isinstance(recorder, OneTripPostgresRecorder):
+        if isinstance(recorder, OneTripPostgresRecorder) and self.connections is not None:
             # Async code's saves are sent from its event loop (``save_run_async``).
-            self._saver = AsyncOneTripSaver(recorder)
+            self._saver = AsyncOneTripSaver(recorder, self.connections)
         return recorder
 
     def construct_snapshot_store(self) -> EventStore[UUID]:
@@ -342,7 +353,8 @@ class RunLog(SavingApplication):
         if aggregate_id is None:
             return None
         try:
-            run: object = self.repository.get(aggregate_id, projector_func=project_events)
+            with self.reachable():
+                run: object = self.repository.get(aggregate_id, projector_func=project_events)
         except AggregateNotFoundError:
             return None
         except SnapshotErased:
@@ -407,7 +419,7 @@ class RunLog(SavingApplication):
             index = self.session_runs(run.session_id) or new_session_runs(run.session_id)
             index.add_run(run.run_id)
             try:
-                with _lease_errors(run):
+                with self.reachable(), _lease_errors(run):
                     self.save(*events, index, **_lease_kwargs(lease))
             except IntegrityError:
                 if RunLog.load(self, run.run_id) is not None:
@@ -464,7 +476,7 @@ class RunLog(SavingApplication):
         or ``StaleWriteError`` for a lease taken over; nothing is written)."""
         self.bind_subject(run)
         try:
-            with _lease_errors(run):
+            with self.reachable(), _lease_errors(run):
                 self.save(run, **_lease_kwargs(lease))
         except IntegrityError as e:
             raise StaleWriteError(run.run_id, "another writer appended first") from e
@@ -496,7 +508,7 @@ class RunLog(SavingApplication):
         store in an ``eventsourcing`` system would not save runs."""
         processing_event = AggregatesFirst()
         processing_event.collect_events(*items)
-        with _lease_errors(run):
+        with self.reachable(), _lease_errors(run):
             stored = [self.mapper.to_stored_event(e) for e in processing_event.events]
             await saver.insert(stored, lease)
         due = self.due_snapshots(processing_event)
@@ -529,7 +541,8 @@ class RunLog(SavingApplication):
         if aggregate_id is None:
             return None
         recorder: LeasingRecorder = self.recorder  # type: ignore[assignment]
-        return recorder.select_lease(aggregate_id)
+        with self.reachable():
+            return recorder.select_lease(aggregate_id)
 
     def holds(self, aggregate_id: UUID) -> bool:
         """Whether this log holds any event of ``aggregate_id`` (a run, an index)."""
@@ -538,7 +551,8 @@ class RunLog(SavingApplication):
     async def holds_async(self, aggregate_id: UUID) -> bool:
         """``holds`` for async code: on the loop's connection on PostgreSQL."""
         if self._saver is not None:
-            return await self._saver.holds(aggregate_id)
+            with self.reachable():
+                return await self._saver.holds(aggregate_id)
         return await self._off_loop(self.holds, aggregate_id)
 
     async def lease_async(self, run_id: str) -> Lease | None:
@@ -548,13 +562,34 @@ class RunLog(SavingApplication):
         if aggregate_id is None:
             return None
         if self._saver is not None:
-            return await self._saver.select_lease(aggregate_id)
+            with self.reachable():
+                return await self._saver.select_lease(aggregate_id)
         return await self._off_loop(RunLog.lease, self, run_id)
 
+    @contextlib.contextmanager
+    def reachable(self) -> Iterator[None]:
+        """A database that cannot be reached (every retry spent: a server down, a
+        failover longer than a save's deadline) as ``StoreUnavailableError`` naming
+        it, on PostgreSQL; what was in doubt was read back first (``pg_async``)."""
+        try:
+            yield
+        except OperationalError as lost:
+            if not isinstance(self.address, PostgresAddress):
+                raise  # SQLite's (a lock timeout) is not a server away
+            msg = f"cannot reach {self.address.label()}: {server_reason(lost)}"
+            raise StoreUnavailableError(msg) from lost
+
     def close(self) -> None:
+        """Close the log; on PostgreSQL its connections too if they are its own (the
+        store closes a database's shared ones after all its logs)."""
         if self._saver is not None:
             self._saver.close()
-        super().close()
+        if self.connections is None:
+            super().close()
+            return
+        self.closing.set()
+        if self.owns_connections:
+            self.connections.close()
 
 
 def _first_stored_event(recorder: ApplicationRecorder) -> Any | None:

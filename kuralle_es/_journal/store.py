@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
@@ -38,6 +39,7 @@ from ..errors import InvalidArgumentError
 from .encryption import cipher_env, cipher_of
 from .leases import Lease, LeaseOp
 from .log import KEY_STORE_ENV, RunLog
+from .pg_pool import PgConnections
 from .pruning import delete_runs
 from .routing import Router
 from .run import Run
@@ -89,9 +91,9 @@ class RunStore:
                     )
                     raise InvalidArgumentError(msg)
             else:
-                address = postgres_address(
-                    address.params, partitions=partitions, pooler=address.pooler
-                )
+                address = replace(address, partitions=postgres_address(
+                    address.params, partitions=partitions
+                ).partitions)  # fmt: skip
         base = {**(env or {}), **(address.env() if address is not None else {})}
         keys = _key_table(base, address)
         self._use(_open_database(address, base, keys))
@@ -135,13 +137,18 @@ class RunStore:
         pooler: str | None = None,
         cipher_key: str | None = None,
         key_store: str | None = None,
+        pool_size: int | None = None,
     ) -> Self:
         """A store in one PostgreSQL database (a URL, several hosts allowed, a conninfo
         string or a mapping of libpq parameters); ``partitions`` (K logs) as the
         module's docstring says: None opens the logs the database has (one if it is
-        new); ``pooler`` (``"transaction"`` or ``"session"``) is reserved;
+        new); ``pool_size`` (default 10, or the URL's ``?pool_size=``) the most
+        connections the store holds, whatever K; ``pooler="transaction"`` when
+        PgBouncer in transaction mode is in front (docs/high-availability.md);
         ``cipher_key`` and ``key_store`` as ``__init__`` says."""
-        address = postgres_address(dsn_or_params, partitions=partitions, pooler=pooler)
+        address = postgres_address(
+            dsn_or_params, partitions=partitions, pooler=pooler, pool_size=pool_size
+        )
         return cls(
             env=address.env(),
             partitions=address.partitions,
@@ -323,8 +330,14 @@ class RunStore:
 
 
 def _close(logs: Iterable[RunLog]) -> None:
+    """Close the logs, then the connections they share (one pool per database)."""
+    logs = list(logs)
     for log in logs:
         log.close()
+    shared = {id(log.connections): log.connections for log in logs if not log.owns_connections}
+    for connections in shared.values():
+        if connections is not None:
+            connections.close()
 
 
 def _with_privacy(
@@ -357,12 +370,18 @@ def _open_database(
     """The logs of one database: on PostgreSQL, as many as it records (or as the
     address asks, which it then records); elsewhere one."""
     count = _agree_partitions(address) if isinstance(address, PostgresAddress) else 1
+    # One pool for all the database's logs (``pg_pool``).
+    connections = PgConnections(address) if isinstance(address, PostgresAddress) else None
     logs: list[RunLog] = []
     try:
         for i in range(count):
-            logs.append(RunLog(env=env, partition=i, own_tables=i > 0, keys=keys))
+            logs.append(
+                RunLog(env=env, partition=i, own_tables=i > 0, keys=keys, connections=connections)
+            )
     except BaseException:
         _close(logs)
+        if connections is not None:
+            connections.close()
         raise
     return logs
 
