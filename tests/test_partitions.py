@@ -433,7 +433,8 @@ async def test_the_command_line_sees_every_partition(
 
 async def test_the_eventsourcing_variables_open_every_partition(pg_dsn: str) -> None:
     RunStore.postgres(pg_dsn, partitions=3).close()
-    params = conninfo_to_dict(pg_dsn.partition("?")[0])
+    dsn, _, query = pg_dsn.partition("?")
+    params = conninfo_to_dict(dsn)
     store = RunStore(
         env={
             "PERSISTENCE_MODULE": "eventsourcing.postgres",
@@ -442,6 +443,8 @@ async def test_the_eventsourcing_variables_open_every_partition(pg_dsn: str) -> 
             "POSTGRES_PORT": str(params["port"]),
             "POSTGRES_USER": str(params["user"]),
             "POSTGRES_PASSWORD": "",
+            # Behind PgBouncer in transaction mode (the fixture's ?pooler=transaction).
+            "KURALLE_POSTGRES_POOLER": "transaction" if "pooler=transaction" in query else "",
         }
     )
     try:
