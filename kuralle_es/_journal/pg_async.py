@@ -27,11 +27,14 @@ back (from the new primary, after a failover) before it decides: there,
 exactly as sent, the save is done; absent, it is sent again (nothing of it
 was written, so this is not a second write); written by another, a clash.
 
-Once a statement that wrote events has committed, the followers are woken
-(the recorder's ``wake_statement``, a transaction of its own, from a task of
-its own). The first commit after a quiet spell wakes them at once; the
-commits of the next ``WAKE_SPACING`` seconds share one more wake-up at its
-end (one wake-up a save doubled the statements of a lone run). A wake-up
+The followers are woken at most once every ``WAKE_SPACING`` seconds. A save
+made when a wake-up is due carries it in its own transaction (the
+recorder's ``*_waking_statement``: delivered at its commit), so the first
+commit after a quiet spell wakes them at once and a busy writer's wake-ups
+cost no transaction of their own (one commit a step, docs/guarantees.md);
+the server's notification lock is then taken by one save a spacing, not by
+every save. A commit no such save announced within the spacing gets a
+wake-up of its own (``wake_statement``, from a task of its own). A wake-up
 still due when the store is closed is sent then.
 """
 
@@ -105,11 +108,13 @@ class _Lane:
 
 @dataclass
 class _Waker:
-    """One loop's wake-ups of the followers: the one in flight, and whether
-    another is due after it."""
+    """One loop's wake-ups of the followers: when the last went, whether a commit
+    since is still unannounced (``again``), and the task that announces it alone
+    if no save carries it first."""
 
-    sending: asyncio.Task[None] | None = None
+    woken_at: float = float("-inf")
     again: bool = False
+    sending: asyncio.Task[None] | None = None
 
 
 #: What a save came to: its events' notification ids, or the error it raises.
@@ -210,11 +215,16 @@ class AsyncOneTripSaver:
         recorder = self._recorder
         self.statements += 1
         self.saves += len(saves)
+        # A save carries the followers' wake-up when one is due (none went for
+        # WAKE_SPACING): a busy writer's wake-ups then cost no transaction.
+        waking = self._wake_due(loop) and any(s.rows for s in saves)
         try:
             if len(saves) == 1:
                 [save] = saves
                 parameters = recorder.parameters_of(save.rows, save.lease)
-                statement = recorder.one_trip_statement
+                statement = (
+                    recorder.one_trip_waking_statement if waking else recorder.one_trip_statement
+                )
                 try:
                     found = await self._execute(
                         statement, parameters, save.lease, deadline, sent_matters=True
@@ -224,16 +234,18 @@ class AsyncOneTripSaver:
                 outcomes: list[_Outcome] = [[int(row[0]) for row in found]]
             else:
                 parameters = recorder.batch_parameters([(s.rows, s.lease) for s in saves])
+                statement = recorder.batch_waking_statement if waking else recorder.batch_statement
                 found = await self._execute(
-                    recorder.batch_statement, parameters, None, deadline, sent_matters=True
+                    statement, parameters, None, deadline, sent_matters=True
                 )
                 outcomes = [_outcome(s, row) for s, row in zip(saves, found, strict=True)]
         except InDoubt:
+            waking = False  # whatever it carried, announce what was settled
             outcomes = await self._settle(saves, deadline)
         if any(
             s.rows for s, o in zip(saves, outcomes, strict=True) if not isinstance(o, Exception)
         ):
-            self._wake_followers()
+            self._committed(loop, woke=waking)
         return outcomes
 
     async def _settle(self, saves: list[_Save], deadline: float) -> list[_Outcome]:
@@ -304,41 +316,51 @@ class AsyncOneTripSaver:
                 raise
 
     # ------------------------------------------------------------ wake-ups
-    def _wake_followers(self) -> None:
-        """Wake the followers after a commit: now if no wake-up is in flight on this
-        loop, else once more after it."""
-        loop = asyncio.get_running_loop()
+    def _waker(self, loop: asyncio.AbstractEventLoop) -> _Waker:
         waker = self._wakers.get(loop)
         if waker is None:
             waker = self._wakers[loop] = _Waker()
-        if waker.sending is not None:
-            waker.again = True
+        return waker
+
+    def _wake_due(self, loop: asyncio.AbstractEventLoop) -> bool:
+        """Whether the next save should carry a wake-up: none went for ``WAKE_SPACING``."""
+        return loop.time() - self._waker(loop).woken_at >= WAKE_SPACING
+
+    def _committed(self, loop: asyncio.AbstractEventLoop, *, woke: bool) -> None:
+        """A save that wrote events committed: it woke the followers itself (``woke``),
+        or its commit is announced by the next save that carries a wake-up, or, if
+        none comes within ``WAKE_SPACING`` of the last, by a wake-up of its own."""
+        waker = self._waker(loop)
+        if woke:
+            waker.woken_at = loop.time()
+            waker.again = False
             return
-        waker.sending = loop.create_task(self._send_wake_ups(waker))
+        waker.again = True
+        if waker.sending is None:
+            waker.sending = loop.create_task(self._send_wake_ups(waker))
 
     async def _send_wake_ups(self, waker: _Waker) -> None:
-        """Send a wake-up, then one more after each ``WAKE_SPACING`` in which a
-        commit asked for one. A failed one is dropped: the events are committed,
+        """Announce the commits no save carried a wake-up for, at most one wake-up
+        every ``WAKE_SPACING``. A failed one is dropped: the events are committed,
         and a follower also looks again when it is next woken (``follow`` every
         second besides)."""
+        loop = asyncio.get_running_loop()
         try:
-            while True:
+            while waker.again and not self._closed:
+                await asyncio.sleep(max(0.0, waker.woken_at + WAKE_SPACING - loop.time()))
+                if not waker.again or self._closed:
+                    return  # a save carried it meanwhile
                 waker.again = False
+                waker.woken_at = loop.time()
                 try:
                     await self._execute(
-                        self._recorder.wake_statement,
-                        (),
-                        None,
-                        asyncio.get_running_loop().time() + WAKE_WAIT,
+                        self._recorder.wake_statement, (), None, loop.time() + WAKE_WAIT
                     )
                 except (psycopg.Error, OperationalError, InterfaceError):
                     return
                 except BaseException:
                     waker.again = True  # cancelled: still due, ``close`` sends it
                     raise
-                await asyncio.sleep(WAKE_SPACING)
-                if not waker.again or self._closed:
-                    return
         finally:
             waker.sending = None
 

@@ -17,11 +17,12 @@ memory and SQLite by this machine's, PostgreSQL by the server's
   notification ids are issued in commit order and a follower never passes
   a gap that fills in later) and inserts the events, on an autocommit
   connection: one round trip a save where the library's default path takes
-  two (benchmarks/RESULTS.md). Followers are woken after the commit, in a
-  transaction of its own (``wake_statement``), not by a ``NOTIFY`` in the
-  save: PostgreSQL holds one server-wide lock from a notifying
-  transaction's commit until its flush is done, so notifying saves of every
-  partition and every process flushed one at a time. A save that carries
+  two (benchmarks/RESULTS.md). Followers are woken by a ``NOTIFY`` in a
+  save only when a wake-up is due (once every ``pg_async.WAKE_SPACING``),
+  else by a transaction of its own after the commit (``wake_statement``):
+  PostgreSQL holds one server-wide lock from a notifying transaction's
+  commit until its flush is done, so notifying every save would flush the
+  saves of every partition and every process one at a time. A save that carries
   tracking records takes the library's default path, so none is dropped.
 
 The SQLite one writes its lease op through ``eventsourcing_hooks``; the
@@ -330,16 +331,37 @@ class OneTripPostgresRecorder(PostgresApplicationRecorder):
         # with a regular expression (a tenth of a busy process's time). The
         # statements run on every save are kept as bytes: psycopg would compose
         # and quote a ``Composed`` again on every execute.
+        # The same saves carrying the followers' wake-up in their own transaction
+        # (delivered at its commit): what a save sends when a wake-up is due, so a
+        # busy writer's wake-ups cost no transaction of their own (``pg_async``).
+        woken = SQL("WITH woken AS (SELECT pg_notify({channel}, '')) ").format(
+            channel=Literal(self.channel_name)
+        )
         self.batch_statement = (
             SQL("SELECT * FROM {schema}.{batch}(%b, %s, %s, %s, %s, %s, %s, %s)")
             .format(schema=schema, batch=batch)
             .as_bytes()
         )
+        self.batch_waking_statement = Composed(
+            [
+                woken,
+                SQL(
+                    "SELECT b.* FROM {schema}.{batch}(%b, %s, %s, %s, %s, %s, %s, %s) AS b, woken"
+                ).format(schema=schema, batch=batch),
+            ]
+        ).as_bytes()
         self.one_trip_statement = (
             SQL("SELECT * FROM {schema}.{function}(%b, %s, %s, %s, %s, %s)")
             .format(schema=schema, function=function)
             .as_bytes()
         )
+        self.one_trip_waking_statement = Composed(
+            [
+                woken,
+                SQL("SELECT f.* FROM {schema}.{function}(%b, %s, %s, %s, %s, %s) AS f, woken")
+                .format(schema=schema, function=function),
+            ]
+        ).as_bytes()
         # A wake-up for the followers, sent once a save has committed: its own
         # transaction, with no flush to wait for (a lost wake-up only delays a
         # follower; the events are committed already), so the notification
