@@ -33,8 +33,9 @@ recorder's ``*_waking_statement``: delivered at its commit), so the first
 commit after a quiet spell wakes them at once and a busy writer's wake-ups
 cost no transaction of their own (one commit a step, docs/guarantees.md);
 the server's notification lock is then taken by one save a spacing, not by
-every save. A commit no such save announced within the spacing gets a
-wake-up of its own (``wake_statement``, from a task of its own). A wake-up
+every save. A commit no such save announced within a spacing after a
+wake-up became due gets one of its own (``wake_statement``, from a task of
+its own): a follower hears of a commit at most two spacings late. A wake-up
 still due when the store is closed is sent then.
 """
 
@@ -347,9 +348,13 @@ class AsyncOneTripSaver:
         loop = asyncio.get_running_loop()
         try:
             while waker.again and not self._closed:
-                await asyncio.sleep(max(0.0, waker.woken_at + WAKE_SPACING - loop.time()))
-                if not waker.again or self._closed:
-                    return  # a save carried it meanwhile
+                # A spacing after a wake-up became due, so that a save made
+                # meanwhile (a busy writer's next) carries it instead; a save that
+                # did moves the time on.
+                due = waker.woken_at + 2 * WAKE_SPACING
+                if loop.time() < due:
+                    await asyncio.sleep(due - loop.time())
+                    continue
                 waker.again = False
                 waker.woken_at = loop.time()
                 try:
