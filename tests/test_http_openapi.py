@@ -36,6 +36,7 @@ NEW_OPERATIONS = {
     ("post", "/api/runs/{run_id}/resolve-drift"): "resolve_drift",
     ("post", "/api/runs/{run_id}/messages"): "send_message",
     ("get", "/api/runs/{run_id}/published"): "get_published",
+    ("post", "/api/runs/{run_id}/in-doubt"): "answer_in_doubt",
 }
 #: Keywords that describe and constrain nothing.
 ANNOTATIONS = {"title", "description", "examples", "default"}
