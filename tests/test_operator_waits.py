@@ -29,7 +29,7 @@ from procs.waits_app import LEDGER_ENV, SLEEP_ENV, build_agents, ledger, start_e
 from test_cli_operator_verbs import done, spawn
 
 from kuralle_es import RunState, RunStore, Runtime
-from kuralle_es.views.timeline import read_deliveries
+from kuralle_es.views.timeline import format_timeline, read_deliveries
 
 APP = "waits_app:build_agents"
 
@@ -221,3 +221,25 @@ async def test_every_wait_is_answered_over_http(waits: Waits) -> None:
     assert await actors(runtime, runs["signal"]) == [("go", "dock-7")]
     assert await actors(runtime, runs["in-doubt"]) == [("__in_doubt", "oncall")]
     assert await actors(runtime, runs["message"]) == [("item", "shop")]
+
+
+async def test_runs_show_names_the_command_that_answers_each_wait(waits: Waits) -> None:
+    """What ``kuralle-es runs show`` prints under a run's wait (``format_timeline``)."""
+    runtime = waits.runtime
+    runs = await start_every_wait(runtime, "show")
+    child = await child_of(runtime, runs["child"])
+    expected = {
+        "input": f"answer: kuralle-es input {runs['input']} TEXT",
+        "approval": f"answer: kuralle-es approve {runs['approval']} --by NAME, or kuralle-es "
+        f"deny {runs['approval']} --by NAME --reason TEXT",
+        "signal": f"answer: kuralle-es signal {runs['signal']} go --payload JSON",
+        "in-doubt": f"answer: kuralle-es in-doubt {runs['in-doubt']} retry|resolve|fail --by NAME",
+        "budget": f"answer: kuralle-es approve {runs['budget']} --by NAME [--raise-to JSON]",
+        "message": f"answer: kuralle-es send {runs['message']} item --payload JSON --message-id ID",
+        "child": f"until child run {child} ends (kuralle-es runs show it)",
+        "timer": "answer: nothing to answer: a worker (kuralle-es worker) wakes it when it is due",
+    }
+    for kind, line in expected.items():
+        shown = format_timeline(await state(runtime, runs[kind]), [])
+        assert line in shown, (kind, shown)
+    assert "answer:" not in format_timeline(await state(runtime, runs["child"]), [])
