@@ -49,14 +49,15 @@ def ops(
         yield Runtime(build_agents(), store=store), {"KURALLE_STORE": store_url, **env}
 
 
-def spawn(env: dict[str, str], *args: str) -> subprocess.Popen[str]:
+def spawn(env: dict[str, str], *args: str, app: str = APP) -> subprocess.Popen[str]:
+    """``kuralle-es ARGS --app APP`` started from ``tests/procs`` (not waited for)."""
     clean = {
         k: v
         for k, v in os.environ.items()
         if not k.startswith(("PERSISTENCE_", "SQLITE_", "POSTGRES_", "KURALLE_", "OPS_"))
     }
     return subprocess.Popen(
-        [*COMMAND, *args, "--app", APP],
+        [*COMMAND, *args, "--app", app],
         cwd=PROCS,
         env={**clean, **env},
         stdout=subprocess.PIPE,

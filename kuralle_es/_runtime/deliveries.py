@@ -33,10 +33,13 @@ from .writer import RunWriter
 
 __all__ = [
     "EXPIRED",
+    "IN_DOUBT_ACTIONS",
+    "NO_RESULT",
     "accept",
     "approval_delivery",
     "check",
     "delivery_id",
+    "in_doubt_delivery",
     "is_duplicate",
     "journal_payload",
     "take_message",
@@ -47,6 +50,10 @@ __all__ = [
 #: The key of what a ``receive`` step records when its wait's deadline passed
 #: (the deadline sweeper's deny), in place of a message.
 EXPIRED = "deadline_expired"
+#: How a human answers a step in doubt (docs/howto/in-doubt.md).
+IN_DOUBT_ACTIONS = ("retry", "resolve", "fail")
+#: ``in_doubt_delivery``'s "no result given" (a resolve may record None).
+NO_RESULT: Any = object()
 
 
 def journal_payload(name: str, payload: Any, what: str = "signal") -> Any:
@@ -133,7 +140,7 @@ def _check_raise_to(raise_to: Any) -> None:
 
 def _check_in_doubt(payload: Any) -> None:
     action = payload.get("action") if isinstance(payload, Mapping) else None
-    if action not in ("retry", "resolve", "fail"):
+    if action not in IN_DOUBT_ACTIONS:
         msg = (
             "an in-doubt answer must be {'action': 'retry'}, "
             "{'action': 'resolve', 'result': ...} or {'action': 'fail', 'message': ...}; "
@@ -183,7 +190,8 @@ def check(
         raise SignalMismatchError(
             run.run_id,
             f"run {run.run_id} sleeps on a durable timer until {until} and takes no "
-            f"delivery; signal {delivery.name!r} was not delivered (fire_timers wakes it)",
+            f"delivery; signal {delivery.name!r} was not delivered (fire_timers wakes it: "
+            "run kuralle-es worker; kuralle-es cancel stops it)",
         )
     if wait.kind == "message" and not from_sweeper:
         raise SignalMismatchError(
@@ -203,14 +211,15 @@ def check(
         raise SignalMismatchError(
             run.run_id,
             f"run {run.run_id} waits for input at a collect node, which is sent as text "
-            f"(runtime.run(..., input=...)), not as a signal; signal {delivery.name!r} "
+            f"(runtime.run(..., input=...), kuralle-es input {run.run_id} TEXT, POST "
+            f"/api/runs/{run.run_id}/input), not as a signal; signal {delivery.name!r} "
             "was not delivered",
         )
     if not _names_match(delivery.name, wait):
         raise SignalMismatchError(
             run.run_id,
             f"run {run.run_id} waits for {wait.name!r}, not {delivery.name!r}; "
-            "deliver the signal it waits for",
+            f"deliver the signal it waits for{_how_to_answer(run.run_id, wait)}",
         )
     if delivery.request_id is not None and delivery.request_id != wait.request_id:
         raise SignalMismatchError(
@@ -225,6 +234,23 @@ def check(
             f"(deadline {wait.deadline.isoformat()}); the deadline sweeper will deny it",
         )
     return validate_payload(wait, delivery.payload, schemas, from_sweeper=from_sweeper)
+
+
+def _how_to_answer(run_id: str, wait: Wait) -> str:
+    """What a refusal adds for the waits the runtime makes itself: how to answer them."""
+    if wait.name == IN_DOUBT:
+        return (
+            f" (a step in doubt: kuralle-es in-doubt {run_id} retry|resolve|fail, POST "
+            f"/api/runs/{run_id}/in-doubt, or the signal {IN_DOUBT!r} with "
+            "{'action': 'retry'}, {'action': 'resolve', 'result': ...} or "
+            "{'action': 'fail', 'message': ...})"
+        )
+    if wait.kind == "approval":
+        return (
+            f" (an approval: kuralle-es approve|deny {run_id} --by NAME, POST "
+            f"/api/runs/{run_id}/approve or /deny)"
+        )
+    return ""
 
 
 def _names_match(name: str, wait: Wait) -> bool:
@@ -303,6 +329,45 @@ def delivery_id(signal_id: str | None) -> str:
     return check_id(signal_id, "signal_id")
 
 
+def in_doubt_delivery(
+    action: str,
+    *,
+    by: str,
+    result: Any = NO_RESULT,
+    message: str | None = None,
+    signal_id: str | None = None,
+    request_id: str | None = None,
+) -> SignalDelivery:
+    """The ``__in_doubt`` delivery of a human's answer to a step in doubt, by ``by``
+    (the journaled actor): ``retry`` it under its key, ``resolve`` it with the
+    ``result`` to record (not executed), or ``fail`` it (``message`` for the node's
+    ``ToolExecutionError``). A fresh ``signal_id`` unless one is given. The CLI, the
+    HTTP API and the dashboard build their answers here, so the payload's shape is
+    written once. An answer that does not fit (another action, a result without
+    ``resolve`` or a resolve without one, a message without ``fail``) is
+    ``InvalidSignalError``, before anything is written."""
+    problem = None
+    if action not in IN_DOUBT_ACTIONS:
+        problem = f"the answer must be one of {', '.join(IN_DOUBT_ACTIONS)}, got {action!r}"
+    elif (action == "resolve") != (result is not NO_RESULT):
+        problem = (
+            "'resolve' needs the result to record, and only 'resolve' takes one"
+            if action == "resolve"
+            else f"{action!r} takes no result (only 'resolve' records one)"
+        )
+    elif message is not None and action != "fail":
+        problem = f"{action!r} takes no message (only 'fail' does)"
+    if problem is not None:
+        raise InvalidSignalError(IN_DOUBT, f"{problem}; docs/howto/in-doubt.md")
+    payload: dict[str, Any] = {"action": action}
+    if result is not NO_RESULT:
+        payload["result"] = result
+    if message is not None:
+        payload["message"] = message
+    by = check_id(by, "by (who answers)")
+    return _operator_delivery(IN_DOUBT, payload, by, signal_id, request_id)
+
+
 def approval_delivery(
     *,
     approved: bool,
@@ -321,9 +386,16 @@ def approval_delivery(
         payload["reason"] = reason
     if raise_to is not None:
         payload["raise_to"] = raise_to
+    return _operator_delivery(APPROVAL, payload, by, signal_id, request_id)
+
+
+def _operator_delivery(
+    name: str, payload: dict[str, Any], by: str, signal_id: str | None, request_id: str | None
+) -> SignalDelivery:
+    """A human's answer to a wait: ``by`` its actor, a fresh ``signal_id`` unless given."""
     return SignalDelivery(
         signal_id=delivery_id(signal_id),
-        name=APPROVAL,
+        name=name,
         payload=payload,
         request_id=request_id,
         actor=by,

@@ -1,6 +1,7 @@
-"""The delivery commands (internal): ``approve``, ``deny`` and ``signal`` deliver to a
-waiting run on behalf of its session and drive it on in this process; ``send`` puts a
-message in a run's mailbox, driving the run on here when a ``receive`` waited for it.
+"""The delivery commands (internal): ``approve``, ``deny``, ``signal`` and ``in-doubt``
+deliver to a waiting run on behalf of its session and drive it on in this process;
+``send`` puts a message in a run's mailbox, driving the run on here when a ``receive``
+waited for it. docs/operators.md says which command answers which wait.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .._runtime.deliveries import IN_DOUBT_ACTIONS, NO_RESULT, in_doubt_delivery
 from .._runtime.runtime import Runtime
 from ..shapes import TurnResult
 from .common import (
@@ -58,6 +60,27 @@ def add_deliveries(sub: SubParsers) -> None:
     _payload_option(signal)
     signal.add_argument("--signal-id", help="makes a retry of this command a no-op")
     signal.add_argument("--actor", metavar="NAME", help="who sends it (kept in the journal)")
+
+    doubt = _delivery_command(
+        sub, "in-doubt",
+        "answer a step in doubt (its process died mid-call): retry it, resolve it with its "
+        "result, or fail it", _in_doubt,
+    )  # fmt: skip
+    doubt.add_argument(
+        "action",
+        choices=IN_DOUBT_ACTIONS,
+        metavar="retry|resolve|fail",
+        help="retry: execute it again under its key; resolve: record --result, execute "
+        "nothing; fail: record a failure (the node sees ToolExecutionError)",
+    )
+    doubt.add_argument("--by", required=True, metavar="NAME", help="who answers (the actor)")
+    doubt.add_argument(
+        "--result",
+        metavar="JSON",
+        help="resolve: the result to record, as JSON; @FILE reads it from a file, - from stdin",
+    )
+    doubt.add_argument("--message", help="fail: what the failure says")
+    doubt.add_argument("--signal-id", help="makes a retry of this command a no-op")
 
     send = _delivery_command(
         sub, "send", "put a message in a run's mailbox (ctx.receive takes it)", _send
@@ -129,25 +152,44 @@ async def _deny(args: argparse.Namespace) -> int:
     )
 
 
-def _payload_text(value: str) -> str:
-    """``--payload`` as given, or read from ``@FILE`` or ``-`` (stdin): a payload too
-    big for the command line (``Argument list too long``) goes through either."""
+def _payload_text(value: str, flag: str = "--payload") -> str:
+    """A JSON option (``--payload``, ``--result``) as given, or read from ``@FILE`` or
+    ``-`` (stdin): a payload too big for the command line (``Argument list too long``)
+    goes through either."""
     if value == "-":
         return sys.stdin.read()
     if value.startswith("@"):
         try:
             return Path(value[1:]).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
-            raise CliError(f"cannot read --payload {value}: {e}") from None
+            raise CliError(f"cannot read {flag} {value}: {e}") from None
     return value
 
 
-async def _payload(args: argparse.Namespace) -> Any:
-    text = await asyncio.to_thread(_payload_text, args.payload)
+async def _json_option(value: str, flag: str) -> Any:
+    """A JSON option's value (given, ``@FILE`` or ``-``), or a clear refusal."""
+    text = await asyncio.to_thread(_payload_text, value, flag)
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
-        raise CliError(f"--payload is not JSON: {e}") from None
+        raise CliError(f"{flag} is not JSON: {e}") from None
+
+
+async def _payload(args: argparse.Namespace) -> Any:
+    return await _json_option(args.payload, "--payload")
+
+
+async def _in_doubt(args: argparse.Namespace) -> int:
+    result = NO_RESULT if args.result is None else await _json_option(args.result, "--result")
+    delivery = in_doubt_delivery(
+        args.action, by=args.by, result=result, message=args.message, signal_id=args.signal_id
+    )
+    return await _deliver(
+        args,
+        lambda runtime, session: runtime.run(
+            session, run_id=args.run_id, signal_delivery=delivery
+        ).result(),
+    )
 
 
 async def _send(args: argparse.Namespace) -> int:

@@ -292,8 +292,17 @@ class _Dashboard:
             "resumable": _resumable(state),
             "signal_id": new_signal_id(),
             "turn_id": new_signal_id(),
+            "message_id": new_signal_id(),
+            # A parent waiting for its child: the child as it stands (what it waits for).
+            "child": await self.child_of(state),
         }
         return self.render(request, "run.html", context, refresh=True, live=live)
+
+    async def child_of(self, run: RunState) -> RunState | None:
+        wait = run.waiting_for
+        if run.status != "paused" or wait is None or wait.child_run_id is None:
+            return None
+        return await self.load(wait.child_run_id)
 
     async def chat_page(self, request: Request) -> Response:
         run_id = request.path_params["run_id"]
@@ -354,7 +363,7 @@ class _Dashboard:
             return fields
         operator = self.operator(request)
         assert operator is not None
-        for minted in ("signal_id", "turn_id"):
+        for minted in ("signal_id", "turn_id", "message_id"):
             if minted in fields and not valid_signal_id(fields[minted]):
                 return self.problem(request, 400, "Refused", f"The form has no valid {minted}.")
         run_id = request.path_params["run_id"]
@@ -499,6 +508,8 @@ _DONE = {
     "cancel": "The run was cancelled.",
     "input": "Your answer was delivered.",
     "signal": "The signal was delivered.",
+    "in-doubt": "Your answer to the step in doubt was delivered.",
+    "message": "The message was sent.",
     "resume": "The run was resumed: recorded steps replayed, the rest ran again.",
     "resolve-drift": "The drift was settled.",
 }

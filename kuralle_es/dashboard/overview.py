@@ -63,6 +63,9 @@ class Pending:
     kind: str
     title: str
     runs: list[RunSummary]
+    #: A kind of wait this dashboard knows (``WAIT_SECTIONS``): its section shows even
+    #: when nothing waits for it, where it says so.
+    known: bool = True
 
 
 @dataclass(frozen=True)
@@ -116,7 +119,7 @@ def pending_sections(waiting: list[RunSummary]) -> list[Pending]:
         if run.waiting_for is not None:
             by_kind.setdefault(run.waiting_for.kind, []).append(run)
     return [
-        Pending(kind, WAIT_SECTIONS.get(kind, f"Waiting for {kind}"), runs)
+        Pending(kind, WAIT_SECTIONS.get(kind, f"Waiting for {kind}"), runs, kind in WAIT_SECTIONS)
         for kind, runs in by_kind.items()
     ]
 

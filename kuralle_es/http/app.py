@@ -31,7 +31,7 @@ from starlette.responses import Response
 
 from .._journal.json_data import encode_json, max_payload_bytes
 from .._journal.wait import CHILD, INPUT, TIMER
-from .._runtime.deliveries import approval_delivery
+from .._runtime.deliveries import approval_delivery, in_doubt_delivery
 from .._runtime.erasure import ErasureReport
 from .._runtime.handle import TurnHandle
 from .._runtime.input_checks import MAX_ID_LENGTH
@@ -49,6 +49,7 @@ from .shapes import (
     Approval,
     Cancel,
     ErrorBody,
+    InDoubt,
     Input,
     ListQuery,
     ResolveDrift,
@@ -278,7 +279,7 @@ async def signal(runtime: Served, run_id: RunId, body: Signal, key: SignalKey) -
     if body.name in _NOT_SIGNALS:
         raise InvalidSignalError(body.name, _NOT_SIGNALS[body.name])
     # Exactly ``Runtime.signal``, through ``run`` for the turn's handle.
-    delivery = SignalDelivery(signal_id=key, name=body.name, payload=body.payload)
+    delivery = SignalDelivery(signal_id=key, name=body.name, payload=body.payload, actor=body.actor)
     return await _deliver(runtime, run_id, delivery)
 
 
@@ -292,7 +293,9 @@ async def send_message(
     encode_json(body.payload, f"the payload of message {body.name!r}")
     session = await _session_of(runtime, run_id)
     try:
-        return await runtime.send(run_id, session, body.name, body.payload, message_id=key)
+        return await runtime.send(
+            run_id, session, body.name, body.payload, message_id=key, actor=body.actor
+        )
     except Exception:
         # The message woke the run and the node then failed: journaled, the
         # run's result is the answer (as for a delivery); else a refusal.
@@ -321,6 +324,20 @@ for _verb, _approved in (("approve", True), ("deny", False)):
         f"{_RUN}/{_verb}", _decision(_approved), methods=["POST"], operation_id=_verb,
         responses=_DELIVERY, summary=f"{_verb}: what the run waits for; {_TURN}",
     )  # fmt: skip
+
+
+@router.post(f"{_RUN}/in-doubt", operation_id="answer_in_doubt", responses=_DELIVERY,
+             summary="answer in doubt: retry, resolve or fail the step the run's process "
+             f"left in doubt; {_TURN}")  # fmt: skip
+async def answer_in_doubt(
+    runtime: Served, run_id: RunId, body: InDoubt, key: DeliveryKey = None
+) -> TurnResult:
+    # Exactly the ``__in_doubt`` signal, built where every door builds it.
+    delivery = in_doubt_delivery(
+        body.action, by=body.by, result=body.given_result(), message=body.message,
+        signal_id=key,
+    )  # fmt: skip
+    return await _deliver(runtime, run_id, delivery)
 
 
 @router.post(f"{_RUN}/input", operation_id="input", responses=_DELIVERY,
@@ -439,8 +456,8 @@ def create_app(
         version="1",
         description=(
             "Start flow runs and conversation turns, read runs, deliver approvals, signals, "
-            "input and cancels to them, resume errored runs and settle drifted ones, "
-            "durably (docs/http.md)."
+            "input, messages, answers to steps in doubt and cancels to them, resume errored "
+            "runs and settle drifted ones, durably (docs/http.md, docs/operators.md)."
         ),
         docs_url=None,
         redoc_url=None,

@@ -19,6 +19,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .._journal.json_data import plain_json_problem
+from .._runtime.deliveries import NO_RESULT
 from .._runtime.input_checks import MAX_ID_LENGTH
 from ..shapes import RunStatus
 
@@ -29,6 +30,7 @@ __all__ = [
     "Approval",
     "Cancel",
     "ErrorBody",
+    "InDoubt",
     "Input",
     "ListQuery",
     "ResolveDrift",
@@ -96,6 +98,7 @@ class Signal(_Body):
 
     name: Id = Field(description="the signal the run waits for (ctx.signal's name)")
     payload: Any = Field(default=None, description="any JSON; validated by the wait's schema")
+    actor: Id | None = Field(default=None, description="who sends it: journaled as its actor")
 
 
 class SendMessage(_Body):
@@ -106,6 +109,7 @@ class SendMessage(_Body):
 
     name: Id = Field(description="the message's name (what ctx.receive takes)")
     payload: Any = Field(default=None, description="any JSON; validated by a waiting schema")
+    actor: Id | None = Field(default=None, description="who sends it: journaled as its actor")
 
 
 class Approval(_Body):
@@ -122,6 +126,27 @@ class Approval(_Body):
             'limits to raise, e.g. {"max_total_tokens": 20000} (docs/usage.md)'
         ),
     )
+
+
+class InDoubt(_Body):
+    """``POST /api/runs/{run_id}/in-doubt``: answer a step left in doubt (its process died
+    between the call's intent and its result; docs/howto/in-doubt.md)."""
+
+    model_config = _example({"action": "resolve", "result": {"ticket": "T-1"}, "by": "oncall"})
+
+    action: Literal["retry", "resolve", "fail"] = Field(
+        description="retry: execute the call again under its idempotency key; resolve: record "
+        "result as its result and execute nothing; fail: record a failure (the node sees "
+        "ToolExecutionError)"
+    )
+    by: Id = Field(description="who answers: journaled as the delivery's actor")
+    result: Any = Field(default=None, description="resolve only (required there): the result")
+    message: str | None = Field(default=None, description="fail only: what the failure says")
+
+    def given_result(self) -> Any:
+        """The result as given, or ``NO_RESULT`` when the body has none (a resolve may
+        record ``null``, which is not the same as no result)."""
+        return self.result if "result" in self.model_fields_set else NO_RESULT
 
 
 class Input(_Body):

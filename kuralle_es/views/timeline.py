@@ -16,11 +16,12 @@ from typing import Any
 
 from .._journal import catalogue as stored
 from .._journal.store import RunStore
+from .._journal.wait import BUDGET, IN_DOUBT
 from ..redaction import Redacted
-from ..shapes import RunState, StepRecord
+from ..shapes import RunState, StepRecord, WaitingFor
 from .fold import as_utc
 
-__all__ = ["Delivery", "format_timeline", "read_deliveries"]
+__all__ = ["Delivery", "answer_hint", "format_timeline", "read_deliveries"]
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,29 @@ def _delivery_line(delivery: Delivery) -> str:
     )
 
 
+def answer_hint(run_id: str, wait: WaitingFor) -> str:
+    """The command that answers ``wait`` (docs/operators.md has every door of every wait);
+    empty for a child run's wait, whose line already names the child."""
+    if wait.name == IN_DOUBT:
+        return (
+            f"kuralle-es in-doubt {run_id} retry|resolve|fail --by NAME "
+            "[--result JSON] [--message TEXT]"
+        )
+    if wait.kind == "approval":
+        raised = " [--raise-to JSON]" if wait.name == BUDGET else ""
+        return (
+            f"kuralle-es approve {run_id} --by NAME{raised}, or "
+            f"kuralle-es deny {run_id} --by NAME --reason TEXT"
+        )
+    hints = {
+        "input": f"kuralle-es input {run_id} TEXT",
+        "signal": f"kuralle-es signal {run_id} {wait.name} --payload JSON",
+        "message": f"kuralle-es send {run_id} {wait.name} --payload JSON --message-id ID",
+        "timer": "nothing to answer: a worker (kuralle-es worker) wakes it when it is due",
+    }
+    return hints.get(wait.kind, "")
+
+
 _HEADER = f"  {'time (UTC)':<23}  {'step':<4} {'kind':<8} {'name':<16} {'took':>9}  tries"
 
 
@@ -181,6 +205,8 @@ def format_timeline(
             lines.append(f"    until child run {wf.child_run_id} ends (kuralle-es runs show it)")
         if wf.operation is not None:
             lines.append(f"    operation: {wf.operation.tool_name} {_short(wf.operation.args)}")
+        if hint := answer_hint(state.run_id, wf):
+            lines.append(f"    answer: {hint}")
     if state.outcome is not None:
         lines.append(f"  outcome: {state.outcome}")
     if state.error is not None:
