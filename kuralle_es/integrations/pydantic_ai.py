@@ -18,6 +18,11 @@ journal under it, at the three places where a run touches the world:
 A resume re-runs the agent from the turn's start; every step the journal has
 is replayed, so the model and the tools are asked only for what is new.
 
+Agent delegation (a tool that runs another agent) goes through ``delegate``:
+``await delegate(other).run(prompt)`` inside a tool makes the other agent's
+turn a child run of the calling run (``LoopTurn.child``), journaled step by
+step in its own run instead of inside the calling tool's one step.
+
 ``DurableAgent.run`` takes what ``Agent.run`` takes that a durable turn can
 keep: ``deps`` (handed to the agent on every pass, never journaled: each
 process supplies its own), ``message_history`` (journaled with the turn, so
