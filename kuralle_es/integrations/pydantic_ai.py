@@ -748,15 +748,16 @@ def typed_output(agent: Agent[Any, Any], output: Any) -> Any:
         return output
 
 
-def definition(agent: Agent[Any, Any]) -> KuralleAgent:
+def definition(agent: Agent[Any, Any], *, deps: Any = None) -> KuralleAgent:
     """The kuralle_es agent that runs the Pydantic AI ``agent`` (``define_agent(loop=)``).
 
     ``durable`` adds it to a runtime. List it in the app that the command line,
     the dashboard or the HTTP server load (``--app``/``KURALLE_APP``, a list of
-    agents), so that they too approve, deny and resume the agent's runs.
-    Refused with ``InvalidArgumentError``: an agent without a ``name`` (the
-    runtime knows it by that name, so that another process resumes its runs)
-    or without a model.
+    agents), so that they too approve, deny and resume the agent's runs;
+    ``deps`` are the agent's deps for the turns they drive (a recovery by
+    ``kuralle-es worker``, an approval). Refused with ``InvalidArgumentError``:
+    an agent without a ``name`` (the runtime knows it by that name, so that
+    another process resumes its runs) or without a model.
     """
     if not isinstance(agent, Agent):
         msg = f"expected a pydantic_ai.Agent, got {agent!r}"
@@ -770,7 +771,9 @@ def definition(agent: Agent[Any, Any]) -> KuralleAgent:
     if agent.model is None:
         msg = f"Pydantic AI agent {agent.name!r} has no model; give it one, Agent(model, ...)"
         raise InvalidArgumentError(msg)
-    return define_agent(agent.name, "", None, loop=PydanticAILoop(agent))
+    loop = PydanticAILoop(agent)
+    loop.deps = deps
+    return define_agent(agent.name, "", None, loop=loop)
 
 
 def durable(agent: Agent[Any, Any], runtime: Runtime, *, deps: Any = None) -> DurableAgent:
@@ -782,10 +785,11 @@ def durable(agent: Agent[Any, Any], runtime: Runtime, *, deps: Any = None) -> Du
     same agent is harmless; another agent under a taken name is
     ``InvalidArgumentError``. ``deps`` are the agent's deps for the turns this
     runtime drives outside a ``DurableAgent.run`` call (an approval, a
-    recovery); a ``run`` call's own ``deps`` win for its turn.
+    recovery); a ``run`` call's own ``deps`` win for its turn. Without
+    ``deps``, those given before (here or to ``definition``) stay.
     """
     runtime.add_agent(definition(agent))
     loop = runtime.agent(str(agent.name)).loop
-    if isinstance(loop, PydanticAILoop):
+    if isinstance(loop, PydanticAILoop) and deps is not None:
         loop.deps = deps
     return DurableAgent(agent, runtime)
