@@ -19,7 +19,14 @@ import pytest
 from conftest import StoreFactory
 from pydantic import BaseModel
 from pydantic_ai import Agent, RunContext
-from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart, ToolReturnPart
+from pydantic_ai.messages import (
+    ModelMessage,
+    ModelResponse,
+    TextPart,
+    ToolCallPart,
+    ToolReturnPart,
+    UserPromptPart,
+)
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 
 from kuralle_es import ChildRunError, InvalidArgumentError, RunStore, Runtime, recover_orphaned_runs
@@ -35,7 +42,11 @@ class Flight(BaseModel):
 
 
 def _returns(messages: list[ModelMessage]) -> list[ToolReturnPart]:
-    return [p for p in messages[-1].parts if isinstance(p, ToolReturnPart)]
+    """The tool results the model now reads (none when a user just spoke)."""
+    parts = messages[-1].parts
+    if any(isinstance(p, UserPromptPart) for p in parts):
+        return []
+    return [p for p in parts if isinstance(p, ToolReturnPart)]
 
 
 class Travel:
@@ -273,6 +284,23 @@ async def test_a_cancelled_delegate_raises_child_run_error_in_the_tool_that_wait
     assert parent is not None and parent.status == "finished"
     assert parent.messages[-1].content == "Booked: no flight: the search was aborted"
     assert [e.status for e in caught] == ["aborted"]
+
+
+async def test_cancelling_the_calling_run_cancels_its_delegate_and_the_next_turn_goes_on() -> None:
+    travel = Travel(seat=True)
+    runtime, booking = on(RunStore.memory(), travel)
+    paused = await booking.run("Book me to Anchorage", session_id=SESSION)
+
+    state = await runtime.cancel(paused.run_id, SESSION, "changed my mind")
+
+    assert (state.status, state.outcome) == ("finished", "cancelled: changed my mind")
+    child = await runtime.get_run(str(paused.waiting_for.child_run_id), SESSION)  # type: ignore[union-attr]
+    assert child is not None and child.status == "finished" and child.waiting_for is None
+    assert child.outcome is not None and child.outcome.startswith("cancelled: changed my mind")
+    travel.seat = False  # the next turn's search holds no seat: it needs no approval
+    again = await booking.run("Book me to Anchorage after all", session_id=SESSION)
+    assert (again.status, again.output) == ("finished", "Booked: AK456 at 32000")
+    assert travel.seats == []
 
 
 async def test_delegating_outside_a_durable_tool_or_to_an_unnamed_agent_is_refused() -> None:

@@ -74,6 +74,7 @@ try:
         ToolCallPart,
         ToolReturnPart,
         UserPromptPart,
+        repair_messages,
     )
     from pydantic_ai.messages import ModelRequest as PaiRequest
     from pydantic_ai.messages import ModelResponse as PaiResponse
@@ -405,7 +406,9 @@ def _history(messages: list[Message]) -> tuple[list[ModelMessage], str]:
         else:
             pending.append(_request_part(message))
     flush()
-    return history, messages[last_user].content or ""
+    # An earlier turn cut short (cancelled while a tool call was pending) left calls
+    # with no result: closed out the way Pydantic AI does, so the next turn runs.
+    return repair_messages(history), messages[last_user].content or ""
 
 
 def _request_part(message: Message) -> ModelRequestPart:
