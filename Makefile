@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test docs lint typecheck bench clean browser faketime
+.PHONY: demo test docs lint typecheck bench clean browser faketime pgbouncer ha test-pgbouncer
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,11 +39,35 @@ faketime:
 	elif [ "$$CI" = true ]; then echo "make faketime: cannot install Debian's faketime" >&2; exit 1; \
 	else echo "make faketime: no faketime and cannot install it: the clock-skew lease tests will skip"; fi
 
-test: $(STAMP) browser faketime
+# PgBouncer (transaction pooling in front of the test server) and a high-availability
+# pair (Patroni over etcd: a primary and a synchronous standby) for the connection
+# tests (docs/high-availability.md). Installed like faketime: under CI=true a
+# package that cannot be had fails the build, elsewhere those tests skip with the reason.
+pgbouncer:
+	@if [ -x /usr/sbin/pgbouncer ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+		&& apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+			--no-install-recommends pgbouncer >/dev/null; then :; \
+	elif [ "$$CI" = true ]; then echo "make pgbouncer: cannot install Debian's pgbouncer" >&2; exit 1; \
+	else echo "make pgbouncer: no pgbouncer and cannot install it: the PgBouncer tests will skip"; fi
+
+ha:
+	@if [ -x /usr/bin/patroni ] && [ -x /usr/bin/etcd ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+		&& apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+			--no-install-recommends patroni etcd-server >/dev/null; then :; \
+	elif [ "$$CI" = true ]; then echo "make ha: cannot install Debian's patroni and etcd-server" >&2; exit 1; \
+	else echo "make ha: no patroni/etcd and cannot install them: the failover tests will skip"; fi
+
+test: $(STAMP) browser faketime pgbouncer ha
 	$(BIN)/ruff check kuralle_es tests benchmarks
 	$(BIN)/mypy kuralle_es
 	$(BIN)/mkdocs build --strict --quiet
 	$(BIN)/pytest -q
+
+# Only the tests that run through PgBouncer in transaction mode (make test runs them too).
+test-pgbouncer: $(STAMP) pgbouncer
+	$(BIN)/pytest -q -m pgbouncer
 
 # The documentation site (docs/ -> build/site); strict: a broken reference fails.
 docs: $(STAMP)

@@ -32,6 +32,7 @@ from ._definitions.llm import (
 from ._definitions.loops import ConversationLoop, LoopTurn
 from ._definitions.retry import RetryPolicy
 from ._definitions.tools import Tool, define_tool, flow_tool
+from ._journal.encryption import generate_cipher_key
 from ._journal.keys import idempotency_key
 from ._journal.store import RunStore
 from ._operations.recovery import (
@@ -47,12 +48,15 @@ from ._operations.recovery import (
     sweep_deadlines,
 )
 from ._runtime.context import RunContext
+from ._runtime.erasure import ErasureReport
 from ._runtime.handle import TurnHandle
+from ._runtime.retention import PruneReport
 from ._runtime.runtime import Runtime
 from .errors import (
     BudgetExceededError,
     ChildRunError,
     DeadlineExpiredError,
+    EncryptionKeyError,
     FlowDriftError,
     FlowNotFoundError,
     IdempotencyConflictError,
@@ -79,6 +83,7 @@ from .errors import (
     UnknownToolError,
     UnrecordableValueError,
 )
+from .redaction import Redacted
 from .shapes import (
     ApprovalDecision,
     FrozenOperation,
@@ -103,7 +108,9 @@ __all__ = [
     "ChildRunError",
     "ConversationLoop",
     "DeadlineExpiredError",
+    "EncryptionKeyError",
     "End",
+    "ErasureReport",
     "Flow",
     "FlowDriftError",
     "FlowNotFoundError",
@@ -127,6 +134,8 @@ __all__ = [
     "NotPublishedError",
     "OpenAIModel",
     "PayloadTooLargeError",
+    "PruneReport",
+    "Redacted",
     "RetryPolicy",
     "RunContext",
     "RunNotFoundError",
@@ -171,6 +180,7 @@ __all__ = [
     "end",
     "fire_timers",
     "flow_tool",
+    "generate_cipher_key",
     "goto",
     "handoff",
     "idempotency_key",

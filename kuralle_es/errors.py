@@ -357,6 +357,12 @@ class StoreUnavailableError(KuralleError):
     """
 
 
+class EncryptionKeyError(KuralleError):
+    """The store was opened without its cipher key, with another key, or with a key
+    that is not one; nothing was read or written. Open it with the key it was
+    written with (``KURALLE_CIPHER_KEY`` or ``cipher_key=``; docs/privacy.md)."""
+
+
 class PayloadTooLargeError(_FieldsError, ValueError):
     """A result or payload over the configured size bound."""
 

@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
 
 from ._unicode import printable
+from .redaction import Redacted
 
 #: ``"child"``: a child run started (the step's name is its flow) or waited for
 #: (name ``"__child"``, result: how the child ended), docs/child-runs.md.
@@ -33,13 +34,14 @@ class StepError(BaseModel):
     written as its escape (the failure must be journaled, never refused)."""
 
     type: str
-    message: str
-    data: dict[str, Any] = Field(default_factory=dict)
+    #: ``Redacted`` once the run's subject was erased (docs/privacy.md).
+    message: str | Redacted
+    data: Redacted | dict[str, Any] = Field(default_factory=dict, union_mode="left_to_right")
 
     @field_validator("type", "message")
     @classmethod
-    def _storable(cls, text: str) -> str:
-        return printable(text)
+    def _storable(cls, text: str | Redacted) -> str | Redacted:
+        return text if isinstance(text, Redacted) else printable(text)
 
 
 class StepRecord(BaseModel):
@@ -79,8 +81,10 @@ class WaitingFor(BaseModel):
 
     name: str
     callsite: int
-    title: str | None = None
-    description: str | None = None
+    #: ``title``, ``description`` and the operation's ``args`` read ``Redacted`` once
+    #: the run's subject was erased (docs/privacy.md).
+    title: str | Redacted | None = None
+    description: str | Redacted | None = None
     deadline: datetime | None = None
     request_id: str
     kind: WaitKind
@@ -94,8 +98,12 @@ class Message(BaseModel):
     """A chat message in the OpenAI shape (role, content, tool calls, tool call id, name)."""
 
     role: Literal["system", "user", "assistant", "tool"]
-    content: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    #: ``content`` and ``tool_calls`` read ``Redacted`` once the run's subject was
+    #: erased (docs/privacy.md).
+    content: str | Redacted | None = None
+    tool_calls: Redacted | list[dict[str, Any]] | None = Field(
+        default=None, union_mode="left_to_right"
+    )
     tool_call_id: str | None = None
     name: str | None = None
 
@@ -126,7 +134,8 @@ class RunState(RunHeader):
     active_agent: str | None = None
     active_flow: str | None = None
     active_node: str | None = None
-    state: dict[str, Any] = Field(default_factory=dict)
+    #: The state bag; ``Redacted`` once the run's subject was erased (docs/privacy.md).
+    state: Redacted | dict[str, Any] = Field(default_factory=dict, union_mode="left_to_right")
     messages: list[Message] = Field(default_factory=list)
     waiting_for: WaitingFor | None = None
     flow_digest: str | None = None

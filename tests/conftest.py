@@ -17,6 +17,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -75,9 +76,11 @@ def _free_port() -> int:
 class _ThrowawayCluster:
     """A private PostgreSQL cluster in a temp dir, trust auth, loopback only."""
 
-    def __init__(self, initdb: str, pg_ctl: str) -> None:
+    def __init__(self, initdb: str, pg_ctl: str, options: str = "") -> None:
         self.initdb = initdb
         self.pg_ctl = pg_ctl
+        #: More ``postgres -c`` options for the server.
+        self.options = options
         self.port = _free_port()
         self.dir = Path(tempfile.mkdtemp(prefix="kuralle-pg-"))
         self.data = self.dir / "data"
@@ -103,14 +106,21 @@ class _ThrowawayCluster:
             self.initdb, "-D", str(self.data), "--auth=trust", "--username=postgres",
             "--encoding=UTF8", "--no-sync",
         )  # fmt: skip
+        self.restart()
+
+    def restart(self) -> None:
+        """Start the server on its data (again, after it was killed)."""
         options = (
             f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.dir} "
-            "-c fsync=off -c synchronous_commit=off -c max_connections=200"
+            f"-c fsync=off -c synchronous_commit=off -c max_connections=200 {self.options}"
         )
         self._run(
             self.pg_ctl, "-D", str(self.data), "-l", str(self.dir / "server.log"),
             "-w", "-t", "60", "-o", options, "start",
         )  # fmt: skip
+
+    def postmaster_pid(self) -> int:
+        return int((self.data / "postmaster.pid").read_text().split()[0])
 
     def stop(self) -> None:
         with contextlib.suppress(subprocess.SubprocessError, OSError):
@@ -216,6 +226,114 @@ def pg_dsn(postgres_admin_dsn: str) -> Iterator[str]:
     yield from _fresh_database(postgres_admin_dsn)
 
 
+# -------------------------------------------------------------- pgbouncer
+PGBOUNCER = "/usr/sbin/pgbouncer"
+
+
+class PgBouncer:
+    """Debian's PgBouncer in transaction mode on a free loopback port, in front of
+    the server of ``admin_dsn`` (every database, trust auth): at most
+    ``pool_size`` server connections per database, whatever its clients hold."""
+
+    def __init__(self, admin_dsn: str, pool_size: int = 10) -> None:
+        params = conninfo_to_dict(admin_dsn)
+        self.server = (str(params.get("host") or "127.0.0.1"), str(params.get("port") or 5432))
+        self.user = str(params.get("user") or "postgres")
+        self.pool_size = pool_size
+        self.port = _free_port()
+        self.dir = Path(tempfile.mkdtemp(prefix="kuralle-pgbouncer-"))
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def url(self, dsn: str) -> str:
+        """``dsn``'s database through PgBouncer, as a store URL (``?pooler=transaction``)."""
+        dbname = conninfo_to_dict(dsn)["dbname"]
+        return f"postgresql://{self.user}@127.0.0.1:{self.port}/{dbname}?pooler=transaction"
+
+    def start(self) -> None:
+        host, port = self.server
+        (self.dir / "users.txt").write_text(f'"{self.user}" ""\n')
+        (self.dir / "pgbouncer.ini").write_text(
+            "[databases]\n"
+            f"* = host={host} port={port}\n"
+            "[pgbouncer]\n"
+            f"listen_addr = 127.0.0.1\nlisten_port = {self.port}\nunix_socket_dir =\n"
+            f"auth_type = trust\nauth_file = {self.dir / 'users.txt'}\n"
+            "pool_mode = transaction\nserver_reset_query =\n"
+            f"default_pool_size = {self.pool_size}\nmax_db_connections = {self.pool_size}\n"
+            "min_pool_size = 0\nreserve_pool_size = 0\nmax_client_conn = 2000\n"
+            "ignore_startup_parameters = extra_float_digits\n"
+            f"logfile = {self.dir / 'pgbouncer.log'}\n"
+        )
+        prefix: list[str] = []
+        if os.geteuid() == 0:  # PgBouncer refuses to run as root
+            user = _unprivileged_user()
+            entry = pwd.getpwnam(user)
+            for path in (self.dir, *self.dir.iterdir()):
+                os.chown(path, entry.pw_uid, entry.pw_gid)
+            prefix = ["runuser", "-u", user, "--"]
+        self.process = subprocess.Popen(
+            [*prefix, PGBOUNCER, str(self.dir / "pgbouncer.ini")],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        probe = f"postgresql://{self.user}@127.0.0.1:{self.port}/postgres"
+        for _ in range(100):
+            if _answers(probe) is None:
+                return
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"PgBouncer did not answer on port {self.port}")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout=10)
+            if self.process.poll() is None:
+                self.process.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _no_package(message: str) -> None:
+    """Skip, or fail under CI=true, where ``make test`` installed the package."""
+    if os.environ.get("CI") == "true":
+        pytest.fail(message, pytrace=False)
+    pytest.skip(message)
+
+
+@pytest.fixture(scope="session")
+def pgbouncer(postgres_admin_dsn: str) -> Iterator[PgBouncer]:
+    """PgBouncer in transaction mode in front of the test server, for the session
+    (``make pgbouncer`` installs it; skipped without it, failed under CI=true)."""
+    if not os.access(PGBOUNCER, os.X_OK):
+        _no_package(f"no {PGBOUNCER}: run `make pgbouncer` (Debian's package pgbouncer)")
+    bouncer = PgBouncer(postgres_admin_dsn)
+    try:
+        bouncer.start()
+    except (OSError, RuntimeError) as e:
+        _no_package(f"could not start PgBouncer: {e}")
+    try:
+        yield bouncer
+    finally:
+        bouncer.stop()
+
+
+#: A ``pg_dsn`` route: straight to the server, or through PgBouncer.
+ROUTES = ["direct", pytest.param("pgbouncer", marks=pytest.mark.pgbouncer)]
+
+
+@pytest.fixture(params=ROUTES)
+def routed_pg_dsn(request: pytest.FixtureRequest, postgres_admin_dsn: str) -> Iterator[str]:
+    """A fresh database, as a store URL straight to the server or through PgBouncer in
+    transaction mode: a module whose tests run both ways defines
+    ``pg_dsn`` as this."""
+    for dsn in _fresh_database(postgres_admin_dsn):
+        if request.param == "direct":
+            yield dsn
+        else:
+            yield request.getfixturevalue("pgbouncer").url(dsn)
+
+
 # ----------------------------------------------------------------- stores
 class StoreFactory:
     """Zero-arg callable: a NEW ``RunStore`` over the same database on each call.
@@ -275,6 +393,12 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 
 BACKENDS = ["memory", "sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+#: ``BACKENDS`` and PostgreSQL through PgBouncer in transaction mode: a module whose
+#: tests run that way too defines its ``backend`` fixture over these.
+BACKENDS_AND_PGBOUNCER = [
+    *BACKENDS,
+    pytest.param("pgbouncer", marks=[pytest.mark.postgres, pytest.mark.pgbouncer]),
+]
 
 
 @pytest.fixture(params=BACKENDS)
@@ -290,9 +414,11 @@ def open_store(
         target = None
     elif backend == "sqlite":
         target = str(tmp_path / "runs.db")
+    elif backend == "pgbouncer":
+        target = request.getfixturevalue("pgbouncer").url(request.getfixturevalue("pg_dsn"))
     else:
         target = request.getfixturevalue("pg_dsn")
-    factory = StoreFactory(backend, target)
+    factory = StoreFactory("postgres" if backend == "pgbouncer" else backend, target)
     try:
         yield factory
     finally:

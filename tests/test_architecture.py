@@ -145,6 +145,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "kuralle_es._unicode",
         "kuralle_es._lookup",
         "kuralle_es._clock",
+        "kuralle_es.redaction",
     ),
     ("kuralle_es._journal",),
     ("kuralle_es.views", "kuralle_es.events"),

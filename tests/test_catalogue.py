@@ -68,6 +68,7 @@ STORED = {
     "kuralle_es:Run.MailDelivered": 1,
     "kuralle_es:Run.ParentLinked": 1,
     "kuralle_es:Run.FlowInputGiven": 1,
+    "kuralle_es:Run.SubjectAssigned": 1,
     "kuralle_es:SessionRuns.Created": 1,
     "kuralle_es:SessionRuns.RunAdded": 1,
 }
@@ -168,3 +169,14 @@ def test_a_snapshot_before_child_runs_holds_no_input_parent_or_children() -> Non
     state: dict[str, object] = {"inbound_keys": {}}
     aggregate.Run.upcast_v3_v4(state)
     assert (state["input"], state["parent"], state["children"]) == (None, None, [])
+
+def test_every_stored_class_declares_which_of_its_fields_are_payload() -> None:
+    """Erasure redacts what a class declares as payload (docs/privacy.md): a class
+    added without a declaration of its own would keep its user data readable."""
+    classes = (*stored.RUN_EVENTS, *stored.SESSION_EVENTS)
+    undeclared = [c.__name__ for c in (*classes, aggregate.Run) if "PAYLOAD" not in vars(c)]
+    assert undeclared == [], f"declare PAYLOAD (even ()) on {undeclared}"
+    for cls in classes:
+        fields = {name for klass in cls.__mro__ for name in getattr(klass, "__annotations__", {})}
+        unknown = [path for path in cls.PAYLOAD if path.split(".")[0] not in fields]
+        assert unknown == [], f"{cls.__name__} declares payload it has no field for: {unknown}"

@@ -866,9 +866,10 @@ class CrashMachine(RuleBasedStateMachine):
             and wait is not None
             and (waiting is None or wait.request_id != waiting.request_id)
         ):
-            # Killed after the turn's closing save (its last results rode it): the
-            # turn had ended, finished or paused on its next wait.
-            assert plan.boundary == "after_finalize", (slot, plan, run.status)
+            # Killed after the turn's closing save (its last results, and a clock
+            # read's or a uuid's intent and result, rode it): the turn had ended,
+            # finished or paused on its next wait.
+            assert plan.boundary in ("after_intent", "after_finalize"), (slot, plan, run.status)
             closed = TurnResult(
                 run_id=run.run_id, status=run.status, output=run.output,
                 waiting_for=run.public_wait(),

@@ -18,6 +18,7 @@ from uuid import uuid4
 
 import psycopg
 import pytest
+from conftest import BACKENDS_AND_PGBOUNCER
 from events_kit import dumps, everything, refund_run, take
 from pydantic import BaseModel
 
@@ -50,6 +51,13 @@ from kuralle_es.events import (
 )
 from kuralle_es.examples import refund
 from kuralle_es.testing import ScriptedModel
+
+
+@pytest.fixture(params=BACKENDS_AND_PGBOUNCER)
+def backend(request: pytest.FixtureRequest) -> str:
+    """Every backend, and PostgreSQL through PgBouncer in transaction mode."""
+    return str(request.param)
+
 
 #: Each published revision of the version-1 schema, oldest first: history, never edited.
 GOLDENS = sorted((Path(__file__).resolve().parent / "golden").glob("run_events_v1*.schema.json"))

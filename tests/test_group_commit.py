@@ -22,6 +22,13 @@ from runs_kit import stored_run, with_message
 from kuralle_es import LeaseHeldError, RunStore, StaleWriteError
 from kuralle_es._journal.leases import LeaseOp
 
+
+@pytest.fixture
+def pg_dsn(routed_pg_dsn: str) -> str:
+    """A fresh database, straight to the server and through PgBouncer in transaction mode."""
+    return routed_pg_dsn
+
+
 pytestmark = pytest.mark.postgres
 
 

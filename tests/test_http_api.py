@@ -118,7 +118,7 @@ def test_the_openapi_document_describes_this_server(served: Served) -> None:
         "/api/runs/{run_id}/input", "/api/runs/{run_id}/cancel", "/api/runs/{run_id}/messages",
         "/api/runs/{run_id}/published",
         "/api/sessions/{session_id}/turns", "/api/runs/{run_id}/resume",
-        "/api/runs/{run_id}/resolve-drift",
+        "/api/runs/{run_id}/resolve-drift", "/api/subjects/{subject}",
     }  # fmt: skip
     schemas = document["components"]["schemas"]
     assert {"TurnResult", "RunState", "StepRecord", "RunSummary", "ErrorBody"} <= set(schemas)

@@ -131,6 +131,8 @@ def targets(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> tup
     if backend == "sqlite":
         return f"sqlite:///{tmp_path / 'runs.db'}", str(tmp_path / "ledger.db")
     dsn = str(request.getfixturevalue("pg_dsn"))
+    if backend == "pgbouncer":  # the store through PgBouncer; the ledger, the payment
+        return request.getfixturevalue("pgbouncer").url(dsn), dsn  # system's, direct
     return dsn, dsn
 
 
@@ -142,6 +144,22 @@ def targets(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> tup
 def test_a_worker_killed_mid_run_is_recovered_by_another_and_charges_once(
     backend: str, point: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
+    killed_and_recovered(backend, point, tmp_path, request)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.postgres
+@pytest.mark.pgbouncer
+def test_a_worker_killed_in_a_tool_behind_pgbouncer_is_recovered_and_charges_once(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    killed_and_recovered("pgbouncer", "in-tool", tmp_path, request)
+
+
+def killed_and_recovered(
+    backend: str, point: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """A worker killed at ``point`` on ``backend``; another recovers its run once."""
     url, ledger = targets(backend, tmp_path, request)
     (run_id,) = kill_while_standing(url, ledger, point, tmp_path)
     with RunStore.from_url(url) as store:

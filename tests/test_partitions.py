@@ -40,6 +40,18 @@ from kuralle_es.dashboard import create_app
 from kuralle_es.events import RunEvent, RunOpened, RunPaused, follow
 from kuralle_es.examples import approval_notifier, refund
 
+
+def with_query(url: str, query: str) -> str:
+    """``url`` with ``query`` added to its own (a URL through PgBouncer has one)."""
+    return f"{url}{'&' if '?' in url else '?'}{query}"
+
+
+@pytest.fixture
+def pg_dsn(routed_pg_dsn: str) -> str:
+    """A fresh database, straight to the server and through PgBouncer in transaction mode."""
+    return routed_pg_dsn
+
+
 pytestmark = pytest.mark.postgres
 
 PROC = Path(__file__).resolve().parent / "procs" / "approval_consumer.py"
@@ -363,8 +375,8 @@ async def test_a_sharded_store_refuses_what_it_cannot_be(pg_dsn: str) -> None:
         with pytest.raises(InvalidArgumentError, match=words):
             RunStore.sharded(bad)  # type: ignore[arg-type]
     with pytest.raises(Exception, match=r"leave \?partitions= out"):
-        RunStore.from_url(f"{pg_dsn},{pg_dsn}?partitions=2")
-    with psycopg.connect(pg_dsn) as conn:  # nothing was written
+        RunStore.from_url(f"{pg_dsn},{with_query(pg_dsn, 'partitions=2')}")
+    with psycopg.connect(pg_dsn.partition("?")[0]) as conn:  # nothing was written
         tables = conn.execute(
             "SELECT count(*) FROM information_schema.tables WHERE table_schema = 'public'"
         ).fetchone()
@@ -393,7 +405,7 @@ async def test_the_command_line_sees_every_partition(
     layout: str, pg_dsn: str, request: pytest.FixtureRequest, ledger: Path
 ) -> None:
     url = (
-        f"{pg_dsn}?partitions=3"
+        with_query(pg_dsn, "partitions=3")
         if layout == "partitions"
         else f"{pg_dsn},{request.getfixturevalue('second_pg_dsn')}"
     )
@@ -421,7 +433,8 @@ async def test_the_command_line_sees_every_partition(
 
 async def test_the_eventsourcing_variables_open_every_partition(pg_dsn: str) -> None:
     RunStore.postgres(pg_dsn, partitions=3).close()
-    params = conninfo_to_dict(pg_dsn)
+    dsn, _, query = pg_dsn.partition("?")
+    params = conninfo_to_dict(dsn)
     store = RunStore(
         env={
             "PERSISTENCE_MODULE": "eventsourcing.postgres",
@@ -430,6 +443,8 @@ async def test_the_eventsourcing_variables_open_every_partition(pg_dsn: str) -> 
             "POSTGRES_PORT": str(params["port"]),
             "POSTGRES_USER": str(params["user"]),
             "POSTGRES_PASSWORD": "",
+            # Behind PgBouncer in transaction mode (the fixture's ?pooler=transaction).
+            "KURALLE_POSTGRES_POOLER": "transaction" if "pooler=transaction" in query else "",
         }
     )
     try:

@@ -112,7 +112,9 @@ async def test_connections_killed_before_every_save_lose_nothing(
             result = await finish(agent, pg_dsn, await handle.run_id)
     finally:
         store.close()
-    assert KillingStore.kills >= 6  # the connections really died, save after save
+    # The connections really died, save after save: the three intents and the
+    # close (a tool step is one commit: its result rides the next save).
+    assert KillingStore.kills >= 4
     assert result.status == "finished" and result.output == "charged 600"
     ledger.assert_exactly_once()
     assert sorted(data for _, _, data in ledger.entries) == [100, 200, 300]

@@ -20,7 +20,7 @@ from typing import Any
 from uuid import UUID, uuid4
 
 import pytest
-from conftest import StoreFactory
+from conftest import BACKENDS_AND_PGBOUNCER, StoreFactory
 from eventsourcing.application import project_aggregate
 from procs import crashy
 from procs.child import Child
@@ -49,6 +49,14 @@ from kuralle_es._journal.log import snapshot_spacing
 from kuralle_es.testing import Crash
 
 HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+@pytest.fixture(params=BACKENDS_AND_PGBOUNCER)
+def backend(request: pytest.FixtureRequest) -> str:
+    """Every backend, and PostgreSQL through PgBouncer in transaction mode."""
+    return str(request.param)
+
+
 SESSION = "session-1"
 
 NodeFn = Callable[[dict[str, Any], RunContext], Awaitable[Any]]

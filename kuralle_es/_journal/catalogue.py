@@ -26,7 +26,7 @@ Class names differ from the public event types of ``kuralle_es.events``
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime
 from typing import Any, ClassVar, TypeVar
 
@@ -34,6 +34,7 @@ from eventsourcing.domain import Aggregate
 from eventsourcing.utils import register_topic
 
 from .sites import split_lane
+from .spending import usage_kept_clear
 
 __all__ = [
     "MAIL_EVENTS",
@@ -75,6 +76,7 @@ __all__ = [
     "StepErrored",
     "StepIntended",
     "StepSucceeded",
+    "SubjectAssigned",
     "TimerFired",
     "TurnRecorded",
     "TurnStarted",
@@ -90,6 +92,13 @@ class _Stored(Aggregate.Event):
     TOPIC: ClassVar[str]
     #: The stored shape's version; a class whose shape changed declares its own.
     class_version: ClassVar[int] = 1
+    #: Which of its fields are payload (dotted paths into them): sealed under the
+    #: run's subject's key when stored, ``Redacted`` once it is erased; the rest
+    #: stays readable (docs/privacy.md). Every class declares its own, even ``()``
+    #: (``tests/test_catalogue.py``).
+    PAYLOAD: ClassVar[tuple[str, ...]] = ()
+    #: What of a payload value stays readable beside it, by path (a function of it).
+    PAYLOAD_CLEAR: ClassVar[Mapping[str, Callable[[Any], dict[str, Any] | None]]] = {}
     #: What the topic of each event of a family (a subclass that sets it) begins with.
     _TOPIC_PREFIX: ClassVar[str]
 
@@ -123,6 +132,8 @@ class RunCreated(Event, Aggregate.Created):
     v2: ``flow_version``, the label of the pinned flow definition.
     """
 
+    PAYLOAD = ()
+
     TOPIC = "kuralle_es:Run.Created"
     class_version = 2
     session_id: str
@@ -138,8 +149,19 @@ class RunCreated(Event, Aggregate.Created):
         state["flow_version"] = None
 
 
+class SubjectAssigned(Event):
+    """The run's data subject, when it is not its session id (``runtime.run(...,
+    subject=)``): whose key seals its payloads, whose erasure redacts them.
+    Saved with the run's ``RunCreated``; a run without one belongs to its session."""
+
+    PAYLOAD = ()
+    subject: str
+
+
 class Forked(Event):
     """This run is a fork of ``from_run_id`` at step ``at_step`` (docs/howto/fork.md)."""
+
+    PAYLOAD = ()
 
     from_run_id: str
     at_step: int
@@ -149,6 +171,8 @@ class ParentLinked(Event):
     """This run is a child run, started by step ``step`` of run ``run_id`` (of session
     ``session_id``), which waits for it or will (docs/child-runs.md). Saved with
     the child's creation, so a child never exists without knowing its parent."""
+
+    PAYLOAD = ()
 
     run_id: str
     session_id: str
@@ -160,11 +184,15 @@ class FlowInputGiven(Event):
     as JSON data: what node code reads as ``ctx.input``, on every replay and in any
     process. Saved with the run's creation."""
 
+    PAYLOAD = ("input",)
+
     input: dict[str, Any]
 
 
 class TurnStarted(Event):
     """A turn began: a fresh epoch for a conversation's new user input."""
+
+    PAYLOAD = ("message.content", "message.tool_calls")
 
     epoch: int
     message: dict[str, Any] | None
@@ -173,6 +201,8 @@ class TurnStarted(Event):
 
 class NodeEntered(Event):
     """The flow moved to ``node`` with ``state``; its effects count from ``callsite_base``."""
+
+    PAYLOAD = ("state",)
 
     flow: str | None
     node: str | None
@@ -185,6 +215,8 @@ class FlowPinned(Event):
 
     v2: ``flow_version``.
     """
+
+    PAYLOAD = ()
 
     class_version = 2
     flow: str
@@ -199,6 +231,7 @@ class FlowPinned(Event):
 
 
 class MessageAppended(Event):
+    PAYLOAD = ("message.content", "message.tool_calls")
     message: dict[str, Any]
 
 
@@ -214,6 +247,8 @@ class StepIntended(Event):
 
     v2: ``batch``, and ``lane`` apart from ``logical_run`` (it was appended to it).
     """
+
+    PAYLOAD = ("args",)
 
     TOPIC = "kuralle_es:Run.StepStarted"
     class_version = 2
@@ -238,6 +273,12 @@ class StepIntended(Event):
 class StepSucceeded(Event):
     """Result: the effect at step ``index`` returned ``result_json``."""
 
+    PAYLOAD = ("result_json",)
+    #: A model's reported token usage stays readable: usage and cost outlive erasure.
+    PAYLOAD_CLEAR: ClassVar[Mapping[str, Callable[[Any], dict[str, Any] | None]]] = {
+        "result_json": usage_kept_clear
+    }
+
     TOPIC = "kuralle_es:Run.StepFinished"
     index: int
     result_json: str
@@ -245,6 +286,8 @@ class StepSucceeded(Event):
 
 class StepErrored(Event):
     """The effect at step ``index`` failed for good: its error is frozen."""
+
+    PAYLOAD = ("error.message", "error.data")
 
     TOPIC = "kuralle_es:Run.StepFailed"
     index: int
@@ -259,6 +302,8 @@ class AttemptFailed(Event):
     and starts that attempt.
     """
 
+    PAYLOAD = ("error.message", "error.data")
+
     TOPIC = "kuralle_es:Run.StepAttemptFailed"
     index: int
     error: dict[str, Any]
@@ -267,6 +312,8 @@ class AttemptFailed(Event):
 
 class RetryAllowed(Event):
     """A human answered an in-doubt step with "retry": execute it again, same key."""
+
+    PAYLOAD = ()
 
     TOPIC = "kuralle_es:Run.StepRetryAllowed"
     index: int
@@ -280,6 +327,8 @@ class AttemptStarted(Event):
     attempt dies too, the next resume asks again.
     """
 
+    PAYLOAD = ()
+
     TOPIC = "kuralle_es:Run.StepRetried"
     index: int
 
@@ -288,17 +337,23 @@ class AttemptStarted(Event):
 class Paused(Event):
     """The run waits for ``waiting_for`` (a ``Wait``'s JSON)."""
 
+    PAYLOAD = ("waiting_for.title", "waiting_for.description", "waiting_for.operation.args")
+
     waiting_for: dict[str, Any]
 
 
 class InputAccepted(Event):
     """New user input for a run that waited for it (a ``collect`` node)."""
 
+    PAYLOAD = ("message.content", "message.tool_calls")
+
     message: dict[str, Any]
 
 
 class DeliveryAccepted(Event):
     """A delivered signal (an approval too) passed every check; the run may re-execute."""
+
+    PAYLOAD = ("payload",)
 
     TOPIC = "kuralle_es:Run.SignalAccepted"
     signal_id: str
@@ -310,11 +365,15 @@ class DeliveryAccepted(Event):
 class TimerFired(Event):
     """A durable sleep's wake time came: a sweeper wakes the run paused on it."""
 
+    PAYLOAD = ()
+
     request_id: str
 
 
 class Resumed(Event):
     """A run that had failed is driven again (after a fix or a transient fault)."""
+
+    PAYLOAD = ()
 
 
 class Recovered(Event):
@@ -322,10 +381,13 @@ class Recovered(Event):
     expired mid-turn: saved in the compare-and-set opening of the new turn, so
     a stale writer's next save fails."""
 
+    PAYLOAD = ()
+
     previous_holder: str | None
 
 
 class Finished(Event):
+    PAYLOAD = ("output", "state")
     outcome: str | None
     output: Any
     agent: str | None
@@ -333,10 +395,12 @@ class Finished(Event):
 
 
 class Errored(Event):
+    PAYLOAD = ("error.message", "error.data")
     error: dict[str, Any]
 
 
 class Aborted(Event):
+    PAYLOAD = ()
     reason: str
 
 
@@ -344,12 +408,21 @@ class Migrated(Event):
     """The run was forked at ``at_step`` onto the flow's newest definition as run
     ``to_run_id`` (``runtime.migrate``); saved with its ``Aborted``."""
 
+    PAYLOAD = ()
+
     to_run_id: str
     at_step: int
 
 
 class TurnRecorded(Event):
     """The result of a turn started with an inbound idempotency key."""
+
+    PAYLOAD = (
+        "result.output",
+        "result.waiting_for.title",
+        "result.waiting_for.description",
+        "result.waiting_for.operation.args",
+    )
 
     idempotency_key: str
     result: dict[str, Any]
@@ -361,6 +434,8 @@ class InboundKeyRecorded(Event):
     answered from the run whatever became of that turn (a crash, a recovery by
     another worker) and the same key with another request is refused."""
 
+    PAYLOAD = ()
+
     idempotency_key: str
     request: str
 
@@ -368,11 +443,15 @@ class InboundKeyRecorded(Event):
 class BudgetSet(Event):
     """The budget a caller gave this run (``runtime.run(..., budget=)``)."""
 
+    PAYLOAD = ()
+
     budget: dict[str, Any] | None
 
 
 class BudgetRaised(Event):
     """A human approved spending past the budget and raised these limits."""
+
+    PAYLOAD = ()
 
     raise_to: dict[str, Any]
 
@@ -384,12 +463,16 @@ class LeaseTaken(Event):
     earlier still hold these, and the fold still reads them.
     """
 
+    PAYLOAD = ()
+
     holder: str
     expires_at: datetime
 
 
 class LeaseReleased(Event):
     """Stored by releases before 0.2 (see ``LeaseTaken``); no longer written."""
+
+    PAYLOAD = ()
 
 
 # ------------------------------------------------------------------ mailbox
@@ -398,6 +481,8 @@ class MailReceived(Event):
     was doing; ``ctx.receive(name)`` takes it later, oldest first. Not a chat
     message (``MessageAppended``). Appended by the sender alone, so a turn that
     drives the run meanwhile takes it into its own next save (docs/messages.md)."""
+
+    PAYLOAD = ("payload",)
 
     message_id: str
     name: str
@@ -409,17 +494,21 @@ class MailDelivered(Event):
     """A message arrived for the ``receive`` the run waited in (its wait's
     ``request_id``): the run runs again, and the receive takes its message."""
 
+    PAYLOAD = ()
+
     request_id: str
     message_id: str
 
 
 # ----------------------------------------------------------- session index
 class SessionIndexCreated(SessionEvent, Aggregate.Created):
+    PAYLOAD = ()
     TOPIC = "kuralle_es:SessionRuns.Created"
     session_id: str
 
 
 class RunIndexed(SessionEvent):
+    PAYLOAD = ()
     TOPIC = "kuralle_es:SessionRuns.RunAdded"
     run_id: str
 
@@ -436,6 +525,7 @@ STEP_EVENTS = (
 #: Every stored event class of a run, in the order a run first meets them.
 RUN_EVENTS: tuple[type[Event], ...] = (
     RunCreated,
+    SubjectAssigned,
     Forked,
     ParentLinked,
     FlowInputGiven,

@@ -28,6 +28,8 @@ from eventsourcing.persistence import (
     InfrastructureFactory,
     IntegrityError,
     InternalError,
+    Mapper,
+    OperationalError,
     ProgrammingError,
     Transcoder,
 )
@@ -37,10 +39,12 @@ from eventsourcing.utils import Environment, EnvType, get_topic
 from psycopg.errors import DuplicateObject, DuplicateTable, UniqueViolation
 from psycopg.errors import InternalError as PsycopgInternalError
 
-from ..errors import LeaseHeldError, StaleWriteError
+from ..errors import LeaseHeldError, StaleWriteError, StoreUnavailableError
+from .encryption import check_readable, cipher_env
 from .eventsourcing_hooks import AggregatesFirst, SavingApplication
 from .leases import Lease, LeaseOp, LeaseRefused
 from .pg_async import AsyncOneTripSaver
+from .pg_pool import PgConnections
 from .recorders import (
     LeasingPOPORecorder,
     LeasingRecorder,
@@ -48,11 +52,21 @@ from .recorders import (
     OneTripPostgresRecorder,
 )
 from .run import Run
+from .sealing import RunMapper, SealedAsList, SnapshotErased, payload_paths
 from .sessions import SavedIndexes, SessionRuns, new_session_runs, session_runs_id
-from .store_url import CONNECT_TIMEOUT, PostgresAddress, StoreAddress, address_from_env
+from .store_url import (
+    CONNECT_TIMEOUT,
+    PostgresAddress,
+    ShardedAddress,
+    StoreAddress,
+    address_from_env,
+    server_reason,
+)
+from .subject_keys import KeyTable, key_table_at
 from .transcoding import EscapingJSONTranscoder
 
 __all__ = [
+    "KEY_STORE_ENV",
     "RunLog",
     "parse_run_id",
     "retry_schema_setup",
@@ -114,6 +128,9 @@ def parse_run_id(run_id: str) -> UUID | None:
 
 _T = TypeVar("_T")
 
+#: The variable that names the subjects' key table's database (a store URL).
+KEY_STORE_ENV = "KURALLE_KEY_STORE"
+
 
 def retry_schema_setup(construct: Callable[[], _T]) -> _T:
     """Construct a recorder, retrying its (idempotent) schema setup.
@@ -156,7 +173,13 @@ class RunLog(SavingApplication):
     views_name = "RunViews"
 
     def __init__(
-        self, env: EnvType | None = None, *, partition: int = 0, own_tables: bool = False
+        self,
+        env: EnvType | None = None,
+        *,
+        partition: int = 0,
+        own_tables: bool = False,
+        keys: KeyTable | None = None,
+        connections: PgConnections | None = None,
     ) -> None:
         if own_tables:
             # Another partition of one database: tables of its own
@@ -166,7 +189,19 @@ class RunLog(SavingApplication):
             self.views_name = f"RunViews_p{partition}"
         self.partition = partition
         self._saved_indexes = SavedIndexes()
+        #: The subjects' key table (``subject_keys``): given by the store, else the
+        #: one ``KURALLE_KEY_STORE`` names, else one in the log's own database.
+        self.keys = keys
+        #: The database's connections, shared with the store's other partitions of
+        #: it (their store closes them), or this log's own (made and closed here).
+        self.connections = connections
+        self.owns_connections = connections is None
         super().__init__(env=env)
+        try:
+            check_readable(self.mapper, _first_stored_event(self.recorder))
+        except BaseException:
+            self.close()
+            raise
 
     #: The loop-side sender of saves: on the one-trip PostgreSQL recorder only.
     _saver: AsyncOneTripSaver | None = None
@@ -183,6 +218,9 @@ class RunLog(SavingApplication):
     }
 
     def put_snapshots(self, due: list[Any]) -> None:
+        for aggregate in due:
+            if isinstance(aggregate, Run):
+                self.bind_subject(aggregate)
         if due and self.snapshots is not None:
             self.snapshots.put([Snapshot.take(aggregate) for aggregate in due])
 
@@ -211,21 +249,30 @@ class RunLog(SavingApplication):
 
     def construct_factory(self, env: Environment) -> InfrastructureFactory[Any]:
         """The persistence factory of the log's address (``store_url``), read from
-        its environment; on PostgreSQL its pool given libpq's other parameters (a
-        multi-host URL's ``target_session_attrs``, ...) before it first connects."""
+        its environment; on PostgreSQL, using the database's connections
+        (``pg_pool``: one pool for every partition, libpq's other parameters such as
+        a multi-host URL's ``target_session_attrs`` given before it connects)."""
         self.address = address_from_env(env, env.name)
         if isinstance(self.address, PostgresAddress) and not env.get("POSTGRES_CONNECT_TIMEOUT"):
             env["POSTGRES_CONNECT_TIMEOUT"] = str(CONNECT_TIMEOUT + 2)
         factory = super().construct_factory(env)
         if isinstance(self.address, PostgresAddress) and isinstance(factory, PostgresFactory):
-            self.address.configure(factory.datastore.pool)
+            if self.connections is None:
+                self.connections = PgConnections(self.address)
+            self.connections.share(factory)
         return factory
 
     def construct_env(self, name: str, env: EnvType | None = None) -> Environment:
         """The environment, with the recorder that keeps lease records beside the
         events (on PostgreSQL, the one-round-trip one) unless
-        ``APPLICATION_RECORDER_TOPIC`` names another."""
+        ``APPLICATION_RECORDER_TOPIC`` names another; the mapper that seals
+        payloads per subject (``sealing``) unless ``MAPPER_TOPIC`` names another;
+        and the ``eventsourcing`` cipher when ``KURALLE_CIPHER_KEY`` is set
+        (``encryption``)."""
         environment = super().construct_env(name, env)
+        environment.update(cipher_env(environment))
+        if not environment.get("MAPPER_TOPIC"):
+            environment["MAPPER_TOPIC"] = get_topic(RunMapper)
         module = environment.get("PERSISTENCE_MODULE") or ""
         if environment.get("APPLICATION_RECORDER_TOPIC"):
             return environment
@@ -247,19 +294,57 @@ class RunLog(SavingApplication):
         if isinstance(self.factory, POPOFactory):
             return LeasingPOPORecorder()
         recorder = retry_schema_setup(super().construct_recorder)
-        if isinstance(recorder, OneTripPostgresRecorder):
+        if isinstance(recorder, OneTripPostgresRecorder) and self.connections is not None:
             # Async code's saves are sent from its event loop (``save_run_async``).
-            self._saver = AsyncOneTripSaver(recorder)
+            self._saver = AsyncOneTripSaver(recorder, self.connections)
         return recorder
 
     def construct_snapshot_store(self) -> EventStore[UUID]:
         return retry_schema_setup(super().construct_snapshot_store)
 
     def construct_transcoder(self) -> Transcoder:
-        """Our transcoder: stores user JSON exactly, whatever keys it uses."""
+        """Our transcoder: stores user JSON exactly, whatever keys it uses, and sealed
+        payloads."""
         transcoder = EscapingJSONTranscoder()
         self.register_transcodings(transcoder)
+        transcoder.register(SealedAsList())
         return transcoder
+
+    def construct_mapper(self) -> Mapper[UUID]:
+        """The environment's mapper (ours: ``RunMapper``), given the key table."""
+        mapper = super().construct_mapper()
+        if isinstance(mapper, RunMapper):
+            if self.keys is None:
+                address = self.address if not isinstance(self.address, ShardedAddress) else None
+                self.keys = key_table_at(self.env.get(KEY_STORE_ENV) or address, mapper.cipher)
+            mapper.keys = self.keys
+        #: The same mapper, reading payloads sealed: what the views keep.
+        self.view_mapper: Mapper[UUID] = mapper
+        if isinstance(mapper, RunMapper):
+            self.view_mapper = RunMapper(mapper.transcoder, mapper.compressor, mapper.cipher)
+            self.view_mapper.opens_payloads = False
+        return mapper
+
+    def bind_subject(self, run: Run) -> None:
+        """Seal the run's next events under its subject's key (before any save of it)."""
+        mapper = self.mapper
+        if isinstance(mapper, RunMapper):
+            mapper.bind(run.id, run.data_subject)
+
+    async def bind_subject_async(self, run: Run) -> None:
+        """``bind_subject`` for async code: the key is read off the loop when it is not
+        at hand (the first save of a subject's run in this process)."""
+        mapper = self.mapper
+        if not isinstance(mapper, RunMapper):
+            return
+        mapper.bind(run.id, run.data_subject)
+        keys = mapper.keys
+        if (
+            keys is not None
+            and not keys.has_cached(run.data_subject)
+            and any(payload_paths(type(e)) for e in run.pending_events)
+        ):
+            await self._off_loop(keys.key_for, run.data_subject)
 
     # ---------------------------------------------------------------- runs
     def load(self, run_id: str) -> Run | None:
@@ -268,9 +353,13 @@ class RunLog(SavingApplication):
         if aggregate_id is None:
             return None
         try:
-            run: object = self.repository.get(aggregate_id, projector_func=project_events)
+            with self.reachable():
+                run: object = self.repository.get(aggregate_id, projector_func=project_events)
         except AggregateNotFoundError:
             return None
+        except SnapshotErased:
+            # Its subject was erased: the snapshot cannot be read, the events can.
+            return self._folded(aggregate_id, keep_all=False)
         if not isinstance(run, Run):
             return None
         return run
@@ -300,12 +389,16 @@ class RunLog(SavingApplication):
         aggregate_id = parse_run_id(run_id)
         if aggregate_id is None:
             return None
+        return self._folded(aggregate_id, keep_all=True)
+
+    def _folded(self, aggregate_id: UUID, *, keep_all: bool) -> Run | None:
+        """The run folded from its events alone (no snapshot)."""
         events: Iterator[Any] = iter(self.events.get(aggregate_id))
         created = next(events, None)
         run = created.mutate(None) if created is not None else None
         if not isinstance(run, Run):
             return None
-        run.keeps_all_steps = True  # before any later event can archive a step
+        run.keeps_all_steps = keep_all  # before any later event can archive a step
         folded: Run = project_events(run, events)
         return folded
 
@@ -313,6 +406,7 @@ class RunLog(SavingApplication):
         """Save a new run together with its entry in its session's index (and the
         ``lease`` op, in the same transaction)."""
         self._saved_indexes.take(run.session_id)  # read afresh below
+        self.bind_subject(run)
         self._create_reading_index(run, run.collect_events(), lease)
 
     def _create_reading_index(self, run: Run, events: Sequence[Any], lease: LeaseOp | None) -> None:
@@ -325,7 +419,7 @@ class RunLog(SavingApplication):
             index = self.session_runs(run.session_id) or new_session_runs(run.session_id)
             index.add_run(run.run_id)
             try:
-                with _lease_errors(run):
+                with self.reachable(), _lease_errors(run):
                     self.save(*events, index, **_lease_kwargs(lease))
             except IntegrityError:
                 if RunLog.load(self, run.run_id) is not None:
@@ -350,6 +444,7 @@ class RunLog(SavingApplication):
         if saver is None:
             await self._off_loop(RunLog.create_run, self, run, lease)
             return
+        await self.bind_subject_async(run)
         events = run.collect_events()
         index = self._saved_indexes.take(run.session_id) or new_session_runs(run.session_id)
         index.add_run(run.run_id)
@@ -379,8 +474,9 @@ class RunLog(SavingApplication):
         """Append the run's pending events in one transaction, or nothing at all,
         with the ``lease`` op in the same transaction (refused: ``LeaseHeldError``,
         or ``StaleWriteError`` for a lease taken over; nothing is written)."""
+        self.bind_subject(run)
         try:
-            with _lease_errors(run):
+            with self.reachable(), _lease_errors(run):
                 self.save(run, **_lease_kwargs(lease))
         except IntegrityError as e:
             raise StaleWriteError(run.run_id, "another writer appended first") from e
@@ -396,6 +492,7 @@ class RunLog(SavingApplication):
         if saver is None:
             await self._off_loop(RunLog.save_run, self, run, lease)
             return
+        await self.bind_subject_async(run)
         try:
             await self._save_from_loop(saver, run, lease, run)
         except IntegrityError as e:
@@ -411,7 +508,7 @@ class RunLog(SavingApplication):
         store in an ``eventsourcing`` system would not save runs."""
         processing_event = AggregatesFirst()
         processing_event.collect_events(*items)
-        with _lease_errors(run):
+        with self.reachable(), _lease_errors(run):
             stored = [self.mapper.to_stored_event(e) for e in processing_event.events]
             await saver.insert(stored, lease)
         due = self.due_snapshots(processing_event)
@@ -444,7 +541,8 @@ class RunLog(SavingApplication):
         if aggregate_id is None:
             return None
         recorder: LeasingRecorder = self.recorder  # type: ignore[assignment]
-        return recorder.select_lease(aggregate_id)
+        with self.reachable():
+            return recorder.select_lease(aggregate_id)
 
     def holds(self, aggregate_id: UUID) -> bool:
         """Whether this log holds any event of ``aggregate_id`` (a run, an index)."""
@@ -453,7 +551,8 @@ class RunLog(SavingApplication):
     async def holds_async(self, aggregate_id: UUID) -> bool:
         """``holds`` for async code: on the loop's connection on PostgreSQL."""
         if self._saver is not None:
-            return await self._saver.holds(aggregate_id)
+            with self.reachable():
+                return await self._saver.holds(aggregate_id)
         return await self._off_loop(self.holds, aggregate_id)
 
     async def lease_async(self, run_id: str) -> Lease | None:
@@ -463,13 +562,40 @@ class RunLog(SavingApplication):
         if aggregate_id is None:
             return None
         if self._saver is not None:
-            return await self._saver.select_lease(aggregate_id)
+            with self.reachable():
+                return await self._saver.select_lease(aggregate_id)
         return await self._off_loop(RunLog.lease, self, run_id)
 
+    @contextlib.contextmanager
+    def reachable(self) -> Iterator[None]:
+        """A database that cannot be reached (every retry spent: a server down, a
+        failover longer than a save's deadline) as ``StoreUnavailableError`` naming
+        it, on PostgreSQL; what was in doubt was read back first (``pg_async``)."""
+        try:
+            yield
+        except OperationalError as lost:
+            if not isinstance(self.address, PostgresAddress):
+                raise  # SQLite's (a lock timeout) is not a server away
+            msg = f"cannot reach {self.address.label()}: {server_reason(lost)}"
+            raise StoreUnavailableError(msg) from lost
+
     def close(self) -> None:
+        """Close the log; on PostgreSQL its connections too if they are its own (the
+        store closes a database's shared ones after all its logs)."""
         if self._saver is not None:
             self._saver.close()
-        super().close()
+        if self.connections is None:
+            super().close()
+            return
+        self.closing.set()
+        if self.owns_connections:
+            self.connections.close()
+
+
+def _first_stored_event(recorder: ApplicationRecorder) -> Any | None:
+    """The log's first stored event (its notification), or None in an empty log."""
+    found = recorder.select_notifications(start=None, limit=1)
+    return found[0] if found else None
 
 
 def _lease_kwargs(lease: LeaseOp | None) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""The one-round-trip PostgreSQL save, sent from the event loop (internal).
+"""The one-round-trip PostgreSQL save, sent from the event loop, and its group commit (internal).
 
 A turn's saves are awaited on its event loop. Through ``eventsourcing``'s
 recorder a save is a blocking call, so it runs on a worker thread, and on
@@ -6,39 +6,43 @@ this kind of machine the hop to that thread and back costs more than the
 save's own round trip (benchmarks/RESULTS.md). This module sends the very
 statement of ``OneTripPostgresRecorder`` (the lease op, the table lock and
 the insert in one PL/pgSQL call, on an autocommit connection) over
-psycopg's asynchronous connection instead: the loop waits
-on the socket, no thread is involved, and the other turns on the loop run
-meanwhile. A turn reads its run's lease record over the same connection.
+psycopg's asynchronous connections, taken from the store's pool for the
+running loop (``pg_pool``): the loop waits on the socket, no thread is
+involved, and the other turns on the loop run meanwhile.
 
-Each event loop that saves gets its own connection (an asynchronous
-connection belongs to one loop). A save made while no other is in flight on
+The batcher: a save made while no other of its partition is in flight on
 the loop is sent at once, alone, so one run's latency is one round trip.
-The saves that runs make while one is in flight queue up, and go together in
-the next statement (group commit): the batch function of the recorder writes
-them in one transaction, under one lock, with one flush, each in a
+The saves that runs make while one is in flight queue up, and go together
+in the next statement (group commit): the batch function of the recorder
+writes them in one transaction, under one lock, with one flush, each in a
 subtransaction of its own, so one run's version clash or refused lease
-fails that save alone and writes none of its events. Errors map to
-``eventsourcing``'s, and a lost connection is replaced and the statement
-retried, as the recorder's own retry does: a version clash is
-``IntegrityError``; ``OperationalError`` or ``InterfaceError`` after the
-last attempt.
+fails that save alone and writes none of its events. A version clash is
+``IntegrityError``.
 
-Once a statement that wrote events has committed, the followers are woken
-(the recorder's ``wake_statement``, a transaction of its own on the loop's
-connection, from a task of its own). The first commit after a quiet spell
-wakes them at once; the commits of the next ``WAKE_SPACING``
-seconds share one more wake-up at its end (one wake-up a save doubled the
-statements of a lone run). A wake-up still due when the store is closed is
-sent then.
+A lost connection (a restart, a failover) is retried on another, within
+``SAVE_DEADLINE`` seconds; past it the save fails with ``OperationalError``.
+If the statement had been sent, its outcome is unknown: it may have
+committed before the connection died. So the saver reads the save's events
+back (from the new primary, after a failover) before it decides: there,
+exactly as sent, the save is done; absent, it is sent again (nothing of it
+was written, so this is not a second write); written by another, a clash.
+
+The followers are woken at most once every ``WAKE_SPACING`` seconds. A save
+made when a wake-up is due carries it in its own transaction (the
+recorder's ``*_waking_statement``: delivered at its commit), so the first
+commit after a quiet spell wakes them at once and a busy writer's wake-ups
+cost no transaction of their own (one commit a step, docs/guarantees.md);
+the server's notification lock is then taken by one save a spacing, not by
+every save. A commit no such save announced within the spacing gets a
+wake-up of its own (``wake_statement``, from a task of its own). A wake-up
+still due when the store is closed is sent then.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -50,17 +54,18 @@ from eventsourcing.persistence import (
     OperationalError,
     StoredEvent,
 )
-from psycopg.types.composite import register_composite
 
 from .leases import Lease, LeaseOp, LeaseRefused
-from .recorders import OneTripPostgresRecorder, lease_refusal
+from .pg_pool import PgConnections, SaverConnection
+from .recorders import SAVE_DEADLINE as RECORDER_DEADLINE
+from .recorders import InDoubt, OneTripPostgresRecorder, lease_refusal, stored_outcome
 
 __all__ = ["AsyncOneTripSaver"]
 
-#: Attempts of a save whose connection fails, and the wait between them
-#: (the recorder's own ``@retry``: 10 attempts, 0.2 s).
-ATTEMPTS = 10
-RETRY_WAIT = 0.2
+#: Seconds a save (or a read) keeps trying on new connections before it fails.
+SAVE_DEADLINE = RECORDER_DEADLINE
+#: Seconds between two tries, at first (doubling up to a second).
+RETRY_WAIT = 0.1
 #: The most saves one group commit carries.
 MAX_BATCH = 256
 #: Seconds the commits after a wake-up wait to share the next one: a follower
@@ -68,64 +73,68 @@ MAX_BATCH = 256
 #: meanwhile at once (4 worker processes: 1.53x one at 5 ms, 1.64x at 50 ms;
 #: each wake-up is a transaction of its own on the server).
 WAKE_SPACING = 0.05
+#: Seconds a wake-up may wait for a connection before it is dropped (a follower
+#: also looks again every second).
+WAKE_WAIT = 2.0
+
+
+@dataclass
+class _Save:
+    """One save: its events (as sent, to read them back if in doubt), their rows and
+    its lease op."""
+
+    events: Sequence[StoredEvent]
+    rows: list[Any]
+    lease: LeaseOp | None
 
 
 @dataclass
 class _Queued:
     """A save waiting for the next group commit of its loop."""
 
-    rows: list[Any]
-    lease: LeaseOp | None
+    save: _Save
     done: asyncio.Future[list[int]]
 
 
 @dataclass
 class _Lane:
-    """One loop's saves: whether a statement is in flight, the saves queued, and
-    the cursor its statements go through.
-
-    The lane sends one statement at a time, so they can share one cursor: a new
-    cursor a save would look up and make its parameters' dumpers afresh (the
-    composite rows' and the arrays'), about 3% of a lone run's CPU."""
+    """One loop's saves of one partition: whether a statement is in flight, and the
+    saves queued for the next."""
 
     busy: bool = False
     queued: list[_Queued] = field(default_factory=list)
     flusher: asyncio.Task[None] | None = None
-    cursor: psycopg.AsyncCursor[Any] | None = None
-
-    def cursor_on(self, connection: psycopg.AsyncConnection[Any]) -> psycopg.AsyncCursor[Any]:
-        """The lane's cursor on ``connection`` (a new one after a reconnection)."""
-        if self.cursor is None or self.cursor.connection is not connection:
-            self.cursor = connection.cursor()
-        return self.cursor
 
 
 @dataclass
 class _Waker:
-    """One loop's wake-ups of the followers: the one in flight, and whether
-    another is due after it."""
+    """One loop's wake-ups of the followers: when the last went, whether a commit
+    since is still unannounced (``again``), and the task that announces it alone
+    if no save carries it first."""
 
-    sending: asyncio.Task[None] | None = None
+    woken_at: float = float("-inf")
     again: bool = False
+    sending: asyncio.Task[None] | None = None
+
+
+#: What a save came to: its events' notification ids, or the error it raises.
+_Outcome = list[int] | Exception
 
 
 class AsyncOneTripSaver:
     """Inserts stored events with the one-trip statement, from any event loop."""
 
-    def __init__(self, recorder: OneTripPostgresRecorder) -> None:
+    def __init__(self, recorder: OneTripPostgresRecorder, connections: PgConnections) -> None:
         self._recorder = recorder
-        self._connections: dict[asyncio.AbstractEventLoop, psycopg.AsyncConnection[Any]] = {}
+        self._connections = connections
         self._lanes: dict[asyncio.AbstractEventLoop, _Lane] = {}
         self._wakers: dict[asyncio.AbstractEventLoop, _Waker] = {}
         #: Statements sent, and the saves they carried (a group commit carries several).
         self.statements = 0
         self.saves = 0
-        self._guard = threading.Lock()  # loops of several threads may share one store
+        #: Saves whose connection died after they were sent, settled by reading back.
+        self.in_doubt = 0
         self._closed = False
-        #: Connections a statement is on: ``close`` leaves them to their user, which
-        #: closes each once its statement is done (freeing one mid-statement
-        #: would crash the process).
-        self._in_use: collections.Counter[psycopg.AsyncConnection[Any]] = collections.Counter()
 
     async def insert(
         self, stored_events: Sequence[StoredEvent], lease: LeaseOp | None = None
@@ -133,25 +142,21 @@ class AsyncOneTripSaver:
         """The events' notification ids, once their transaction (with the lease op)
         has committed; ``LeaseRefused`` if the lease op was refused,
         ``IntegrityError`` on a version clash (nothing of the save written)."""
-        recorder = self._recorder
-        rows = recorder.rows(stored_events)
+        save = _Save(stored_events, self._recorder.rows(stored_events), lease)
         loop = asyncio.get_running_loop()
         lane = self._lanes.get(loop)
         if lane is None:  # not ``setdefault``: that makes a lane on every save
             lane = self._lanes[loop] = _Lane()
         if not lane.busy:
             lane.busy = True
-            self.statements += 1
-            self.saves += 1
             try:
-                parameters = recorder.parameters_of(rows, lease)
-                found = await self._execute(recorder.one_trip_statement, parameters, lease, lane)
-                if rows:
-                    self._wake_followers()
-                return [int(row[0]) for row in found]
+                [outcome] = await self._send([save])
             finally:
                 self._after_statement(lane)
-        queued = _Queued(rows, lease, loop.create_future())
+            if isinstance(outcome, Exception):
+                raise outcome
+            return outcome
+        queued = _Queued(save, loop.create_future())
         lane.queued.append(queued)
         try:
             return await queued.done
@@ -176,24 +181,14 @@ class AsyncOneTripSaver:
                 # instead of the next (at 32 runs, 18 saves a statement, not 13).
                 await asyncio.sleep(0)
                 batch, lane.queued = lane.queued[:MAX_BATCH], lane.queued[MAX_BATCH:]
-                await self._commit_group(lane, batch)
+                await self._commit_group(batch)
         finally:
             lane.busy = False
             lane.flusher = None
 
-    async def _commit_group(self, lane: _Lane, batch: list[_Queued]) -> None:
-        self.statements += 1
-        self.saves += len(batch)
-        if len(batch) == 1:
-            [one] = batch
-            statement = self._recorder.one_trip_statement
-            parameters = self._recorder.parameters_of(one.rows, one.lease)
-        else:
-            statement = self._recorder.batch_statement
-            parameters = self._recorder.batch_parameters([(q.rows, q.lease) for q in batch])
-        single = batch[0].lease if len(batch) == 1 else None
+    async def _commit_group(self, batch: list[_Queued]) -> None:
         try:
-            found = await self._execute(statement, parameters, single, lane)
+            outcomes = await self._send([queued.save for queued in batch])
         except BaseException as error:
             for queued in batch:
                 if not queued.done.done():
@@ -201,227 +196,204 @@ class AsyncOneTripSaver:
             if not isinstance(error, Exception):
                 raise
             return
-        if any(q.rows for q in batch):
-            self._wake_followers()
-        if len(batch) == 1:
-            batch[0].done.set_result([int(row[0]) for row in found])
-            return
-        for save, outcome, ids, detail in found:
-            queued = batch[save - 1]
-            if outcome == "ok":
-                queued.done.set_result([int(i) for i in ids])
-            elif outcome == "clash":
-                queued.done.set_exception(IntegrityError("another writer appended first"))
+        for queued, outcome in zip(batch, outcomes, strict=True):
+            if queued.done.done():
+                continue
+            if isinstance(outcome, Exception):
+                queued.done.set_exception(outcome)
             else:
-                queued.done.set_exception(_refused(queued.lease, outcome, detail))
+                queued.done.set_result(outcome)
 
-    def _wake_followers(self) -> None:
-        """Wake the followers after a commit: now if no wake-up is in flight on this
-        loop, else once more after it."""
+    # ------------------------------------------------------------- sending
+    async def _send(self, saves: list[_Save], deadline: float | None = None) -> list[_Outcome]:
+        """Each save's outcome, sent in one statement (one save: the one-trip
+        statement, whose lease refusal or clash raises; several: the batch); a
+        statement in doubt is settled by reading back, and what it had not written
+        is sent again."""
         loop = asyncio.get_running_loop()
-        waker = self._wakers.get(loop)
-        if waker is None:
-            waker = self._wakers[loop] = _Waker()
-        if waker.sending is not None:
-            waker.again = True
-            return
-        waker.sending = loop.create_task(self._send_wake_ups(waker))
-
-    async def _send_wake_ups(self, waker: _Waker) -> None:
-        """Send a wake-up, then one more after each ``WAKE_SPACING`` in which a
-        commit asked for one. A failed one is dropped: the events are committed,
-        and a follower also looks again when it is next woken (``follow`` every
-        second besides)."""
+        deadline = loop.time() + SAVE_DEADLINE if deadline is None else deadline
+        recorder = self._recorder
+        self.statements += 1
+        self.saves += len(saves)
+        # A save carries the followers' wake-up when one is due (none went for
+        # WAKE_SPACING): a busy writer's wake-ups then cost no transaction.
+        waking = self._wake_due(loop) and any(s.rows for s in saves)
         try:
-            while True:
-                waker.again = False
+            if len(saves) == 1:
+                [save] = saves
+                parameters = recorder.parameters_of(save.rows, save.lease)
+                statement = (
+                    recorder.one_trip_waking_statement if waking else recorder.one_trip_statement
+                )
                 try:
-                    await self._execute(self._recorder.wake_statement, (), None)
-                except (psycopg.Error, OperationalError, InterfaceError):
-                    return
-                except BaseException:
-                    waker.again = True  # cancelled: still due, ``close`` sends it
-                    raise
-                await asyncio.sleep(WAKE_SPACING)
-                if not waker.again or self._closed:
-                    return
-        finally:
-            waker.sending = None
+                    found = await self._execute(
+                        statement, parameters, save.lease, deadline, sent_matters=True
+                    )
+                except (IntegrityError, LeaseRefused) as refused:
+                    return [refused]
+                outcomes: list[_Outcome] = [[int(row[0]) for row in found]]
+            else:
+                parameters = recorder.batch_parameters([(s.rows, s.lease) for s in saves])
+                statement = recorder.batch_waking_statement if waking else recorder.batch_statement
+                found = await self._execute(
+                    statement, parameters, None, deadline, sent_matters=True
+                )
+                outcomes = [_outcome(s, row) for s, row in zip(saves, found, strict=True)]
+        except InDoubt:
+            waking = False  # whatever it carried, announce what was settled
+            outcomes = await self._settle(saves, deadline)
+        if any(
+            s.rows for s, o in zip(saves, outcomes, strict=True) if not isinstance(o, Exception)
+        ):
+            self._committed(loop, woke=waking)
+        return outcomes
 
-    async def holds(self, originator_id: Any) -> bool:
-        """Whether the events table holds any event of ``originator_id``."""
-        return bool(await self._execute(self._recorder.holds_statement, (originator_id,), None))
+    async def _settle(self, saves: list[_Save], deadline: float) -> list[_Outcome]:
+        """The outcomes of saves whose statement's connection died after it was sent:
+        read back; those not written are sent again."""
+        self.in_doubt += len(saves)
+        stored = await self._stored(saves, deadline)
+        again = [save for save, found in zip(saves, stored, strict=True) if found is None]
+        resent = iter(await self._send(again, deadline) if again else [])
+        return [next(resent) if found is None else found for found in stored]
 
-    async def select_lease(self, run_id: Any) -> Lease | None:
-        """The run's lease record, read on this loop's connection (live or not by
-        the server's clock)."""
-        rows = await self._execute(self._recorder.select_lease_statement, (run_id,), None)
-        if not rows:
-            return None
-        holder, token, expires_at, live = rows[0]
-        return Lease(holder, expires_at, token, live)
+    async def _stored(self, saves: list[_Save], deadline: float) -> list[_Outcome | None]:
+        """For each save: what it came to, read back (``stored_outcome``)."""
+        events = [e for save in saves for e in save.events]
+        rows: list[Any] = []
+        if events:
+            recorder = self._recorder
+            parameters = recorder.read_back_parameters(events)
+            rows = await self._execute(recorder.read_back_statement, parameters, None, deadline)
+        return [stored_outcome(save.events, rows) for save in saves]
 
     async def _execute(
         self,
         statement: Any,
         parameters: Sequence[Any],
         lease: LeaseOp | None,
-        lane: _Lane | None = None,
+        deadline: float | None = None,
+        *,
+        sent_matters: bool = False,
     ) -> list[Any]:
-        """Run one statement on this loop's connection (through the lane's cursor for
-        a save), replacing a lost connection and trying again as the recorder's own
-        retry does."""
-        for attempt in range(1, ATTEMPTS + 1):
+        """Run one statement on a connection of the loop's pool, trying again on
+        another while the deadline allows. A lost connection after the statement
+        was sent raises ``InDoubt`` when ``sent_matters`` (a save)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + SAVE_DEADLINE if deadline is None else deadline
+        wait = RETRY_WAIT
+        while True:
+            if loop.time() >= deadline:
+                raise OperationalError("the store's database did not answer in time")
+            conn: SaverConnection | None = None
             try:
-                connection = await self._connection()
-            except OperationalError:
-                if attempt == ATTEMPTS:
-                    raise
-                await asyncio.sleep(RETRY_WAIT)
-                continue
-            try:
-                with self._using(connection):
-                    cursor = connection.cursor() if lane is None else lane.cursor_on(connection)
+                pool = await self._connections.loop_pool()
+                conn = await pool.getconn(max(0.1, deadline - loop.time()))
+                try:
+                    cursor = conn.reused_cursor()
                     await cursor.execute(statement, parameters, prepare=True)
                     return await cursor.fetchall()
+                finally:
+                    await pool.putconn(conn)
             except psycopg.IntegrityError as clash:
                 raise IntegrityError(str(clash)) from clash
             except (psycopg.OperationalError, psycopg.InterfaceError) as lost:
-                self._discard(connection)
-                if attempt == ATTEMPTS:
+                if self._closed:
+                    raise InterfaceError("the run store is closed") from lost
+                # Sent on a connection that died: it may have committed. A statement
+                # the server refused (a lock or statement timeout) on a live one did not.
+                if sent_matters and conn is not None and (conn.broken or conn.closed):
+                    raise InDoubt from lost
+                if loop.time() + wait >= deadline:
                     interface = isinstance(lost, psycopg.InterfaceError)
                     raise (InterfaceError if interface else OperationalError)(str(lost)) from lost
-                await asyncio.sleep(RETRY_WAIT)
+                await asyncio.sleep(wait)
+                wait = min(1.0, wait * 2)
             except psycopg.Error as error:
                 refusal = lease_refusal(error, lease)
                 if refusal is not None:
                     raise refusal from None
                 raise
-            except BaseException:
-                # Cancelled (or worse) mid-statement: the connection's state is
-                # unknown, so it is never used again; and psycopg may still hold
-                # the statement's generator, so it is not freed here either
-                # (freeing a connection under a live generator crashes the
-                # process): it goes when nothing refers to it any more.
-                self._discard(connection, free=False)
-                raise
-        raise AssertionError("unreachable")
 
-    @contextlib.contextmanager
-    def _using(self, connection: psycopg.AsyncConnection[Any]) -> Iterator[None]:
-        """Run a statement on ``connection``: ``close`` meanwhile leaves it to this
-        user, which closes it when the statement is done."""
-        with self._guard:
-            if self._closed:
-                raise InterfaceError("the run store is closed")
-            self._in_use[connection] += 1  # a save and a wake-up may share it
-        done = False  # the statement ended (returned or raised), not interrupted
+    # ------------------------------------------------------------ wake-ups
+    def _waker(self, loop: asyncio.AbstractEventLoop) -> _Waker:
+        waker = self._wakers.get(loop)
+        if waker is None:
+            waker = self._wakers[loop] = _Waker()
+        return waker
+
+    def _wake_due(self, loop: asyncio.AbstractEventLoop) -> bool:
+        """Whether the next save should carry a wake-up: none went for ``WAKE_SPACING``."""
+        return loop.time() - self._waker(loop).woken_at >= WAKE_SPACING
+
+    def _committed(self, loop: asyncio.AbstractEventLoop, *, woke: bool) -> None:
+        """A save that wrote events committed: it woke the followers itself (``woke``),
+        or its commit is announced by the next save that carries a wake-up, or, if
+        none comes within ``WAKE_SPACING`` of the last, by a wake-up of its own."""
+        waker = self._waker(loop)
+        if woke:
+            waker.woken_at = loop.time()
+            waker.again = False
+            return
+        waker.again = True
+        if waker.sending is None:
+            waker.sending = loop.create_task(self._send_wake_ups(waker))
+
+    async def _send_wake_ups(self, waker: _Waker) -> None:
+        """Announce the commits no save carried a wake-up for, at most one wake-up
+        every ``WAKE_SPACING``. A failed one is dropped: the events are committed,
+        and a follower also looks again when it is next woken (``follow`` every
+        second besides)."""
+        loop = asyncio.get_running_loop()
         try:
-            yield
-            done = True
-        except Exception:
-            done = True
-            raise
+            while waker.again and not self._closed:
+                await asyncio.sleep(max(0.0, waker.woken_at + WAKE_SPACING - loop.time()))
+                if not waker.again or self._closed:
+                    return  # a save carried it meanwhile
+                waker.again = False
+                waker.woken_at = loop.time()
+                try:
+                    await self._execute(
+                        self._recorder.wake_statement, (), None, loop.time() + WAKE_WAIT
+                    )
+                except (psycopg.Error, OperationalError, InterfaceError):
+                    return
+                except BaseException:
+                    waker.again = True  # cancelled: still due, ``close`` sends it
+                    raise
         finally:
-            with self._guard:
-                self._in_use[connection] -= 1
-                if self._in_use[connection] <= 0:
-                    del self._in_use[connection]
-                orphaned = self._closed and connection not in self._in_use
-            if orphaned and done:
-                _finish(connection)
+            waker.sending = None
+
+    # --------------------------------------------------------------- reads
+    async def holds(self, originator_id: Any) -> bool:
+        """Whether the events table holds any event of ``originator_id``."""
+        return bool(await self._execute(self._recorder.holds_statement, (originator_id,), None))
+
+    async def select_lease(self, run_id: Any) -> Lease | None:
+        """The run's lease record (live or not by the server's clock)."""
+        rows = await self._execute(self._recorder.select_lease_statement, (run_id,), None)
+        if not rows:
+            return None
+        holder, token, expires_at, live = rows[0]
+        return Lease(holder, expires_at, token, live)
 
     def close(self) -> None:
-        """Close every loop's connection (from any thread, loop running or not);
-        one a statement is on is closed by its user when the statement is done."""
-        with self._guard:
-            self._closed = True
-            connections = [c for c in self._connections.values() if c not in self._in_use]
-            self._connections.clear()
-            due = any(w.again for w in self._wakers.values())
-        for connection in connections:
-            _finish(connection)
-        if due:  # commits whose wake-up was still waiting out its spacing
+        """Stop taking statements; a wake-up still due is sent now, on a blocking
+        connection (its loop may never run again)."""
+        self._closed = True
+        if any(w.again for w in self._wakers.values()):
             with contextlib.suppress(Exception), self._recorder.datastore.get_connection() as conn:
                 self._recorder.wake_followers(conn.cursor())
 
-    # ------------------------------------------------------------ connections
-    async def _connection(self) -> psycopg.AsyncConnection[Any]:
-        loop = asyncio.get_running_loop()
-        with self._guard:
-            if self._closed:
-                raise InterfaceError("the run store is closed")
-            connection = self._connections.get(loop)
-            if connection is not None and not connection.closed:
-                return connection
-            # A loop's first statement (or one after a lost connection): what closed
-            # loops left behind goes now, not on every statement.
-            self._forget_closed_loops()
-        connection = await self._connect()
-        with self._guard:
-            if self._closed:
-                _finish(connection)
-                raise InterfaceError("the run store is closed")
-            meanwhile = self._connections.get(loop)
-            if meanwhile is not None and not meanwhile.closed:
-                # Another save on this loop connected meanwhile: one connection a loop.
-                _finish(connection)
-                return meanwhile
-            self._connections[loop] = connection
-        return connection
 
-    def _forget_closed_loops(self) -> None:
-        """Drop the connections, lanes and wake-ups of loops that are closed (under
-        ``_guard``). A statement its loop left unfinished keeps its connection (see
-        ``_using``): it goes when nothing refers to it any more."""
-        for gone in [held for held in self._connections if held.is_closed()]:
-            left = self._connections.pop(gone)
-            if left not in self._in_use:
-                _finish(left)
-        for gone in [held for held in self._lanes if held.is_closed()]:
-            del self._lanes[gone]
-        for gone in [held for held in self._wakers if held.is_closed()]:
-            del self._wakers[gone]
-
-    async def _connect(self) -> psycopg.AsyncConnection[Any]:
-        datastore = self._recorder.datastore
-        pool = datastore.pool
-        kwargs = pool.kwargs if isinstance(pool.kwargs, dict) else {}
-        params = {key: value for key, value in kwargs.items() if key != "row_factory"}
-        get_password = getattr(pool, "get_password_func", None)
-        if get_password is not None:
-            params["password"] = get_password()
-        try:
-            connection = await psycopg.AsyncConnection.connect(
-                autocommit=True, connect_timeout=max(1, round(pool.timeout)), **params
-            )
-        except psycopg.OperationalError as down:
-            raise OperationalError(str(down)) from down
-        # The same composite-type adapter as the recorder's own connections.
-        name = self._recorder.stored_event_type_name
-        info = datastore.psycopg_type_adapters.get(name)
-        if info is not None:
-            register_composite(info, connection, factory=datastore.psycopg_python_types[name])
-        return connection
-
-    def _discard(self, connection: psycopg.AsyncConnection[Any], *, free: bool = True) -> None:
-        """Never use ``connection`` again; with ``free``, close it now (without, it
-        goes when nothing refers to it, so no lane's cursor may keep it)."""
-        with self._guard:
-            for loop, held in list(self._connections.items()):
-                if held is connection:
-                    del self._connections[loop]
-            for lane in self._lanes.values():
-                if lane.cursor is not None and lane.cursor.connection is connection:
-                    lane.cursor = None
-        if free:
-            _finish(connection)
-
-
-def _finish(connection: psycopg.AsyncConnection[Any]) -> None:
-    """Close a connection without awaiting (its loop may be gone or another thread's)."""
-    if not connection.closed:
-        connection.pgconn.finish()
+def _outcome(save: _Save, row: Any) -> _Outcome:
+    """One save's outcome in a group commit's answer ``(save, outcome, ids, detail)``."""
+    _, outcome, ids, detail = row
+    if outcome == "ok":
+        return [int(i) for i in ids]
+    if outcome == "clash":
+        return IntegrityError("another writer appended first")
+    return _refused(save.lease, outcome, detail)
 
 
 def _refused(op: LeaseOp | None, outcome: str, detail: str | None) -> LeaseRefused:

@@ -17,11 +17,12 @@ memory and SQLite by this machine's, PostgreSQL by the server's
   notification ids are issued in commit order and a follower never passes
   a gap that fills in later) and inserts the events, on an autocommit
   connection: one round trip a save where the library's default path takes
-  two (benchmarks/RESULTS.md). Followers are woken after the commit, in a
-  transaction of its own (``wake_statement``), not by a ``NOTIFY`` in the
-  save: PostgreSQL holds one server-wide lock from a notifying
-  transaction's commit until its flush is done, so notifying saves of every
-  partition and every process flushed one at a time. A save that carries
+  two (benchmarks/RESULTS.md). Followers are woken by a ``NOTIFY`` in a
+  save only when a wake-up is due (once every ``pg_async.WAKE_SPACING``),
+  else by a transaction of its own after the commit (``wake_statement``):
+  PostgreSQL holds one server-wide lock from a notifying transaction's
+  commit until its flush is done, so notifying every save would flush the
+  saves of every partition and every process one at a time. A save that carries
   tracking records takes the library's default path, so none is dropped.
 
 The SQLite one writes its lease op through ``eventsourcing_hooks``; the
@@ -32,13 +33,19 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any, Protocol
 from uuid import UUID
 
 import psycopg
-from eventsourcing.persistence import InterfaceError, OperationalError, StoredEvent
+from eventsourcing.persistence import (
+    IntegrityError,
+    InterfaceError,
+    OperationalError,
+    StoredEvent,
+)
 from eventsourcing.popo import POPOApplicationRecorder
 from eventsourcing.postgres import PostgresApplicationRecorder, PostgresDatastore
 from eventsourcing.sqlite import SQLiteCursor, SQLiteDatastore
@@ -51,14 +58,21 @@ from .leases import Lease, LeaseOp, LeaseRefused, store_now
 __all__ = [
     "LEASE_HELD",
     "LEASE_LOST",
+    "SAVE_DEADLINE",
     "SQLITE_TIME_FORMAT",
+    "InDoubt",
     "LeasingPOPORecorder",
     "LeasingRecorder",
     "LeasingSQLiteRecorder",
     "OneTripPostgresRecorder",
     "lease_refusal",
     "sqlite_time",
+    "stored_outcome",
 ]
+
+#: Seconds a save (or a read) keeps trying on new connections before it fails: a
+#: failover's promotion fits in it.
+SAVE_DEADLINE = 30.0
 
 #: SQLSTATEs the PostgreSQL save raises for a refused lease op.
 LEASE_HELD = "KL001"
@@ -317,16 +331,37 @@ class OneTripPostgresRecorder(PostgresApplicationRecorder):
         # with a regular expression (a tenth of a busy process's time). The
         # statements run on every save are kept as bytes: psycopg would compose
         # and quote a ``Composed`` again on every execute.
+        # The same saves carrying the followers' wake-up in their own transaction
+        # (delivered at its commit): what a save sends when a wake-up is due, so a
+        # busy writer's wake-ups cost no transaction of their own (``pg_async``).
+        woken = SQL("WITH woken AS (SELECT pg_notify({channel}, '')) ").format(
+            channel=Literal(self.channel_name)
+        )
         self.batch_statement = (
             SQL("SELECT * FROM {schema}.{batch}(%b, %s, %s, %s, %s, %s, %s, %s)")
             .format(schema=schema, batch=batch)
             .as_bytes()
         )
+        self.batch_waking_statement = Composed(
+            [
+                woken,
+                SQL(
+                    "SELECT b.* FROM {schema}.{batch}(%b, %s, %s, %s, %s, %s, %s, %s) AS b, woken"
+                ).format(schema=schema, batch=batch),
+            ]
+        ).as_bytes()
         self.one_trip_statement = (
             SQL("SELECT * FROM {schema}.{function}(%b, %s, %s, %s, %s, %s)")
             .format(schema=schema, function=function)
             .as_bytes()
         )
+        self.one_trip_waking_statement = Composed(
+            [
+                woken,
+                SQL("SELECT f.* FROM {schema}.{function}(%b, %s, %s, %s, %s, %s) AS f, woken")
+                .format(schema=schema, function=function),
+            ]
+        ).as_bytes()
         # A wake-up for the followers, sent once a save has committed: its own
         # transaction, with no flush to wait for (a lost wake-up only delays a
         # follower; the events are committed already), so the notification
@@ -334,6 +369,21 @@ class OneTripPostgresRecorder(PostgresApplicationRecorder):
         self.wake_statement = (
             SQL("SELECT set_config('synchronous_commit', 'off', true), pg_notify({channel}, '')")
             .format(channel=Literal(self.channel_name))
+            .as_bytes()
+        )
+        # What a save in doubt (its connection died after it was sent) left: its
+        # events as stored, if they are (``pg_async``).
+        self.read_back_statement = (
+            SQL(
+                "SELECT notification_id, originator_id, originator_version, topic, state "
+                "FROM {schema}.{table} WHERE (originator_id, originator_version) IN "
+                "(SELECT * FROM unnest(%s::{id_type}[], %s::bigint[]))"
+            )
+            .format(
+                schema=schema,
+                table=Identifier(self.events_table_name),
+                id_type=SQL(self.datastore.originator_id_type),
+            )
             .as_bytes()
         )
         self.holds_statement = (
@@ -388,10 +438,12 @@ class OneTripPostgresRecorder(PostgresApplicationRecorder):
             ttls.append(op.ttl if op is not None else None)
         return (rows, starts, ends, ops, runs, holders, tokens, ttls)
 
-    @retry((InterfaceError, OperationalError), max_attempts=10, wait=0.2)
     def insert_events(
         self, stored_events: Sequence[StoredEvent], **kwargs: Any
     ) -> Sequence[int] | None:
+        """The one-trip save; a lost connection is tried again on another within
+        ``SAVE_DEADLINE``, and a save in doubt (its connection died after it was
+        sent) is read back before it is sent again (``stored_outcome``)."""
         op: LeaseOp | None = kwargs.pop("lease", None)
         if kwargs.get("tracking") is not None:
             assert op is None, "a save with tracking records carries no lease op"
@@ -399,12 +451,34 @@ class OneTripPostgresRecorder(PostgresApplicationRecorder):
             return default_path
         if not stored_events and op is None:
             return []
+        deadline = time.monotonic() + SAVE_DEADLINE
+        wait = 0.1
+        while True:
+            try:
+                return self._insert_once(stored_events, op)
+            except InDoubt:
+                found: list[int] | Exception | None = self._read_back(stored_events)
+                if isinstance(found, Exception):
+                    raise found from None
+                if found is not None:
+                    return found
+            except (InterfaceError, OperationalError):
+                if time.monotonic() + wait >= deadline:
+                    raise
+                time.sleep(wait)
+                wait = min(1.0, wait * 2)
+
+    def _insert_once(self, stored_events: Sequence[StoredEvent], op: LeaseOp | None) -> list[int]:
         with self.datastore.get_connection() as conn, conn.cursor() as curs:
             assert conn.autocommit  # the statement's own transaction commits it
             try:
                 curs.execute(
                     self.one_trip_statement, self.parameters(stored_events, op), prepare=True
                 )
+            except (psycopg.OperationalError, psycopg.InterfaceError) as lost:
+                if conn.broken or conn.closed:
+                    raise InDoubt from lost
+                raise
             except psycopg.Error as e:
                 refusal = lease_refusal(e, op)
                 if refusal is not None:
@@ -414,6 +488,23 @@ class OneTripPostgresRecorder(PostgresApplicationRecorder):
             if stored_events:
                 self.wake_followers(curs)
             return ids
+
+    @retry((InterfaceError, OperationalError), max_attempts=10, wait=0.2)
+    def _read_back(self, stored_events: Sequence[StoredEvent]) -> list[int] | Exception | None:
+        if not stored_events:
+            return None  # a lease op alone: sending it again does it once
+        with self.datastore.get_connection() as conn, conn.cursor() as curs:
+            curs.execute(self.read_back_statement, self.read_back_parameters(stored_events))
+            rows = [tuple(row.values()) for row in curs.fetchall()]
+        return stored_outcome(stored_events, rows)
+
+    @staticmethod
+    def read_back_parameters(stored_events: Sequence[StoredEvent]) -> tuple[Any, ...]:
+        """``read_back_statement``'s parameters: the events' ids and versions."""
+        return (
+            [e.originator_id for e in stored_events],
+            [e.originator_version for e in stored_events],
+        )
 
     def wake_followers(self, curs: psycopg.Cursor[Any]) -> None:
         """Notify the followers after a committed save; a failure is not the save's
@@ -428,6 +519,29 @@ class OneTripPostgresRecorder(PostgresApplicationRecorder):
         if row is None:
             return None
         return Lease(row["holder"], _as_utc(row["expires_at"]), row["token"], row["live"])
+
+
+class InDoubt(Exception):
+    """A save's connection died after the statement was sent: it may have committed."""
+
+
+def stored_outcome(
+    stored_events: Sequence[StoredEvent], rows: Sequence[Sequence[Any]]
+) -> list[int] | Exception | None:
+    """What a save in doubt came to, from ``read_back_statement``'s rows
+    ``(notification_id, originator_id, originator_version, topic, state)``: its
+    events' ids if they are stored exactly as sent, a clash if another writer's are
+    there, None if none is (nothing of it was written: it may be sent again)."""
+    by_key = {(row[1], row[2]): row for row in rows}
+    found = [by_key.get((e.originator_id, e.originator_version)) for e in stored_events]
+    if not stored_events or all(row is None for row in found):
+        return None
+    if all(
+        row is not None and row[3] == e.topic and bytes(row[4]) == bytes(e.state)
+        for row, e in zip(found, stored_events, strict=True)
+    ):
+        return [int(row[0]) for row in found if row is not None]
+    return IntegrityError("another writer appended first")
 
 
 def lease_refusal(error: psycopg.Error, op: LeaseOp | None) -> LeaseRefused | None:

@@ -25,6 +25,7 @@ from uuid import UUID
 from eventsourcing.domain import Aggregate
 
 from ..errors import InvalidArgumentError
+from ..redaction import Redacted
 from ..shapes import (
     Message,
     RunKind,
@@ -41,7 +42,7 @@ from . import catalogue as stored
 from .json_data import encode_json
 from .leases import Lease, store_now
 from .sites import Effect, Lane, Site
-from .spending import normalise_usage
+from .spending import result_usage
 from .wait import Wait
 
 __all__ = ["CANCELLED", "MIGRATED", "ParentLink", "Run", "StepData", "step_record"]
@@ -113,6 +114,24 @@ class Run(Aggregate):
     #: Set on a run folded for its whole journal (``RunStore.load_history``),
     #: never saved: such a run archives nothing.
     keeps_all_steps: bool = False
+    #: The run's data subject when it is not its session id (``SubjectAssigned``).
+    #: A class default, not a snapshot field of its own: a snapshot of an earlier
+    #: release lacks it and reads this, as a run without the event does.
+    subject: str | None = None
+    #: What of a snapshot is payload, sealed under the subject's key like the
+    #: events' (``catalogue``'s ``PAYLOAD``; docs/privacy.md).
+    PAYLOAD = (
+        "state",
+        "messages",
+        "waiting_for",
+        "steps",
+        "output",
+        "error",
+        "turn_keys",
+        "mailbox",
+        "published",
+        "input",
+    )
 
     def __init__(
         self,
@@ -222,6 +241,31 @@ class Run(Aggregate):
     @property
     def run_id(self) -> str:
         return str(self.id)
+
+    @property
+    def data_subject(self) -> str:
+        """Whose data the run holds: the subject it was given, else its session."""
+        return self.subject if self.subject is not None else self.session_id
+
+    @classmethod
+    def new(
+        cls,
+        id: UUID,
+        session_id: str,
+        kind: RunKind,
+        agent: str | None,
+        flow: str | None,
+        flow_digest: str | None,
+        flow_version: str | None = None,
+        *,
+        subject: str | None = None,
+    ) -> Run:
+        """A new run (``Run(...)``) whose data subject, when it is not its session, is
+        recorded with its creation (``SubjectAssigned``, saved in its first save)."""
+        run = cls(id, session_id, kind, agent, flow, flow_digest, flow_version)
+        if subject is not None and subject != session_id:
+            run.trigger_event(stored.SubjectAssigned, subject=subject)
+        return run
 
     # ----------------------------------------------------------------- fold
     def fold(self, event: stored.Event) -> None:
@@ -501,12 +545,11 @@ class Run(Aggregate):
         if self.usage is not None:
             self.usage.setdefault(model, _no_usage())["calls"] += 1
 
-    def count_model_tokens(self, model: str, result_json: str) -> None:
+    def count_model_tokens(self, model: str, result_json: str | Redacted) -> None:
         """Add the tokens a finished call to ``model`` reported."""
         if self.usage is None:
             return
-        response = json.loads(result_json)
-        reported = normalise_usage(response.get("usage") if isinstance(response, dict) else None)
+        reported = result_usage(result_json)
         if reported is None:
             return
         tally = self.usage.setdefault(model, _no_usage())
@@ -632,7 +675,7 @@ def step_record(step: StepData) -> StepRecord:
         name=step["name"],
         callsite=step["callsite"],
         status=step["status"],
-        result=json.loads(result_json) if result_json is not None else None,
+        result=_result(result_json),
         error=StepError.model_validate(step["error"]) if step["error"] else None,
         started_at=step["started_at"],
         finished_at=step["finished_at"],
@@ -640,9 +683,20 @@ def step_record(step: StepData) -> StepRecord:
     )
 
 
+def _result(result_json: str | Redacted | None) -> Any:
+    """A step's recorded result (``Redacted`` once its subject was erased)."""
+    if result_json is None or isinstance(result_json, Redacted):
+        return result_json
+    return json.loads(result_json)
+
+
 # ------------------------------------------------------------------ the fold
 # One handler per stored event (``catalogue.dispatch`` refuses a table that
 # misses one). Each changes the run as the event says, and nothing else.
+def _subject_assigned(run: Run, e: stored.SubjectAssigned) -> None:
+    run.subject = e.subject
+
+
 def _forked(run: Run, e: stored.Forked) -> None:
     run.forked_from = {"run_id": e.from_run_id, "at_step": e.at_step}
 
@@ -878,6 +932,7 @@ _FOLD: dict[type[stored.Event], _Fold | None] = stored.dispatch(
     "aggregate",
     {
         stored.RunCreated: _created,
+        stored.SubjectAssigned: _subject_assigned,
         stored.Forked: _forked,
         stored.ParentLinked: _parent_linked,
         stored.FlowInputGiven: _flow_input_given,

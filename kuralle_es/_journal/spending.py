@@ -18,6 +18,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from ..errors import InvalidArgumentError
+from ..redaction import Redacted
 from ..shapes import Usage
 
 __all__ = [
@@ -27,7 +28,9 @@ __all__ = [
     "cost_of",
     "normalise_usage",
     "prices_from_json",
+    "result_usage",
     "total",
+    "usage_kept_clear",
     "validate_prices",
 ]
 
@@ -162,3 +165,26 @@ def prices_from_json(text: str, source: str = PRICES_ENV) -> dict[str, tuple[flo
         raise InvalidArgumentError(f"{source}: {e}") from None
     assert checked is not None
     return checked
+
+
+def result_usage(result_json: Any) -> dict[str, int | None] | None:
+    """The token usage a model step's recorded response (its JSON text) reported,
+    normalised; of an erased response, the usage kept readable beside it."""
+    if not isinstance(result_json, str):
+        # Erased (``Redacted``) or still sealed (the views' ``Sealed``): the usage
+        # kept readable beside the response, if any.
+        kept = result_json.kept if isinstance(result_json, Redacted) else None
+        kept = kept or getattr(result_json, "clear", None) or {}
+        usage: dict[str, int | None] | None = kept.get("usage") if isinstance(kept, dict) else None
+        return usage
+    try:
+        response = json.loads(result_json)
+    except ValueError:
+        return None
+    return normalise_usage(response.get("usage") if isinstance(response, dict) else None)
+
+
+def usage_kept_clear(result_json: Any) -> dict[str, Any] | None:
+    """What of a step's result stays readable when it is sealed: a reported usage."""
+    usage = result_usage(result_json)
+    return {"usage": usage} if usage is not None else None

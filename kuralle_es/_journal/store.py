@@ -24,18 +24,23 @@ read every log (docs/scaling.md).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
 from eventsourcing.persistence import ApplicationRecorder, EventStore, Mapper
-from eventsourcing.utils import EnvType
+from eventsourcing.utils import Environment, EnvType
 from psycopg.sql import SQL, Identifier
 
 from ..errors import InvalidArgumentError
+from .encryption import cipher_env, cipher_of
 from .leases import Lease, LeaseOp
-from .log import RunLog
+from .log import KEY_STORE_ENV, RunLog
+from .pg_pool import PgConnections
+from .pruning import delete_runs
 from .routing import Router
 from .run import Run
 from .store_url import (
@@ -49,6 +54,7 @@ from .store_url import (
     redact,
     shards_of,
 )
+from .subject_keys import KeyTable, key_table_at
 
 __all__ = ["RunStore"]
 
@@ -60,10 +66,21 @@ class RunStore:
     """Holds runs (see the module docstring): its logs, one per partition, and the
     router that says which of them holds a run or a session."""
 
-    def __init__(self, env: EnvType | None = None, *, partitions: int | None = None) -> None:
+    def __init__(
+        self,
+        env: EnvType | None = None,
+        *,
+        partitions: int | None = None,
+        cipher_key: str | None = None,
+        key_store: str | None = None,
+    ) -> None:
         """A store over ``env`` (the ``eventsourcing`` environment, over the process's);
         on PostgreSQL, every partition its database records, or ``partitions`` (see
-        ``postgres``)."""
+        ``postgres``). ``cipher_key`` (else ``KURALLE_CIPHER_KEY``) encrypts what it
+        stores; ``key_store`` (a store URL; else ``KURALLE_KEY_STORE``, else this
+        database) is where the subjects' keys live (docs/privacy.md).
+        ``EncryptionKeyError`` when the store was written with another key."""
+        env = _with_privacy(env, cipher_key, key_store)
         address = address_from_env(env)
         if partitions is not None:
             if not isinstance(address, PostgresAddress):
@@ -74,11 +91,12 @@ class RunStore:
                     )
                     raise InvalidArgumentError(msg)
             else:
-                address = postgres_address(
-                    address.params, partitions=partitions, pooler=address.pooler
-                )
+                address = replace(address, partitions=postgres_address(
+                    address.params, partitions=partitions
+                ).partitions)  # fmt: skip
         base = {**(env or {}), **(address.env() if address is not None else {})}
-        self._use(_open_database(address, base))
+        keys = _key_table(base, address)
+        self._use(_open_database(address, base, keys))
 
     def _use(self, logs: Sequence[RunLog]) -> None:
         #: Every log of the store, by partition number.
@@ -99,12 +117,16 @@ class RunStore:
 
     # ------------------------------------------------------------ shortcuts
     @classmethod
-    def memory(cls) -> Self:
-        return cls(env=MemoryAddress().env())
+    def memory(cls, *, cipher_key: str | None = None, key_store: str | None = None) -> Self:
+        """A store in this process's memory (``cipher_key``, ``key_store``: see ``__init__``)."""
+        return cls(env=MemoryAddress().env(), cipher_key=cipher_key, key_store=key_store)
 
     @classmethod
-    def sqlite(cls, path: str) -> Self:
-        return cls(env=SqliteAddress(Path(path)).env())
+    def sqlite(
+        cls, path: str, *, cipher_key: str | None = None, key_store: str | None = None
+    ) -> Self:
+        """A store in the SQLite file ``path`` (``cipher_key``, ``key_store``: see ``__init__``)."""
+        return cls(env=SqliteAddress(Path(path)).env(), cipher_key=cipher_key, key_store=key_store)
 
     @classmethod
     def postgres(
@@ -113,26 +135,44 @@ class RunStore:
         *,
         partitions: int | None = None,
         pooler: str | None = None,
+        cipher_key: str | None = None,
+        key_store: str | None = None,
+        pool_size: int | None = None,
     ) -> Self:
         """A store in one PostgreSQL database (a URL, several hosts allowed, a conninfo
         string or a mapping of libpq parameters); ``partitions`` (K logs) as the
         module's docstring says: None opens the logs the database has (one if it is
-        new); ``pooler`` (``"transaction"`` or ``"session"``) is reserved."""
-        address = postgres_address(dsn_or_params, partitions=partitions, pooler=pooler)
-        return cls(env=address.env(), partitions=address.partitions)
+        new); ``pool_size`` (default 10, or the URL's ``?pool_size=``) the most
+        connections the store holds, whatever K; ``pooler="transaction"`` when
+        PgBouncer in transaction mode is in front (docs/high-availability.md);
+        ``cipher_key`` and ``key_store`` as ``__init__`` says."""
+        address = postgres_address(
+            dsn_or_params, partitions=partitions, pooler=pooler, pool_size=pool_size
+        )
+        return cls(
+            env=address.env(),
+            partitions=address.partitions,
+            cipher_key=cipher_key,
+            key_store=key_store,
+        )
 
     @classmethod
-    def sharded(cls, urls: Sequence[str]) -> Self:
+    def sharded(
+        cls, urls: Sequence[str], *, cipher_key: str | None = None, key_store: str | None = None
+    ) -> Self:
         """A store of one log per database of ``urls`` (``postgresql://...``, which may
-        be on several servers), partition i being ``urls[i]``."""
+        be on several servers), partition i being ``urls[i]``; one key table for all
+        (``key_store``, else the first database's)."""
         if isinstance(urls, str) or not urls or not all(isinstance(u, str) for u in urls):
             what = repr(redact(urls)) if isinstance(urls, str) else type(urls).__name__
             msg = f"sharded takes a list of store URLs, got {what}"
             raise InvalidArgumentError(msg)
-        return cls._over_shards(shards_of(urls))
+        return cls._over_shards(shards_of(urls), cipher_key, key_store)
 
     @classmethod
-    def from_url(cls, url: str) -> Self:
+    def from_url(
+        cls, url: str, *, cipher_key: str | None = None, key_store: str | None = None
+    ) -> Self:
         """The store ``url`` names: ``memory:``, ``sqlite:///relative.db``,
         ``sqlite:////absolute.db``, ``postgresql://user[:pw]@host[:port][,host2...]/db``
         (``?partitions=K``, ``?pooler=``, libpq parameters), or several URLs separated
@@ -140,14 +180,20 @@ class RunStore:
         ``StoreUnavailableError`` within seconds when a server cannot be reached."""
         address = parse_store_url(url)
         if isinstance(address, ShardedAddress):
-            return cls._over_shards(address)
+            return cls._over_shards(address, cipher_key, key_store)
         partitions = address.partitions if isinstance(address, PostgresAddress) else None
-        return cls(env=address.env(), partitions=partitions)
+        return cls(
+            env=address.env(), partitions=partitions, cipher_key=cipher_key, key_store=key_store
+        )
 
     @classmethod
-    def _over_shards(cls, address: ShardedAddress) -> Self:
+    def _over_shards(
+        cls, address: ShardedAddress, cipher_key: str | None, key_store: str | None
+    ) -> Self:
         """A store whose partition i is the database of ``address.shards[i]``. Made
         without ``__init__``, which opens one database."""
+        privacy = _with_privacy({}, cipher_key, key_store)
+        keys = _key_table(privacy, address.shards[0])
         logs: list[RunLog] = []
         try:
             for i, shard in enumerate(address.shards):
@@ -157,7 +203,7 @@ class RunStore:
                         "store is a database of one"
                     )
                     raise InvalidArgumentError(msg)
-                logs.append(RunLog(env=shard.env(), partition=i))
+                logs.append(RunLog(env={**privacy, **shard.env()}, partition=i, keys=keys))
         except BaseException:
             _close(logs)
             raise
@@ -245,6 +291,31 @@ class RunStore:
         log = self._router.of_run(run_id)
         return None if log is None else log.partition
 
+    # -------------------------------------------------------------- privacy
+    @property
+    def keys(self) -> KeyTable:
+        """The subjects' key table (docs/privacy.md)."""
+        keys = self.partitions[0].keys
+        assert keys is not None, "a run log has its key table once it is open"
+        return keys
+
+    def erase_keys(self, subject: str) -> bool:
+        """Destroy the subject's data key; whether it had one."""
+        return self.keys.erase(subject)
+
+    def delete_runs(self, run_ids: Sequence[str]) -> int:
+        """Delete these ended runs' events, snapshots and lease records, each run in its
+        own log (``prune``); how many events went."""
+        by_log: dict[int, list[str]] = {}
+        for run_id in run_ids:
+            log = self._router.of_run(run_id)
+            if log is not None:
+                by_log.setdefault(log.partition, []).append(run_id)
+        deleted = 0
+        for partition, ids in by_log.items():
+            deleted += delete_runs(self.partitions[partition], ids)
+        return deleted
+
     # --------------------------------------------------------------- leases
     def lease(self, run_id: str) -> Lease | None:
         log = self._router.of_run(run_id)
@@ -259,22 +330,58 @@ class RunStore:
 
 
 def _close(logs: Iterable[RunLog]) -> None:
+    """Close the logs, then the connections they share (one pool per database)."""
+    logs = list(logs)
     for log in logs:
         log.close()
+    shared = {id(log.connections): log.connections for log in logs if not log.owns_connections}
+    for connections in shared.values():
+        if connections is not None:
+            connections.close()
+
+
+def _with_privacy(
+    env: EnvType | None, cipher_key: str | None, key_store: str | None
+) -> dict[str, str]:
+    """``env`` with the store's cipher key and key table's place, when given."""
+    out = dict(env or {})
+    if cipher_key is not None:
+        out.update(cipher_env(out, cipher_key))
+    if key_store is not None:
+        parse_store_url(key_store)  # a bad URL is refused before anything opens
+        out[KEY_STORE_ENV] = key_store
+    return out
+
+
+def _key_table(
+    env: Mapping[str, str], address: MemoryAddress | SqliteAddress | PostgresAddress | None
+) -> KeyTable:
+    """The store's one key table: where ``KURALLE_KEY_STORE`` says, else in the
+    store's (first) database; its keys encrypted with the store's cipher, if any."""
+    environment = Environment("RunStore", {**os.environ, **env})
+    where = environment.get(KEY_STORE_ENV) or address
+    ciphered = {**env, **cipher_env(env)} if not env.get("CIPHER_TOPIC") else dict(env)
+    return key_table_at(where, cipher_of(Environment("RunStore", ciphered)))
 
 
 def _open_database(
-    address: MemoryAddress | SqliteAddress | PostgresAddress | None, env: EnvType
+    address: MemoryAddress | SqliteAddress | PostgresAddress | None, env: EnvType, keys: KeyTable
 ) -> list[RunLog]:
     """The logs of one database: on PostgreSQL, as many as it records (or as the
     address asks, which it then records); elsewhere one."""
     count = _agree_partitions(address) if isinstance(address, PostgresAddress) else 1
+    # One pool for all the database's logs (``pg_pool``).
+    connections = PgConnections(address) if isinstance(address, PostgresAddress) else None
     logs: list[RunLog] = []
     try:
         for i in range(count):
-            logs.append(RunLog(env=env, partition=i, own_tables=i > 0))
+            logs.append(
+                RunLog(env=env, partition=i, own_tables=i > 0, keys=keys, connections=connections)
+            )
     except BaseException:
         _close(logs)
+        if connections is not None:
+            connections.close()
         raise
     return logs
 

@@ -6,8 +6,9 @@ URLs separated by commas: a sharded store), ``RunStore.postgres``,
 ``RunStore.sharded`` and the variables of ``RunStore(env)``. PostgreSQL's
 part is read by libpq's own parser (``psycopg.conninfo``): several hosts,
 percent-encoding and every libpq parameter (``target_session_attrs``, ...)
-work as in ``psql``; ours beside them are ``partitions=K`` and ``pooler``
-(docs/scaling.md). An address renders the ``eventsourcing`` variables, and
+work as in ``psql``; ours beside them are ``partitions=K``, ``pool_size=N``,
+``pooler`` and ``listen_host``/``listen_port`` (docs/scaling.md,
+docs/high-availability.md). An address renders the ``eventsourcing`` variables, and
 two of ours for what those cannot say, so that every application built from
 a log's environment reaches the database the same way.
 
@@ -20,7 +21,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, TypeAlias, get_args
 from urllib.parse import parse_qsl, quote, unquote, urlencode
@@ -34,6 +35,8 @@ from ..errors import InvalidArgumentError, StoreUnavailableError
 
 __all__ = [
     "CONNECT_TIMEOUT",
+    "POOL_SIZE",
+    "POOL_SIZE_VAR",
     "STORE_ENV",
     "MemoryAddress",
     "PostgresAddress",
@@ -53,12 +56,20 @@ STORE_ENV = "KURALLE_STORE"
 #: Seconds one connection attempt may take before the store counts as unreachable.
 CONNECT_TIMEOUT = 3
 
+#: The most connections a store holds to one database, whatever its partitions.
+POOL_SIZE = 10
+
 Pooler: TypeAlias = Literal["transaction", "session"]
 
 #: Our variables beside ``eventsourcing``'s: libpq's other parameters (a conninfo
-#: string), and the pooler in front of the server.
+#: string), the pooler in front of the server, the store's pool size, and the
+#: server(s) to LISTEN on directly when a pooler is in front (a conninfo string).
 OPTIONS_VAR = "KURALLE_POSTGRES_OPTIONS"
 POOLER_VAR = "KURALLE_POSTGRES_POOLER"
+POOL_SIZE_VAR = "KURALLE_POSTGRES_POOL_SIZE"
+LISTEN_VAR = "KURALLE_POSTGRES_LISTEN"
+#: The store's own URL parameters (the rest are libpq's).
+_OURS = ("partitions", "pooler", "pool_size", "listen_host", "listen_port")
 
 #: The libpq parameters ``eventsourcing`` reads from its own variables.
 _ES_VARS = {
@@ -72,8 +83,9 @@ _ES_VARS = {
 _DEFAULTS = {"host": "127.0.0.1", "port": "5432", "user": "postgres", "password": ""}
 
 FORMS = (
-    "postgresql://user[:password]@host[:port][,host2[:port2]]/dbname (?partitions=K, ?pooler=, "
-    "libpq parameters; several URLs, comma-separated: a sharded store), sqlite:///relative.db, "
+    "postgresql://user[:password]@host[:port][,host2[:port2]]/dbname (?partitions=K, "
+    "?pool_size=N, ?pooler=transaction, ?listen_host=, libpq parameters; several URLs, "
+    "comma-separated: a sharded store), sqlite:///relative.db, "
     "sqlite:////absolute.db or memory:"
 )
 
@@ -151,12 +163,17 @@ class SqliteAddress:
 class PostgresAddress:
     """A store in one PostgreSQL database: libpq's parameters (``dbname``, ``host``,
     ``port``, ``user`` and ``password`` always there; a host list for a multi-host
-    URL), the partitions asked for (None: those the database has) and the pooler
-    in front of the server (reserved: parsed and carried, not yet acted on)."""
+    URL), the partitions asked for (None: those the database has), the most
+    connections the store holds (``pool_size``), the pooler in front of the server
+    (``"transaction"``: nothing may rely on a server session between transactions)
+    and, behind such a pooler, the server(s) to LISTEN on directly (``listen``:
+    libpq's ``host`` and ``port``; None: followers poll)."""
 
     params: Mapping[str, str]
     partitions: int | None = None
     pooler: Pooler | None = None
+    pool_size: int = POOL_SIZE
+    listen: Mapping[str, str] | None = None
 
     def __repr__(self) -> str:
         return f"PostgresAddress({self.label()!r})"
@@ -182,6 +199,11 @@ class PostgresAddress:
             query["partitions"] = str(self.partitions)
         if self.pooler is not None:
             query["pooler"] = self.pooler
+        if self.pool_size != POOL_SIZE:
+            query["pool_size"] = str(self.pool_size)
+        if self.listen is not None:
+            query["listen_host"] = self.listen["host"]
+            query["listen_port"] = self.listen["port"]
         user = quote(self.params["user"], safe="")
         url = (
             f"postgresql://{user}@{','.join(self.servers)}/{quote(self.params['dbname'], safe='')}"
@@ -195,12 +217,28 @@ class PostgresAddress:
         env.update({var: self.params[key] for key, var in _ES_VARS.items()})
         env[OPTIONS_VAR] = make_conninfo(**self.options) if self.options else ""
         env[POOLER_VAR] = self.pooler or ""
+        env[POOL_SIZE_VAR] = str(self.pool_size)
+        env[LISTEN_VAR] = make_conninfo(**self.listen) if self.listen else ""
         return env
+
+    @property
+    def pooled(self) -> bool:
+        """Whether a pooler in transaction mode is in front: no session state."""
+        return self.pooler == "transaction"
+
+    def listen_params(self) -> dict[str, str] | None:
+        """libpq's parameters of a connection that may LISTEN (None: none may, poll):
+        the server itself without a transaction pooler, else the ``listen`` server."""
+        if not self.pooled:
+            return dict(self.params)
+        if self.listen is None:
+            return None
+        return {**self.params, **self.listen}
 
     def configure(self, pool: ConnectionPool[Any]) -> None:
         """Give ``pool`` (built by ``eventsourcing`` from ``env``) libpq's other
         parameters, before it connects: psycopg_pool reads its ``kwargs`` at each
-        connect, and so do the loop's saver and the follower, which copy them."""
+        connect."""
         if self.options and isinstance(pool.kwargs, dict):
             pool.kwargs.update(self.options)
 
@@ -291,7 +329,7 @@ def _postgres_dsn(dsn: str) -> PostgresAddress:
     if dsn.startswith(("postgresql://", "postgres://")):
         base, _, query = dsn.partition("?")
         pairs = parse_qsl(query, keep_blank_values=True)
-        ours = {k: v for k, v in pairs if k in ("partitions", "pooler")}
+        ours = {k: v for k, v in pairs if k in _OURS}
         theirs = [(k, v) for k, v in pairs if k not in ours]
         conninfo = f"{base}?{urlencode(theirs)}" if theirs else base
     try:
@@ -300,12 +338,25 @@ def _postgres_dsn(dsn: str) -> PostgresAddress:
         msg = (
             f"not a PostgreSQL store libpq can read, {_quoted(dsn)}: "
             f"{_scrubbed(server_reason(e), dsn)} (the store's own parameters are "
-            "partitions=K and pooler=transaction|session)"
+            "partitions=K, pool_size=N, pooler=transaction|session, listen_host, listen_port)"
         )
         raise InvalidArgumentError(msg) from None
-    raw = ours.get("partitions")
-    partitions = int(raw) if raw is not None and raw.isdigit() else raw
-    return _postgres(params, partitions=partitions, pooler=ours.get("pooler"), shown=_quoted(dsn))
+    listen = None
+    if ours.get("listen_host"):
+        listen = {"host": ours["listen_host"], "port": ours.get("listen_port") or ""}
+    return _postgres(
+        params,
+        partitions=_whole(ours.get("partitions")),
+        pooler=ours.get("pooler"),
+        pool_size=_whole(ours.get("pool_size")),
+        listen=listen,
+        shown=_quoted(dsn),
+    )
+
+
+def _whole(raw: str | None) -> int | str | None:
+    """A URL's number as an int where it is one (else as given, refused later)."""
+    return int(raw) if raw is not None and raw.isdigit() else raw
 
 
 def postgres_address(
@@ -313,9 +364,11 @@ def postgres_address(
     *,
     partitions: int | None = None,
     pooler: str | None = None,
+    pool_size: int | None = None,
 ) -> PostgresAddress:
     """``RunStore.postgres``'s database: a URL, a ``key=value`` conninfo string or a
-    mapping of libpq parameters; ``partitions`` and ``pooler`` win over the URL's."""
+    mapping of libpq parameters; ``partitions``, ``pooler`` and ``pool_size`` win
+    over the URL's."""
     dsn = dsn_or_params
     if isinstance(dsn_or_params, Mapping):
         given = {str(k): str(v) for k, v in dsn_or_params.items() if v is not None}
@@ -332,6 +385,8 @@ def postgres_address(
         address.params,
         partitions=address.partitions if partitions is None else partitions,
         pooler=address.pooler if pooler is None else pooler,
+        pool_size=address.pool_size if pool_size is None else pool_size,
+        listen=address.listen,
         shown=_quoted(dsn),
     )
 
@@ -341,10 +396,16 @@ def _quoted(url: str) -> str:
 
 
 def _postgres(
-    params: Mapping[str, Any], *, partitions: int | str | None, pooler: str | None, shown: str
+    params: Mapping[str, Any],
+    *,
+    partitions: int | str | None,
+    pooler: str | None,
+    shown: str,
+    pool_size: int | str | None = None,
+    listen: Mapping[str, str] | None = None,
 ) -> PostgresAddress:
     """A checked address: a database name, the defaults filled in, ``partitions``
-    a whole number, ``pooler`` one we know."""
+    a whole number, ``pool_size`` 2 or more, ``pooler`` one we know."""
     full = {k: str(v) for k, v in params.items() if v is not None}
     for key, default in _DEFAULTS.items():
         full[key] = full.get(key) or default
@@ -364,7 +425,15 @@ def _postgres(
             f"{pooler!r} in {shown}"
         )
         raise InvalidArgumentError(msg)
-    return PostgresAddress(full, partitions, pooler)  # type: ignore[arg-type]
+    if pool_size is None:
+        pool_size = POOL_SIZE
+    if not (type(pool_size) is int and pool_size >= 2):
+        msg = (
+            f"pool_size must be a whole number, 2 or more (one connection for the saves "
+            f"sent from async code, one for the rest), got {pool_size!r} in {shown}"
+        )
+        raise InvalidArgumentError(msg)
+    return PostgresAddress(full, partitions, pooler, pool_size, listen)  # type: ignore[arg-type]
 
 
 def address_from_env(
@@ -380,7 +449,16 @@ def address_from_env(
         given = {key: environment.get(var) for key, var in _ES_VARS.items()}
         conninfo = make_conninfo(**{k: v for k, v in given.items() if v})
         options = environment.get(OPTIONS_VAR) or ""
-        return postgres_address(f"{options} {conninfo}", pooler=environment.get(POOLER_VAR) or None)
+        address = postgres_address(
+            f"{options} {conninfo}",
+            pooler=environment.get(POOLER_VAR) or None,
+            pool_size=_whole(environment.get(POOL_SIZE_VAR) or None),  # type: ignore[arg-type]
+        )
+        listen = environment.get(LISTEN_VAR)
+        if not listen:
+            return address
+        listen_params = conninfo_to_dict(listen)
+        return replace(address, listen={k: str(v) for k, v in listen_params.items()})
     if module.startswith("eventsourcing.sqlite"):
         dbname = environment.get("SQLITE_DBNAME")
         if not dbname:

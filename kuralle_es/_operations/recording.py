@@ -175,6 +175,9 @@ _READ: Mapping[type[stored.Event], Callable[[Recording, Any], None] | None] = st
         # message holds the input as JSON, which the re-drive's start gives again).
         stored.ParentLinked,
         stored.FlowInputGiven,
+        # Whose data the run holds: nothing its code decides on (the scratch copy
+        # is never sealed under a subject's key).
+        stored.SubjectAssigned,
         # Bookkeeping: nothing the run was given to decide on.
         stored.Migrated,
         stored.TurnRecorded,

@@ -59,6 +59,7 @@ from .._journal.keys import logical_run_id
 from .._journal.sites import Lane, Site, step_key
 from .._journal.wait import Wait
 from ..errors import InvalidArgumentError
+from ..redaction import Redacted
 
 __all__ = ["ForkPlan", "plan_fork"]
 
@@ -136,6 +137,12 @@ def _created(w: _Walk, e: stored.RunCreated) -> None:
 
 
 def _step_intended(w: _Walk, e: stored.StepIntended) -> None:
+    if isinstance(e.args, Redacted):
+        msg = (
+            f"cannot fork run {e.originator_id}: its subject was erased, so its recorded "
+            "steps cannot be replayed (docs/privacy.md)"
+        )
+        raise InvalidArgumentError(msg)
     original, fork = w.logical_runs()
     w.status[e.index] = "running"
     fields = _fields(e)
@@ -230,6 +237,7 @@ _WALK: Mapping[type[stored.Event], Callable[[_Walk, Any], None] | None] = stored
         stored.InboundKeyRecorded,
         stored.Forked,  # the fork records its own origin
         stored.ParentLinked,  # a fork is a run of its own, nobody's child
+        stored.SubjectAssigned,  # the fork belongs to the original's subject, its own event
         stored.TimerFired,
         stored.MailDelivered,  # a wake, like a timer's: the fork's receive waits afresh
         stored.Resumed,

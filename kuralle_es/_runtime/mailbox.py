@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import random
 import time
 from typing import Any
@@ -26,6 +25,7 @@ from typing import Any
 from .._durations import positive_seconds
 from .._journal.run import Run
 from ..errors import LeaseHeldError, NotPublishedError, StaleWriteError
+from ..redaction import loads
 from ..shapes import TurnResult
 from .deliveries import journal_payload
 from .handle import TurnHandle
@@ -85,7 +85,7 @@ async def _back_off(attempt: int) -> None:
 
 
 def _values(run: Run) -> dict[str, Any]:
-    return {key: json.loads(text) for key, text in run.published.items()}
+    return {key: loads(text) for key, text in run.published.items()}
 
 
 async def published_values(
@@ -97,7 +97,7 @@ async def published_values(
     if key is None:
         return _values(run)
     text = run.published.get(check_id(key, "key"))
-    return None if text is None else json.loads(text)
+    return None if text is None else loads(text)
 
 
 async def wait_published(
@@ -117,7 +117,7 @@ async def wait_published(
     while True:
         run = await _addressed(env, run_id, session_id)
         if key in run.published:
-            return json.loads(run.published[key])
+            return loads(run.published[key])
         if run.status in ("finished", "aborted"):
             raise NotPublishedError(run_id, key, timeout, run.status)
         left = give_up - time.monotonic()

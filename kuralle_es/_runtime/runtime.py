@@ -12,6 +12,7 @@ import functools
 import os
 import socket
 from collections.abc import Mapping, Sequence
+from datetime import datetime
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 from uuid import uuid4
@@ -28,12 +29,14 @@ from ..shapes import RunState, SignalDelivery, StepRecord, TurnResult
 from .cancel import cancel_run
 from .children import ChildRuns, notify_parent
 from .deliveries import approval_delivery, delivery_id
+from .erasure import ErasureReport, erase_subject
 from .handle import TurnHandle, TurnSink
 from .input_checks import check_turn_args
 from .mail_calls import Mail
 from .mailbox import published_values, send_message, wait_published
 from .migrate import migrate_run
 from .registry import Registry
+from .retention import ENDED, PruneReport, prune_runs
 from .turn import drive_turn
 from .turn_calls import (
     Command,
@@ -160,6 +163,7 @@ class Runtime:
         idempotency_key: str | None = None,
         budget: Budget | None = None,
         agent: str | None = None,
+        subject: str | None = None,
     ) -> TurnHandle:
         """Start a turn; returns its handle at once (errors surface through it).
 
@@ -167,7 +171,10 @@ class Runtime:
         of its agent's (docs/usage.md). ``agent`` is the id of the agent a plain
         call's conversation is with (default: the first agent given); the
         session's conversation with another agent is refused
-        (``InvalidArgumentError``).
+        (``InvalidArgumentError``). ``subject`` is whose data a new run holds
+        (default: its session id), the one ``erase_subject`` forgets; it is
+        recorded on the run's first call and ignored on later ones
+        (docs/privacy.md).
 
         ``input`` is text, except for the start of a flow defined with
         ``define_flow(..., input=Model)``: a mapping, a JSON string or a ``Model``
@@ -180,6 +187,9 @@ class Runtime:
             # checked here, whoever it is for.
             text = None if starts_flow and not isinstance(input, str) else input
             check_turn_args(session_id, text, idempotency_key, signal_delivery)
+            if subject is not None and (not isinstance(subject, str) or not subject):
+                msg = f"subject must be a non-empty string or None, got {subject!r}"
+                raise InvalidArgumentError(msg)
             if budget is not None and not isinstance(budget, Budget):
                 msg = f"budget must be a kuralle_es.Budget, got {budget!r}"
                 raise InvalidArgumentError(msg)
@@ -190,11 +200,11 @@ class Runtime:
                     return Input(session_id, run_id, input, idempotency_key)
                 return Resume(session_id, run_id, idempotency_key)
             if kind == "flow":
-                return StartFlow(session_id, flow_name, input, idempotency_key)
+                return StartFlow(session_id, flow_name, input, idempotency_key, subject)
             if kind not in (None, "conversation"):
                 msg = f"kind must be 'conversation' or 'flow', got {kind!r}"
                 raise InvalidArgumentError(msg)
-            return Converse(session_id, input, flow_name, idempotency_key, agent)
+            return Converse(session_id, input, flow_name, idempotency_key, agent, subject)
 
         async def turn(sink: TurnSink) -> TurnResult:
             return await drive_turn(self._env, command(), sink, budget)
@@ -295,6 +305,28 @@ class Runtime:
         return run.to_state(await self.store.lease_async(run_id))
 
     # ------------------------------------------------------ execution control
+    async def erase_subject(self, subject: str) -> ErasureReport:
+        """Forget one data subject: abort its live runs (outcome ``"erased"``; a turn
+        driving one elsewhere stops at its next save), then destroy its data key,
+        so that every payload of its runs reads ``Redacted`` from then on, in the
+        database and in its backups, while the runs keep their shape (steps,
+        kinds, names, keys, timings, statuses, usage). docs/privacy.md."""
+        return await erase_subject(self.store, self.views, subject)
+
+    async def prune(
+        self,
+        ended_before: datetime | str,
+        *,
+        statuses: Sequence[str] = ENDED,
+        keep_usage: bool = True,
+    ) -> PruneReport:
+        """Delete the runs that ended (``statuses``: among finished, aborted, error)
+        before ``ended_before``: their events, snapshots and view rows, in small
+        batches; never a running or paused run. With ``keep_usage`` the views keep
+        what they spent, so ``views.usage()`` totals do not drop. Followers go on
+        across the gap. docs/privacy.md."""
+        return await prune_runs(self.store, self.views, ended_before, statuses, keep_usage)
+
     async def cancel(self, run_id: str, session_id: str, reason: str) -> RunState:
         """Stop a run, whoever holds its lease; returns its state after.
 

@@ -377,6 +377,8 @@ class StartFlow(Command):
     #: Text, or for a typed flow a mapping, a JSON string or a model instance.
     input: Any
     idempotency_key: str | None
+    #: The new run's data subject (None: its session; docs/privacy.md).
+    subject: str | None = None
 
     async def address(self, env: TurnEnv) -> tuple[Run, bool]:
         if not self.flow_name:
@@ -393,7 +395,10 @@ class StartFlow(Command):
                 existing = await env.store.load_async(str(run_id))
                 if existing is not None:
                     return existing, False
-        run = Run(minted, self.session_id, "flow", agent.id, flow.name, flow.digest, flow.version)
+        run = Run.new(
+            minted, self.session_id, "flow", agent.id, flow.name, flow.digest, flow.version,
+            subject=self.subject,
+        )  # fmt: skip
         return run, True
 
     def request(self) -> Any:
@@ -426,6 +431,8 @@ class Converse(Command):
     idempotency_key: str | None
     #: The agent the conversation is with (None: the runtime's first agent).
     agent_id: str | None = None
+    #: A new conversation's data subject (None: its session; docs/privacy.md).
+    subject: str | None = None
 
     async def address(self, env: TurnEnv) -> tuple[Run, bool]:
         run_id = conversation_run_id(self.session_id)
@@ -439,7 +446,10 @@ class Converse(Command):
             agent = env.registry.agent(self.agent_id)
         else:
             agent = env.registry.default_agent()
-        return Run(run_id, self.session_id, "conversation", agent.id, None, None), True
+        run = Run.new(
+            run_id, self.session_id, "conversation", agent.id, None, None, subject=self.subject
+        )
+        return run, True
 
     def request(self) -> Any:
         return {
@@ -730,7 +740,11 @@ class Fork(Command):
             )
             raise InvalidArgumentError(msg)
         session = self.into_session if self.into_session is not None else self.session_id
-        fork = Run(fork_id, session, "flow", agent.id, flow.name, flow.digest, flow.version)
+        # The fork's copies are the original's data: it belongs to the same subject.
+        fork = Run.new(
+            fork_id, session, "flow", agent.id, flow.name, flow.digest, flow.version,
+            subject=original.data_subject,
+        )  # fmt: skip
         return fork, True
 
     def prepare(self, run: Run, fresh: bool, env: TurnEnv, held: Lease | None) -> Opening | None:

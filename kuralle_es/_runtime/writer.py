@@ -93,8 +93,10 @@ if TYPE_CHECKING:
     from .fork import ForkPlan
 
 __all__ = [
+    "ERASED",
     "Abandon",
     "Cancel",
+    "Erase",
     "MigrateTo",
     "Post",
     "RunChange",
@@ -1082,6 +1084,29 @@ class Cancel(RunChange):
 
     def apply(self, run: Run, lease: Lease | None) -> bool:
         return run.cancel(self.reason)
+
+
+#: The outcome of a run aborted because its subject was erased (docs/privacy.md).
+ERASED = "erased"
+
+
+@dataclass(frozen=True)
+class Erase(RunChange):
+    """Abort, with outcome ``"erased"``, a run of an erased subject that could still
+    execute something (running, paused, errored; a conversation, which a new
+    message would carry on), whoever holds its lease."""
+
+    @staticmethod
+    def applies(status: str, kind: str) -> bool:
+        return status in ("running", "paused", "error") or (
+            kind == "conversation" and status != "aborted"
+        )
+
+    def apply(self, run: Run, lease: Lease | None) -> bool:
+        if not self.applies(run.status, run.kind):
+            return False
+        run.abort(ERASED)
+        return True
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,7 @@ from .deliveries import add_deliveries
 from .demo import add_demo
 from .deploy import add_deploy
 from .drive import add_drive
+from .privacy import add_erase
 from .runs import add_runs, format_runs, format_usage
 from .servers import add_dashboard, add_serve
 from .sweeps import add_recovery, stop_before_started
@@ -83,7 +84,7 @@ def _version() -> str:
 #: Every command: each adds its parser (and handler) to the subparsers.
 COMMANDS: list[Callable[[SubParsers], None]] = [
     add_demo, add_runs, add_deliveries, add_drive, add_cancel, add_views, add_dashboard,
-    add_consume, add_recovery, add_serve, add_deploy,
+    add_consume, add_recovery, add_serve, add_deploy, add_erase,
 ]  # fmt: skip
 
 

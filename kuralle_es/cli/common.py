@@ -20,8 +20,10 @@ from .._journal.run import Run
 from .._journal.spending import PRICES_ENV, prices_from_json
 from .._journal.store import RunStore
 from .._journal.store_url import (
+    POOL_SIZE_VAR,
     STORE_ENV,
     MemoryAddress,
+    PostgresAddress,
     ShardedAddress,
     SqliteAddress,
     StoreAddress,
@@ -88,10 +90,18 @@ def store_label(args: argparse.Namespace, environ: Mapping[str, str] | None = No
     return where if url else f"{env.get('PERSISTENCE_MODULE', '')} {where}".strip()
 
 
-def open_store(args: argparse.Namespace, *, must_exist: bool = False) -> RunStore:
+#: The connections a read-only command holds to a PostgreSQL database, at most.
+READ_ONLY_POOL_SIZE = 2
+
+
+def open_store(
+    args: argparse.Namespace, *, must_exist: bool = False, read_only: bool = False
+) -> RunStore:
     """The store the options (or the environment) name; ``must_exist`` refuses a SQLite
     file that is not there (a read-only command must not create an empty database by
-    mistake). ``StoreUnavailableError`` if away; a refusal (exit 2) if nothing names
+    mistake); ``read_only`` (a command that only reads) holds at most
+    ``READ_ONLY_POOL_SIZE`` connections to a PostgreSQL database, whatever its
+    partitions. ``StoreUnavailableError`` if away; a refusal (exit 2) if nothing names
     one, or what names it cannot be read."""
     if not store_named(args):
         raise CliError(NO_STORE)
@@ -100,6 +110,11 @@ def open_store(args: argparse.Namespace, *, must_exist: bool = False) -> RunStor
         address = parse_store_url(url) if url else address_from_env(None)
         if must_exist:
             _refuse_missing_files(address)
+        if read_only and isinstance(address, PostgresAddress):
+            size = min(address.pool_size, READ_ONLY_POOL_SIZE)
+            if url:
+                return RunStore.postgres(url, pool_size=size)
+            return RunStore(env={POOL_SIZE_VAR: str(size)})
         return RunStore.from_url(url) if url else RunStore()
     except (StoreUnavailableError, CliError):
         raise

@@ -35,6 +35,7 @@ from .common import (
     turn_result,
 )
 from .drive import add_runs_resume
+from .privacy import add_prune
 
 _COLUMNS = (
     "RUN_ID",
@@ -101,6 +102,7 @@ def add_runs(sub: SubParsers) -> None:
     )
     add_driving_options(fork)
     _add_runs_usage(runs_sub)
+    add_prune(runs_sub)
     _add_runs_start(runs_sub)
     add_runs_resume(runs_sub)
 
@@ -134,7 +136,7 @@ def format_runs(summaries: Sequence[RunSummary], *, tty: bool) -> str:
 async def _runs_list(args: argparse.Namespace) -> int:
     if args.limit < 1:
         raise CliError(f"--limit must be at least 1, got {args.limit}")
-    with open_store(args, must_exist=True) as store:
+    with open_store(args, must_exist=True, read_only=True) as store:
         try:
             summaries = await RunViews(store).list_runs(
                 status=args.status, session_id=args.session, flow=args.flow, limit=args.limit,
@@ -152,7 +154,7 @@ async def _runs_list(args: argparse.Namespace) -> int:
 
 
 async def _runs_show(args: argparse.Namespace) -> int:
-    with open_store(args, must_exist=True) as store:
+    with open_store(args, must_exist=True, read_only=True) as store:
         run = await stored_run(store, args.run_id, history=True)
         if run is None:
             return 1

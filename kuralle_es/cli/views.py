@@ -79,7 +79,7 @@ async def _rebuild(args: argparse.Namespace) -> int:
 
 
 async def _status(args: argparse.Namespace) -> int:
-    with open_store(args, must_exist=True) as store:
+    with open_store(args, must_exist=True, read_only=True) as store:
         positions = await RunViews(store).positions()
         heads = await asyncio.gather(
             *(asyncio.to_thread(log.recorder.max_notification_id) for log in store.partitions)

@@ -16,7 +16,6 @@ pages never import the user's app.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import sys
@@ -49,6 +48,7 @@ from .._runtime.runtime import Runtime
 from .._serving import HostGate, Server, UnservedHostError, refuse_open_bind, served_hosts
 from ..errors import InvalidArgumentError, KuralleError
 from ..http.errors import status_of  # the statuses of the HTTP API's refusals, one mapping
+from ..redaction import loads
 from ..shapes import RunState
 from ..views import RunViews
 from ..views.timeline import read_deliveries
@@ -285,7 +285,7 @@ class _Dashboard:
             "usage": await self.views().usage(run_id=run_id),
             "priced": self.prices is not None,
             # What its nodes published (ctx.publish), the latest value of each key.
-            "published": {key: json.loads(text) for key, text in run.published.items()},
+            "published": {key: loads(text) for key, text in run.published.items()},
             "summary": next(iter(await self.views().list_runs(run_id=run_id, limit=1)), None),
             "chat": chat_items(state, steps),
             "drifted": await self.drifted(request, state),

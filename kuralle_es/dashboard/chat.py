@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._journal.wait import APPROVAL
+from ..redaction import Redacted
 from ..shapes import Message, RunState, StepRecord
 
 __all__ = ["ChatItem", "ToolCallCard", "chat_items", "message_calls"]
@@ -66,7 +67,9 @@ def _json(text: Any) -> Any:
 
 def message_calls(message: Message) -> list[ToolCallCard]:
     """The tool calls of an assistant message (OpenAI's ``function`` shape, or flat)."""
-    cards = []
+    cards: list[ToolCallCard] = []
+    if isinstance(message.tool_calls, Redacted):
+        return cards  # an erased subject's calls (docs/privacy.md)
     for call in message.tool_calls or []:
         nested = call.get("function")
         function: dict[str, Any] = nested if isinstance(nested, dict) else call
@@ -85,10 +88,11 @@ def chat_items(run: RunState, steps: Sequence[StepRecord]) -> list[ChatItem]:
     cards: dict[str, ToolCallCard] = {}
     in_order: list[ToolCallCard] = []
     for message in run.messages:
+        content = str(message.content) if isinstance(message.content, Redacted) else message.content
         if message.role == "tool":
             card = cards.get(message.tool_call_id or "")
             if card is None:
-                items.append(ChatItem("tool", message.content))
+                items.append(ChatItem("tool", content))
                 continue
             _answer(card, _json(message.content))
             continue
@@ -97,8 +101,8 @@ def chat_items(run: RunState, steps: Sequence[StepRecord]) -> list[ChatItem]:
             if card.call_id:
                 cards[card.call_id] = card
             in_order.append(card)
-        if message.content or calls:
-            items.append(ChatItem(message.role, message.content, calls))
+        if content or calls:
+            items.append(ChatItem(message.role, content, calls))
     _attach_approvals(in_order, steps)
     _mark_waiting(in_order, run)
     return items

@@ -11,7 +11,12 @@ repeats one, whatever gaps the ids have. A store of several partitions
 events, and each partition's, stay in order; there is no order across
 partitions. Waiting is only a wake-up: on PostgreSQL a ``LISTEN`` on every
 partition's notify channel, on SQLite and memory a short poll; a missed
-wake-up costs at most one poll interval, never an event.
+wake-up costs at most one poll interval, never an event. Behind PgBouncer in
+transaction mode a ``LISTEN`` would be lost with its server session: there
+the follower listens on a direct connection to the server if the store names
+one (``listen_host``), and polls otherwise (docs/high-availability.md). A
+listening connection that dies (a restart, a failover) is made again, and
+until then the follower polls: its position is its own, so nothing is missed.
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ from eventsourcing.postgres import PostgresApplicationRecorder
 from psycopg import sql
 
 from .._journal.log import RunLog
+from .._journal.pg_pool import KEEPALIVES
 from .._journal.store import RunStore
+from .._journal.store_url import PostgresAddress
 from ..errors import InvalidArgumentError
 from .translate import PUBLIC_TOPICS, Translator
 from .types import RunEvent
@@ -143,12 +150,17 @@ class Tail:
         self.stopped = asyncio.Event()
         #: The notify channels to LISTEN on, grouped by the database they are in.
         self._channels: dict[str, tuple[dict[str, Any], list[str]]] = {}
+        #: Whether a partition cannot be listened to (SQLite, memory, or behind a
+        #: transaction pooler with no direct server named): then the wait polls.
+        self._polls = False
         for log in store.partitions:
             recorder = log.recorder
-            if isinstance(recorder, PostgresApplicationRecorder):
-                params = _connection_params(recorder)
+            params = _listen_params(log)
+            if isinstance(recorder, PostgresApplicationRecorder) and params is not None:
                 where = repr(sorted(params.items()))
                 self._channels.setdefault(where, (params, []))[1].append(recorder.channel_name)
+            else:
+                self._polls = True
         self._listeners: list[psycopg.AsyncConnection[Any]] = []
 
     async def __aenter__(self) -> Tail:
@@ -191,7 +203,11 @@ class Tail:
                 return
             notified = asyncio.ensure_future(self._notified())
             try:
-                await asyncio.wait({stop, notified}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(
+                    {stop, notified},
+                    timeout=self.poll_interval if self._polls else None,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
             finally:
                 notified.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -224,11 +240,15 @@ async def _one_notify(listener: psycopg.AsyncConnection[Any]) -> None:
         break
 
 
-def _connection_params(recorder: PostgresApplicationRecorder) -> dict[str, Any]:
-    kwargs = recorder.datastore.pool.kwargs or {}
-    params: dict[str, Any] = dict(kwargs() if callable(kwargs) else kwargs)
-    params.pop("row_factory", None)
-    return params
+def _listen_params(log: RunLog) -> dict[str, Any] | None:
+    """libpq's parameters of a connection that may LISTEN for the log's saves (a
+    dedicated one, outside the store's pools: it holds a server session), with
+    keepalives so that a vanished server is noticed; None: poll."""
+    address = log.address
+    if not isinstance(address, PostgresAddress):
+        return None
+    params = address.listen_params()
+    return None if params is None else {**KEEPALIVES, **params}
 
 
 async def follow(

@@ -30,6 +30,7 @@ from eventsourcing.persistence import Notification
 
 from .._journal import catalogue as stored
 from .._journal.log import RunLog
+from ..redaction import Redacted
 from .types import (
     EventError,
     EventWaitingFor,
@@ -103,7 +104,7 @@ def _step_retried(e: stored.AttemptStarted, ctx: _RunContext, base: _Base) -> Ru
 
 def _step_finished(e: stored.StepSucceeded, ctx: _RunContext, base: _Base) -> RunEvent:
     step = ctx.steps[e.index]
-    result = json.loads(e.result_json)
+    result = e.result_json if isinstance(e.result_json, Redacted) else json.loads(e.result_json)
     if step.kind == "publish":
         return ValuePublished(**base, index=e.index, key=step.name, value=result)
     return StepFinished(**base, index=e.index, name=step.name, result=result)
@@ -190,6 +191,7 @@ _RULES: Mapping[type[stored.Event], _Rule | None] = stored.dispatch(
         stored.Forked,  # the fork's RunOpened and its copied steps say it
         stored.ParentLinked,  # on RunState (parent); the parent's child step says it
         stored.FlowInputGiven,  # saved with the RunOpened; node code reads it
+        stored.SubjectAssigned,  # whose data a run holds is not an event of the run
         stored.NodeEntered,
         stored.MessageAppended,
         stored.RetryAllowed,  # the attempt it allows is a StepStarted

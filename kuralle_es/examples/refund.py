@@ -90,7 +90,7 @@ refund_flow: Flow = define_flow(
 def _scripted(request: ModelRequest) -> ModelResponse | str:
     """Offline stand-in for a model: deterministic, so every process agrees."""
     if request.purpose == "extract":
-        said = " ".join(m.content or "" for m in request.messages if m.role == "user")
+        said = " ".join(str(m.content or "") for m in request.messages if m.role == "user")
         found = re.search(r"\$?\s*(\d+(?:\.\d+)?)", said)
         return ModelResponse(data={"amount": float(found.group(1))} if found else {})
     if "approved" in (request.instructions or ""):

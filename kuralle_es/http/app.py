@@ -32,6 +32,7 @@ from starlette.responses import Response
 from .._journal.json_data import encode_json, max_payload_bytes
 from .._journal.wait import CHILD, INPUT, TIMER
 from .._runtime.deliveries import approval_delivery
+from .._runtime.erasure import ErasureReport
 from .._runtime.handle import TurnHandle
 from .._runtime.input_checks import MAX_ID_LENGTH
 from .._runtime.runtime import Runtime
@@ -385,6 +386,15 @@ async def resolve_drift(runtime: Served, run_id: RunId, body: ResolveDrift) -> R
     if state is None:  # pragma: no cover - the turn just saved it
         raise unknown_run(run_id)
     return state
+@router.delete("/api/subjects/{subject}", operation_id="erase_subject", responses=_responses(),
+               summary="erase a data subject: its live runs aborted, its key destroyed; "
+               "every payload of its runs reads Redacted (docs/privacy.md)",
+               )  # fmt: skip
+async def erase_subject(
+    runtime: Served,
+    subject: Annotated[str, Path(description="the data subject (by default a run's session id)")],
+) -> ErasureReport:
+    return await runtime.erase_subject(subject)
 
 
 # HEAD on the reads, as Starlette serves it, left out of the document.

@@ -40,6 +40,7 @@ from .._journal.json_data import plain_json_problem
 from .._runtime.observability import LOGGER_NAME
 from .._serving import UnservedHostError
 from ..errors import (
+    EncryptionKeyError,
     FlowDriftError,
     FlowNotFoundError,
     IdempotencyConflictError,
@@ -125,6 +126,7 @@ _STATUSES: tuple[tuple[type[BaseException], int], ...] = (
     (InvalidArgumentError, 422),
     (UnrecordableValueError, 422),
     (StoreUnavailableError, 503),
+    (EncryptionKeyError, 503),
 )
 
 

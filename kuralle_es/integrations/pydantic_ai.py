@@ -59,6 +59,7 @@ from kuralle_es import (
     define_tool,
 )
 from kuralle_es._lookup import known_entry
+from kuralle_es.redaction import Redacted
 from kuralle_es.shapes import Message
 
 try:
@@ -408,24 +409,30 @@ def _history(messages: list[Message]) -> tuple[list[ModelMessage], str]:
     flush()
     # An earlier turn cut short (cancelled while a tool call was pending) left calls
     # with no result: closed out the way Pydantic AI does, so the next turn runs.
-    return repair_messages(history), messages[last_user].content or ""
+    return repair_messages(history), _text(messages[last_user].content)
 
 
 def _request_part(message: Message) -> ModelRequestPart:
     if message.role == "tool":
         return ToolReturnPart(
             tool_name=message.name or "",
-            content=json.loads(message.content or "null"),
+            content=json.loads(_text(message.content) or "null"),
             tool_call_id=message.tool_call_id or "",
         )
     if message.role == "system":
-        return SystemPromptPart(content=message.content or "")
-    return UserPromptPart(content=message.content or "")
+        return SystemPromptPart(content=_text(message.content))
+    return UserPromptPart(content=_text(message.content))
+
+
+def _text(content: str | Redacted | None) -> str:
+    """A message's text; an erased one's marker as text (such a run never resumes)."""
+    return "" if content is None else str(content)
 
 
 def _response_parts(message: Message) -> list[Any]:
-    parts: list[Any] = [TextPart(content=message.content)] if message.content else []
-    for call in message.tool_calls or []:
+    parts: list[Any] = [TextPart(content=_text(message.content))] if message.content else []
+    calls = message.tool_calls if isinstance(message.tool_calls, list) else []
+    for call in calls:
         function = call["function"]
         parts.append(
             ToolCallPart(

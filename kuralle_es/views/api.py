@@ -21,6 +21,7 @@ from .._journal.recorders import (
     LeasingSQLiteRecorder,
     OneTripPostgresRecorder,
 )
+from .._journal.sealing import open_sealed_json
 from .._journal.spending import Prices, total, validate_prices
 from .._journal.store import RunStore
 from ..errors import InvalidArgumentError
@@ -282,7 +283,26 @@ class RunViews:
         if len(await self.backends()) > 1:  # each partition answered: merge them
             found.sort(key=sort_key(query), reverse=query.order == "recent")
             found = found if query.limit is None else found[: query.limit]
-        return [summary(r) for r in found]
+        return [summary(self._opened(r)) for r in found]
+
+    def _opened(self, row: RunRow) -> RunRow:
+        """The row with its wait's sealed payload opened (``Redacted`` once erased)."""
+        if row.waiting_for is None:
+            return row
+        log = self.store.partitions[0]
+        opened = open_sealed_json(row.waiting_for, log.mapper.transcoder, log.keys)
+        return replace(row, waiting_for=opened)
+
+    async def delete_rows(self, run_ids: list[str], *, keep_steps: bool) -> None:
+        """Delete these runs' view rows in every partition (``prune``)."""
+        await self._each(lambda log, b: b.delete_runs(run_ids, keep_steps=keep_steps))
+
+    async def run_rows(self, query: RunQuery) -> list[RunRow]:
+        """The run rows ``query`` matches, of every partition, after a catch-up (their
+        payloads sealed): what erasure and retention select runs by."""
+        await self.catch_up()
+        found: list[RunRow] = _flat(await self._each(lambda log, b: b.select_runs(query)))
+        return found
 
     async def _usage(self, query: UsageQuery) -> list[tuple[str | None, Usage]]:
         await self.catch_up()

@@ -66,6 +66,11 @@ class ViewBackend(ABC):
         """Every step row (for checks and rebuild comparisons; not indexed)."""
 
     @abstractmethod
+    def delete_runs(self, run_ids: Sequence[str], *, keep_steps: bool) -> None:
+        """Delete these runs' rows (``prune``); their step rows too unless
+        ``keep_steps`` (what ``usage`` sums: a pruned run's spending is kept)."""
+
+    @abstractmethod
     def reset_views(self) -> None:
         """Delete every row and the tracking position, in one transaction."""
 

@@ -19,7 +19,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 from .._journal import catalogue as stored
-from .._journal.spending import normalise_usage
+from .._journal.sealing import Sealed, sealed_json
+from .._journal.spending import result_usage
 from ..errors import ProjectionIntegrityError
 from ..shapes import WaitingFor
 from .source import UnknownEvent
@@ -77,6 +78,8 @@ class RunRow:
     node: str | None = None
     outcome: str | None = None
     error_type: str | None = None
+    #: The run's data subject: its session id unless it was given another.
+    subject: str | None = None
 
     @property
     def wait_kind(self) -> str | None:
@@ -137,10 +140,18 @@ def public_wait(raw: Mapping[str, Any]) -> dict[str, Any]:
     return as_json
 
 
-def _json_default(value: object) -> str:
+def _json_default(value: object) -> Any:
     if isinstance(value, datetime):
         return value.isoformat()
+    if isinstance(value, Sealed):
+        return sealed_json(value)  # the view holds a payload as sealed as the event
     return str(value)
+
+
+def _subject_assigned(
+    run: RunRow, e: stored.SubjectAssigned, step: StepLookup
+) -> tuple[RunRow, None]:
+    return replace(run, subject=e.subject), None
 
 
 # ---------------------------------------------------------------- the fold
@@ -197,6 +208,7 @@ def _created(event: stored.RunCreated) -> RunRow:
         event_count=1,
         agent=event.agent,
         flow_version=event.flow_version,
+        subject=event.session_id,
     )
 
 
@@ -314,14 +326,9 @@ def _type_of(error: Mapping[str, Any]) -> str | None:
 
 
 def reported_usage(result_json: Any) -> dict[str, int | None] | None:
-    """The token usage a model step's recorded response reported, normalised."""
-    if not isinstance(result_json, str):
-        return None
-    try:
-        response = json.loads(result_json)
-    except ValueError:
-        return None
-    return normalise_usage(response.get("usage") if isinstance(response, dict) else None)
+    """The token usage a model step's recorded response reported, normalised (an
+    erased response's too: its usage stays readable)."""
+    return result_usage(result_json)
 
 
 def _plus(total: int | None, more: int | None) -> int | None:
@@ -343,6 +350,7 @@ def _attempt_failed(current: StepRow, e: stored.AttemptFailed) -> StepRow:
 _HANDLERS: Mapping[type[stored.Event], _Handler | None] = stored.dispatch(
     "views",
     {
+        stored.SubjectAssigned: _subject_assigned,
         stored.TurnStarted: _set(status="running", error_type=None),
         stored.NodeEntered: _node_entered,
         stored.ParentLinked: _parent_linked,

@@ -95,6 +95,14 @@ class MemoryViews(ViewBackend):
         with self._lock:
             return sorted(self._steps.values(), key=lambda s: (s.run_id, s.index))
 
+    def delete_runs(self, run_ids: Sequence[str], *, keep_steps: bool) -> None:
+        gone = set(run_ids)
+        with self._lock:
+            for run_id in gone:
+                self._runs.pop(run_id, None)
+            if not keep_steps:
+                self._steps = {k: v for k, v in self._steps.items() if k[0] not in gone}
+
     def reset_views(self) -> None:
         with self._lock:
             self._runs, self._steps, self._position = {}, {}, None

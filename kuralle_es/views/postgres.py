@@ -153,7 +153,7 @@ class PostgresViews(PostgresTrackingRecorder, ViewBackend):
                 "created_at timestamptz NOT NULL, updated_at timestamptz NOT NULL, "
                 "version bigint NOT NULL, event_count bigint NOT NULL, agent text, "
                 "flow_version text, parent_run_id text, parent_step bigint, node text, "
-                "outcome text, error_type text)"
+                "outcome text, error_type text, subject text)"
             ).format(self._runs),
             SQL(
                 "CREATE TABLE IF NOT EXISTS {0} ("
@@ -263,6 +263,17 @@ class PostgresViews(PostgresTrackingRecorder, ViewBackend):
         with self.datastore.get_connection() as conn, conn.cursor() as curs:
             curs.execute(statement)
             return [step_row(r, _utc_or_none) for r in curs.fetchall()]
+
+    def delete_runs(self, run_ids: Sequence[str], *, keep_steps: bool) -> None:
+        with self.datastore.transaction(commit=True) as curs:
+            curs.execute(
+                SQL("DELETE FROM {0} WHERE run_id = ANY(%s)").format(self._runs), (list(run_ids),)
+            )
+            if not keep_steps:
+                curs.execute(
+                    SQL("DELETE FROM {0} WHERE run_id = ANY(%s)").format(self._steps),
+                    (list(run_ids),),
+                )
 
     def reset_views(self) -> None:
         with self.datastore.transaction(commit=True) as curs:

@@ -5,16 +5,22 @@ and applies them in batches (one transaction each) until none are left. It
 is what every query runs first, and all a SQLite or memory projector needs
 (``eventsourcing`` 9.5 has no SQLite subscriptions). ``follow`` keeps the
 views current until stopped: on PostgreSQL with ``eventsourcing``'s
-``ProjectionRunner`` (woken by LISTEN/NOTIFY), elsewhere by polling.
+``ProjectionRunner`` (woken by LISTEN/NOTIFY), elsewhere by polling, and so
+behind PgBouncer in transaction mode, where a LISTEN would be lost with its
+server session (docs/high-availability.md). A catch-up that loses its
+connection (a restart, a failover) is tried again after ``interval``: the
+position is in the views' tracking table, so nothing is applied twice.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
-from eventsourcing.persistence import Tracking
+import psycopg
+from eventsourcing.persistence import InterfaceError, OperationalError, Tracking
 from eventsourcing.postgres import PostgresApplicationRecorder
 from eventsourcing.projection import ProjectionRunner
 
@@ -27,6 +33,11 @@ from .source import ViewSource, read_after
 __all__ = ["DEFAULT_BATCH", "catch_up", "follow", "follow_store", "run_projection_runner"]
 
 DEFAULT_BATCH = 500
+
+logger = logging.getLogger(__name__)
+
+#: The driver's errors of a connection lost (a restart, a failover): the views try again.
+_LOST = (psycopg.OperationalError, psycopg.InterfaceError)
 
 
 def catch_up(store: RunLog, views: ViewBackend, batch: int = DEFAULT_BATCH) -> int:
@@ -64,13 +75,22 @@ def follow(
     batch: int = DEFAULT_BATCH,
 ) -> None:
     """Keep the views current until ``stop`` is set; raises what stops the projection."""
-    if isinstance(store.recorder, PostgresApplicationRecorder) and isinstance(views, PostgresViews):
-        catch_up(store, views, batch)  # the backlog, then as NOTIFY wakes the runner
-        run_projection_runner(store, name, stop, batch)
-        return
+    pooled = isinstance(store.address, PostgresAddress) and store.address.pooled
+    listens = (
+        isinstance(store.recorder, PostgresApplicationRecorder)
+        and isinstance(views, PostgresViews)
+        and not pooled
+    )
     while not stop.is_set():
-        catch_up(store, views, batch)
-        stop.wait(interval)
+        try:
+            catch_up(store, views, batch)  # the backlog (again after a lost connection)
+            if listens:  # then as NOTIFY wakes the runner
+                run_projection_runner(store, name, stop, batch)
+            else:
+                stop.wait(interval)
+        except (OperationalError, InterfaceError, *_LOST) as lost:
+            logger.warning("the views lost their database (%s); trying again", lost)
+            stop.wait(interval)
 
 
 def follow_store(

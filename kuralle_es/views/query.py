@@ -79,6 +79,10 @@ class RunQuery:
     after: tuple[datetime, str] | None = None
     #: Only runs whose last step was left ``running``: in doubt.
     in_doubt: bool = False
+    #: The run's data subject (its session id unless it was given one).
+    subject: str | None = None
+    #: Only rows last changed before this time (an ended run: when it ended).
+    updated_before: datetime | None = None
     order: Order = "recent"
     limit: int | None = None
 
@@ -88,6 +92,7 @@ RUN_COLUMNS = (
     "waiting_for", "wait_kind", "wait_deadline", "lease_holder", "lease_expires_at",
     "step_count", "created_at", "updated_at", "version", "event_count", "agent",
     "flow_version", "parent_run_id", "parent_step", "node", "outcome", "error_type",
+    "subject",
 )  # fmt: skip
 STEP_COLUMNS = (
     "run_id", "idx", "kind", "name", "status", "started_at", "finished_at",
@@ -98,7 +103,8 @@ STEP_COLUMNS = (
 #: The generation of the view tables' shape and rows (see the module docstring).
 #: 1: 0.1.0. 2: runs and steps carry their agent, steps their model usage.
 #: 3: runs carry the version of their flow. 4: runs carry their parent run, their
-#: last node, their outcome and the type of the error they ended in.
+#: last node, their outcome, the type of the error they ended in and their data
+#: subject, and a wait's payload sealed as the events hold it (docs/privacy.md).
 VIEWS_GENERATION = 4
 
 #: Nullable columns added to a table after generation 1, by table ("runs",
@@ -112,6 +118,7 @@ ADDED_COLUMNS: dict[str, tuple[tuple[str, str], ...]] = {
         ("node", "text"),
         ("outcome", "text"),
         ("error_type", "text"),
+        ("subject", "text"),
     ),
     "steps": (
         ("agent", "text"),
@@ -200,10 +207,12 @@ def sql_where(
         clauses.append(clause.replace("?", placeholder))
         params.extend(values)
 
-    for column in ("status", "session_id", "flow", "wait_kind"):
+    for column in ("status", "session_id", "flow", "wait_kind", "subject"):
         value = getattr(q, column)
         if value is not None:
             add(f"{column} = ?", value)
+    if q.updated_before is not None:
+        add("updated_at < ?", time(q.updated_before))
     if q.not_wait_kind is not None:
         add("(wait_kind IS NULL OR wait_kind <> ?)", q.not_wait_kind)
     if q.lease_expired_before is not None:
@@ -249,10 +258,12 @@ def sql_order(q: RunQuery, placeholder: str) -> tuple[str, list[Any]]:
 
 def matches(row: RunRow, q: RunQuery) -> bool:
     """Whether ``row`` answers ``q`` (the memory backend's WHERE)."""
-    for column in ("status", "session_id", "flow", "wait_kind"):
+    for column in ("status", "session_id", "flow", "wait_kind", "subject"):
         value = getattr(q, column)
         if value is not None and getattr(row, column) != value:
             return False
+    if q.updated_before is not None and not row.updated_at < q.updated_before:
+        return False
     if q.not_wait_kind is not None and row.wait_kind == q.not_wait_kind:
         return False
     if q.lease_expired_before is not None and (
@@ -300,6 +311,7 @@ def run_values(row: RunRow, time: Callable[[datetime], Any]) -> tuple[Any, ...]:
         None if lease is None else time(lease), row.step_count, time(row.created_at),
         time(row.updated_at), row.version, row.event_count, row.agent, row.flow_version,
         row.parent_run_id, row.parent_step, row.node, row.outcome, row.error_type,
+        row.subject,
     )  # fmt: skip
 
 

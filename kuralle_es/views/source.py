@@ -2,7 +2,8 @@
 
 Each notification becomes a ``Logged`` entry: its position and the stored
 event of the catalogue it holds, decoded and upcast by the store's own
-mapper (with its cipher and compressor, if configured). A topic this
+mapper (with its cipher and compressor, if configured), its payloads left
+sealed: a view row holds a payload as sealed as the event (docs/privacy.md). A topic this
 version does not know (a later release's event) becomes an ``UnknownEvent``
 instead of an error: a projection must keep going over it.
 """
@@ -20,6 +21,7 @@ from eventsourcing.utils import TopicError
 
 from .._journal import catalogue as stored
 from .._journal.log import RunLog
+from .._journal.sealing import RunMapper
 
 __all__ = ["Logged", "TolerantMapper", "UnknownEvent", "ViewSource", "decode", "read_after"]
 
@@ -93,11 +95,14 @@ def read_after(store: RunLog, position: int | None, limit: int) -> list[Logged]:
         limit=limit,
         inclusive_of_start=position is None,
     )
-    return [decode(store.mapper, n, n.id) for n in notifications]
+    return [decode(store.view_mapper, n, n.id) for n in notifications]
 
 
-class TolerantMapper(Mapper[UUID]):
-    """A mapper whose events are ``Logged`` entries (an unknown topic included)."""
+class TolerantMapper(RunMapper):
+    """A mapper whose events are ``Logged`` entries (an unknown topic included), their
+    payloads kept sealed as the view rows hold them."""
+
+    opens_payloads = False
 
     def to_domain_event(self, stored_event: StoredEvent) -> Any:
         try:

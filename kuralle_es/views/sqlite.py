@@ -98,7 +98,7 @@ class SQLiteViews(SQLiteCreateTableHook, TrackingRecorder, ViewBackend):
             "lease_expires_at TEXT, step_count INTEGER NOT NULL, created_at TEXT NOT NULL, "
             "updated_at TEXT NOT NULL, version INTEGER NOT NULL, event_count INTEGER NOT NULL, "
             "agent TEXT, flow_version TEXT, parent_run_id TEXT, parent_step INTEGER, "
-            "node TEXT, outcome TEXT, error_type TEXT)",
+            "node TEXT, outcome TEXT, error_type TEXT, subject TEXT)",
             f"CREATE TABLE IF NOT EXISTS {self.steps_table} ("
             "run_id TEXT NOT NULL, idx INTEGER NOT NULL, kind TEXT NOT NULL, name TEXT NOT NULL, "
             "status TEXT NOT NULL, started_at TEXT NOT NULL, finished_at TEXT, "
@@ -221,6 +221,15 @@ class SQLiteViews(SQLiteCreateTableHook, TrackingRecorder, ViewBackend):
         with self.datastore.transaction(commit=False) as c:
             c.execute(f"SELECT * FROM {self.steps_table} ORDER BY run_id, idx")
             return [step_row(r, from_text) for r in c.fetchall()]
+
+    def delete_runs(self, run_ids: Sequence[str], *, keep_steps: bool) -> None:
+        marks = ",".join("?" * len(run_ids))
+        with self.datastore.transaction(commit=True) as c:
+            c.execute(f"DELETE FROM {self.runs_table} WHERE run_id IN ({marks})", list(run_ids))
+            if not keep_steps:
+                c.execute(
+                    f"DELETE FROM {self.steps_table} WHERE run_id IN ({marks})", list(run_ids)
+                )
 
     def reset_views(self) -> None:
         with self.datastore.transaction(commit=True) as c:

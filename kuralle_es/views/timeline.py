@@ -16,6 +16,7 @@ from typing import Any
 
 from .._journal import catalogue as stored
 from .._journal.store import RunStore
+from ..redaction import Redacted
 from ..shapes import RunState, StepRecord
 from .fold import as_utc
 
@@ -88,6 +89,8 @@ def read_deliveries(store: RunStore, run_id: str) -> list[Delivery]:
 
 
 def _short(value: object, width: int = 72) -> str:
+    if isinstance(value, Redacted):
+        return str(value)
     text = json.dumps(value, ensure_ascii=False, default=str)
     return text if len(text) <= width else text[: width - 1] + "…"
 
