@@ -73,12 +73,12 @@ async def review(state: dict[str, Any], ctx: RunContext) -> Any:
 
 def scripted(request: ModelRequest) -> ModelResponse | str:
     """The offline model: look the order up, ask for its refund, report."""
-    last = request.messages[-1]
+    last, said = request.messages[-1], str(request.messages[-1].content or "")
     if last.role == "user":
-        found = re.search(r"\b[A-Z]\d+\b", last.content or "")
+        found = re.search(r"\b[A-Z]\d+\b", said)
         order = {"order_id": found.group(0) if found else "?"}
         return ModelResponse(tool_calls=[ToolCallRequest("c1", "lookup_order", order)])
-    result = json.loads(last.content or "null")
+    result = json.loads(said or "null")
     if last.name == "lookup_order" and result:
         args = {"order_id": result["order_id"], "cents": result["cents"], "reason": "asked"}
         return ModelResponse(tool_calls=[ToolCallRequest("c2", "request_refund", args)])
