@@ -28,7 +28,7 @@ from pydantic_ai.usage import UsageLimits
 from test_pydantic_ai import crashing
 
 from kuralle_es import BudgetExceededError, InvalidArgumentError, Runtime, recover_orphaned_runs
-from kuralle_es.integrations.pydantic_ai import durable, typed_output
+from kuralle_es.integrations.pydantic_ai import definition, durable, typed_output
 from kuralle_es.testing import Crash, CrashPlan
 
 SESSION = "customer-9"
@@ -100,6 +100,23 @@ async def test_deps_are_each_processs_own_and_the_history_is_journaled_with_the_
     kinds = [(s.kind, s.name) for s in steps]
     assert kinds[0] == ("value", "message_history") and kinds[1][0] == "model"
     assert steps[0].result[0]["parts"][0]["content"] == "I am Ann, I buy in bulk"
+
+
+async def test_the_deps_of_an_apps_definition_drive_the_turns_of_the_command_line_and_worker(
+    open_store: Any,
+) -> None:
+    """An app lists ``definition(agent, deps=...)`` (what ``kuralle-es approve`` and
+    the worker load); a later ``durable`` without deps keeps them."""
+    quoter = Quoter()
+    first = durable(quoter.agent, Runtime([], store=open_store(), holder="p1"))
+    paused = await first.run("price 3 please", session_id=SESSION, deps=Rates(100, "p1"))
+    app = Runtime([definition(quoter.agent, deps=Rates(110, "app"))], store=open_store())
+    durable(quoter.agent, app)
+
+    done = await app.approve(paused.run_id, SESSION, by="ann")
+
+    assert done.status == "finished" and quoter.priced_by == ["app"]
+    assert typed_output(quoter.agent, done.output) == Quote(cents=330, who="nobody")
 
 
 async def test_a_retried_call_in_another_process_gets_the_typed_output_from_the_journal(

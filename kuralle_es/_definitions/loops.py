@@ -94,6 +94,27 @@ class LoopTurn(Protocol):
         approval (the frozen args win once approved), retries, in-doubt rule."""
         ...
 
+    async def child(
+        self,
+        callsite: int,
+        ordinal: int,
+        agent_id: str,
+        prompt: str,
+        session_id: str | None = None,
+    ) -> tuple[str, Any]:
+        """From inside the tool call at ``callsite``, its ``ordinal``-th child run: a
+        conversation whose one user turn, ``prompt``, agent ``agent_id`` answers
+        (an agent delegating to another, docs/pydantic-ai.md). Started exactly
+        once (a step of this run whose key the child's id derives from, so a
+        re-execution of the call finds the same child), in ``session_id`` or
+        this run's session; returns the child's id and its reply once it
+        ended, or raises
+        ``ChildRunError`` (it errored or was cancelled). While the child waits
+        (an approval of its own), this turn suspends on a ``child`` wait and the
+        call is left running: when the child ends, the resumed turn executes
+        the call again, where this returns the recorded reply."""
+        ...
+
 
 @runtime_checkable
 class ConversationLoop(Protocol):

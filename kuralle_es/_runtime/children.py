@@ -1,7 +1,10 @@
-"""Child runs: a run that starts another flow run and waits for it (internal).
+"""Child runs: a run that starts another run and waits for it (internal).
 
-A child's start is one step of its parent (kind ``child``, named after the
-child's flow), journaled through the funnel like a tool call: its intent is
+A child is a flow run (``ctx.child``, ``flow_tool``) or a user turn of an
+agent's conversation (an agent delegating to another from inside a tool,
+``LoopTurn.child``: docs/pydantic-ai.md). Its start is one step of its
+parent (kind ``child``, named after the child's flow or agent), journaled
+through the funnel like a tool call: its intent is
 saved first, and the child's run id derives from that step's idempotency key,
 so a replay, an in-doubt re-execution after a crash, or two workers racing
 find the one child (creating a run is compare-and-set on its id). Executing
@@ -51,7 +54,7 @@ from .._definitions.flow_input import FlowInput, flow_input
 from .._definitions.flows import Flow
 from .._definitions.tools import Tool
 from .._journal.leases import Lease
-from .._journal.run import ParentLink, Run
+from .._journal.run import CANCELLED, ParentLink, Run
 from .._journal.sites import Effect, Lane, Site, step_key
 from .._journal.wait import CHILD
 from ..errors import (
@@ -82,6 +85,7 @@ __all__ = [
     "ChildRuns",
     "StartChild",
     "child_request",
+    "conversation_request",
     "driving",
     "follow_up",
     "notify_parent",
@@ -164,12 +168,19 @@ def _runs() -> ChildRuns:
 # ------------------------------------------------------------------ requests
 @dataclass(frozen=True)
 class ChildRequest:
-    """A child run asked for, checked before its step takes a callsite."""
+    """A child run asked for, checked before its step takes a callsite: a run of
+    ``flow``, or (``flow`` None) a conversation whose one user turn ``agent``
+    answers."""
 
     agent: Agent
-    flow: Flow
+    flow: Flow | None
     start: FlowInput
     session_id: str
+
+    @property
+    def name(self) -> str:
+        """The start step's name: the child's flow, or the agent it converses with."""
+        return self.flow.name if self.flow is not None else self.agent.id
 
     def args(self) -> dict[str, Any]:
         """What the start step journals (and keys) besides the child's id."""
@@ -188,14 +199,34 @@ def child_request(
     return ChildRequest(agent, flow, flow_input(flow, input), session)
 
 
+def conversation_request(
+    agent_id: str, prompt: str, session_id: str | None, parent_session: str
+) -> ChildRequest:
+    """A conversation child: one user turn, ``prompt``, answered by agent ``agent_id``
+    (its own loop, or the built-in one), in ``session_id`` or the parent's
+    session. ``InvalidArgumentError`` for an agent the runtime does not have or
+    a prompt that is not a non-empty string."""
+    agent = _runs().env.registry.agent(agent_id)
+    if not isinstance(prompt, str) or not prompt.strip():
+        msg = f"a child conversation needs a prompt (a non-empty string), got {prompt!r}"
+        raise InvalidArgumentError(msg)
+    session = parent_session if session_id is None else check_id(session_id, "session_id")
+    return ChildRequest(agent, None, FlowInput(prompt), session)
+
+
 def _outcome(child: Run) -> dict[str, Any] | None:
-    """How ``child`` ended, as its parent records it; None while it has not."""
+    """How ``child`` ended, as its parent records it; None while it has not. A
+    cancelled conversation child (a conversation's cancel ends its turn
+    ``finished``) is ``aborted`` for its parent: it gave no answer."""
     if child.status not in ENDED:
         return None
+    status = child.status
+    if child.kind == "conversation" and (child.outcome or "").startswith(CANCELLED):
+        status = "aborted"
     return {
         "run_id": child.run_id,
-        "status": child.status,
-        "output": child.output if child.status == "finished" else None,
+        "status": status,
+        "output": child.output if status == "finished" else None,
         "error": child.error,
         "outcome": child.outcome,
     }
@@ -224,8 +255,8 @@ async def start_child(writer: RunWriter, site: Site, request: ChildRequest) -> s
     is not frozen: the step stays in doubt and the next pass tries again.
     """
     args = request.args()
-    child_run_id = str(uuid5(CHILDREN_NAMESPACE, step_key(site, "child", request.flow.name, args)))
-    effect = Effect(site, "child", request.flow.name, {**args, "run_id": child_run_id})
+    child_run_id = str(uuid5(CHILDREN_NAMESPACE, step_key(site, "child", request.name, args)))
+    effect = Effect(site, "child", request.name, {**args, "run_id": child_run_id})
 
     async def execute() -> dict[str, str]:
         step = writer.peek(effect)
@@ -298,6 +329,9 @@ class StartChild(Command):
             )
             raise InvalidArgumentError(msg)
         agent, flow = self.asked.agent, self.asked.flow
+        if flow is None:  # a conversation: the agent answers its one user turn
+            made = Run(UUID(self.run_id), self.session_id, "conversation", agent.id, None, None)
+            return made, True
         run = Run(
             UUID(self.run_id), self.session_id, "flow", agent.id, flow.name, flow.digest,
             flow.version,
@@ -314,7 +348,7 @@ class StartChild(Command):
         return fresh
 
     def log_fields(self) -> dict[str, str | None]:
-        return {"parent": self.parent.run_id, "child_flow": self.asked.flow.name}
+        return {"parent": self.parent.run_id, "child_flow": self.asked.name}
 
 
 @dataclass

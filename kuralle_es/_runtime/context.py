@@ -202,7 +202,7 @@ class RunContext(TurnBound):
 
     async def _child(self, site: Site, request: ChildRequest, wait: bool) -> Any:
         try:
-            self._require_open(f"child run of {request.flow.name!r}")
+            self._require_open(f"child run of {request.name!r}")
         except TurnClosedError:
             self._settle_refused()
             raise

@@ -2,9 +2,10 @@
 
 ``JournalTurn`` is the runtime's side of ``LoopTurn``: it hands the loop the
 same machinery the built-in agent loop uses (``model_turn`` for model steps,
-``run_tool`` for tool steps, the approval lane of a tool call), so a turn
-driven by another framework's loop is journaled, budgeted, approved and
-replayed exactly like one of the built-in loop (docs/agents.md).
+``run_tool`` for tool steps, the approval lane of a tool call, the child
+runs of ``children``), so a turn driven by another framework's loop is
+journaled, budgeted, approved and replayed exactly like one of the built-in
+loop (docs/agents.md).
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from typing import Any
 from .._definitions.agents import Agent
 from .._definitions.llm import Model, ModelRequest, ModelResponse
 from .._definitions.tools import Tool
-from .._journal.sites import Effect
+from .._journal.sites import Effect, Lane, Site
 from ..shapes import ApprovalDecision, Message, StreamPart
+from .children import conversation_request, start_child, wait_child
 from .context import TurnBound
 from .cursor import Cursor
 from .model_calls import assistant_message, model_turn
@@ -96,3 +98,24 @@ class JournalTurn(TurnBound):
         return await run_tool(
             self._writer, site, tool, tool.validate(args), self._emit, tool_call_id
         )
+
+    async def child(
+        self,
+        callsite: int,
+        ordinal: int,
+        agent_id: str,
+        prompt: str,
+        session_id: str | None = None,
+    ) -> tuple[str, Any]:
+        site = _inside(self._cursor.site(callsite), ordinal)
+        request = conversation_request(agent_id, prompt, session_id, self.session_id)
+        child_run_id = await start_child(self._writer, site, request)
+        reply = await wait_child(self._writer, site.in_lane(Lane.CHILD), child_run_id)
+        return child_run_id, reply
+
+
+def _inside(site: Site, ordinal: int) -> Site:
+    """The journal slot of the ``ordinal``-th child that the tool call at ``site``
+    starts: a logical run of that call's own, so the call's children keep their
+    slots (and keys) whatever else the turn does, on every execution of the call."""
+    return Site(f"{site.logical_run}/{site.callsite}", ordinal)

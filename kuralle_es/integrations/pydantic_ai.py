@@ -18,6 +18,11 @@ journal under it, at the three places where a run touches the world:
 A resume re-runs the agent from the turn's start; every step the journal has
 is replayed, so the model and the tools are asked only for what is new.
 
+Agent delegation (a tool that runs another agent) goes through ``delegate``:
+``await delegate(other).run(prompt)`` inside a tool makes the other agent's
+turn a child run of the calling run (``LoopTurn.child``), journaled step by
+step in its own run instead of inside the calling tool's one step.
+
 ``DurableAgent.run`` takes what ``Agent.run`` takes that a durable turn can
 keep: ``deps`` (handed to the agent on every pass, never journaled: each
 process supplies its own), ``message_history`` (journaled with the turn, so
@@ -31,7 +36,7 @@ from __future__ import annotations
 import contextvars
 import inspect
 import json
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union, get_type_hints
 
@@ -70,6 +75,7 @@ try:
         ToolCallPart,
         ToolReturnPart,
         UserPromptPart,
+        repair_messages,
     )
     from pydantic_ai.messages import ModelRequest as PaiRequest
     from pydantic_ai.messages import ModelResponse as PaiResponse
@@ -88,9 +94,11 @@ except ImportError as missing:  # pragma: no cover - the extra is installed in C
     raise ImportError(msg) from missing
 
 __all__ = [
+    "Delegate",
     "DurableAgent",
     "DurableRunResult",
     "definition",
+    "delegate",
     "durable",
     "tool_call",
     "typed_output",
@@ -110,6 +118,22 @@ _call: contextvars.ContextVar[_Call | None] = contextvars.ContextVar(
 )
 #: The name of the ``value`` step a turn's given message history is journaled as.
 HISTORY = "message_history"
+
+
+@dataclass
+class _InsideCall:
+    """The tool call now executing, as the delegations it makes see it: its turn and
+    callsite, and how many child runs this execution of it has asked for."""
+
+    turn: LoopTurn
+    callsite: int
+    started: int = 0
+
+
+#: The journaled tool call whose body runs now (``Delegate.run`` starts its children).
+_inside_call: contextvars.ContextVar[_InsideCall | None] = contextvars.ContextVar(
+    "kuralle_pydantic_ai_inside_call", default=None
+)
 
 
 @dataclass
@@ -286,18 +310,22 @@ class _JournaledToolset(WrapperToolset[Any]):
         self, name: str, tool_args: dict[str, Any], ctx: RunContext[Any], tool: ToolsetTool[Any]
     ) -> Any:
         assert self.turn is not None and self.callsites is not None
-        shown = to_jsonable_python(tool_args)
+        turn, shown = self.turn, to_jsonable_python(tool_args)
+        callsite = self.callsites.of(ctx.tool_call_id)
 
         async def execute(args: _Args, call: ToolCall) -> Any:
             given = args.model_dump(mode="json")
             # Approved, the args the approver saw are the ones that run (docs/guarantees.md).
             final = tool_args if given == shown else tool.args_validator.validate_python(given)
             token = _current_call.set(call)
+            # Each execution counts its delegations from the first (Delegate.run).
+            inside = _inside_call.set(_InsideCall(turn, callsite))
             try:
                 result = await self.wrapped.call_tool(name, final, ctx, tool)
             except ModelRetry as retry:  # Pydantic AI's own "try again": journaled as such
                 return {MODEL_RETRY_KEY: retry.message}
             finally:
+                _inside_call.reset(inside)
                 _current_call.reset(token)
             return to_jsonable_python(result)
 
@@ -308,8 +336,7 @@ class _JournaledToolset(WrapperToolset[Any]):
             execute,
             needs_approval=tool.tool_def.kind == "unapproved",
         )
-        callsite = self.callsites.of(ctx.tool_call_id)
-        result = await self.turn.tool(journaled, shown, callsite, ctx.tool_call_id)
+        result = await turn.tool(journaled, shown, callsite, ctx.tool_call_id)
         if isinstance(result, dict) and set(result) == {MODEL_RETRY_KEY}:
             raise ModelRetry(str(result[MODEL_RETRY_KEY]))
         return result
@@ -380,7 +407,9 @@ def _history(messages: list[Message]) -> tuple[list[ModelMessage], str]:
         else:
             pending.append(_request_part(message))
     flush()
-    return history, _text(messages[last_user].content)
+    # An earlier turn cut short (cancelled while a tool call was pending) left calls
+    # with no result: closed out the way Pydantic AI does, so the next turn runs.
+    return repair_messages(history), _text(messages[last_user].content)
 
 
 def _request_part(message: Message) -> ModelRequestPart:
@@ -568,7 +597,9 @@ class DurableAgent:
             return None
         if run_id is None:
             runs = await self.runtime.views.list_runs(session_id=session_id)
-            run_id = next((r.run_id for r in runs if r.kind == "conversation"), None)
+            run_id = next(
+                (r.run_id for r in runs if r.kind == "conversation" and r.parent is None), None
+            )
         spent = await self.runtime.views.usage(run_id=run_id) if run_id else None
         calls = spent.model_calls if spent is not None else 0
         tokens = spent.total_tokens if spent is not None else 0
@@ -581,6 +612,84 @@ class DurableAgent:
             max_cost=None if limits.cost_limit is None else cost + float(limits.cost_limit),
             on_exceed="fail",
         )
+
+
+# --------------------------------------------------------------- delegation
+class Delegate:
+    """A Pydantic AI agent that a durable agent's tool delegates to (``delegate``).
+
+    ``await delegate(other).run(prompt, deps=ctx.deps)`` inside a tool body is
+    Pydantic AI's agent delegation, made durable: the other agent's turn is a
+    child run of the calling run (docs/pydantic-ai.md, "Agent delegation").
+    """
+
+    def __init__(self, agent: Agent[Any, Any]) -> None:
+        definition(agent)  # refused here, not inside a tool: no name, no model
+        self.wrapped = agent
+        self.name: str = str(agent.name)
+
+    def run(
+        self, prompt: str, *, deps: Any = None, session_id: str | None = None
+    ) -> Coroutine[Any, Any, DurableRunResult]:
+        """Run one turn of the agent, answering ``prompt``, as a child run of the run
+        whose tool calls this; returns the child's result once it finished.
+
+        The child (a conversation run of this agent, in ``session_id`` or the
+        calling run's session, with ``parent`` set) is started exactly once: its
+        id derives from the calling tool call's key and from which delegation of
+        that call this is (the first, the second, ...), so a re-execution of the
+        tool after a crash finds the same child and never starts a second. Each
+        of its model requests and tool calls is a journaled step of its own. A
+        child that waits (an approval) pauses the calling run on a ``child``
+        wait; when it ends, the calling tool runs again and this returns its
+        recorded output. ``ChildRunError`` if it errored or was cancelled.
+
+        ``deps`` go to the child's turn while this call drives it (never
+        journaled); a turn of it driven elsewhere (an approval, a recovery) gets
+        the deps given to ``durable(agent, runtime, deps=...)`` there. Refused
+        with ``InvalidArgumentError``, before anything is journaled, outside a
+        tool of a durable agent's run.
+        """
+        inside = _inside_call.get()
+        if inside is None:
+            msg = (
+                f"delegate({self.name!r}).run is called inside a tool of a durable agent's run "
+                f"(its child run belongs to that run); elsewhere, use "
+                f"durable(agent, runtime).run (docs/pydantic-ai.md)"
+            )
+            raise InvalidArgumentError(msg)
+        ordinal = inside.started  # taken when called, so concurrent delegations keep theirs
+        inside.started += 1
+        return self._run(inside, ordinal, prompt, deps, session_id)
+
+    async def _run(
+        self, inside: _InsideCall, ordinal: int, prompt: str, deps: Any, session_id: str | None
+    ) -> DurableRunResult:
+        call = _Call(deps=deps)
+        token = _call.set(call)  # the child's turn, driven here, gets this call's deps only
+        try:
+            child_run_id, reply = await inside.turn.child(
+                inside.callsite, ordinal, self.name, prompt, session_id
+            )
+        finally:
+            _call.reset(token)
+        if child_run_id in call.outputs:
+            output = call.outputs[child_run_id]
+        else:  # recorded earlier (a re-execution of the tool), or driven elsewhere
+            output = typed_output(self.wrapped, reply)
+        return DurableRunResult(output, child_run_id, "finished")
+
+
+def delegate(agent: Agent[Any, Any]) -> Delegate:
+    """The Pydantic AI ``agent`` as a delegate: ``await delegate(agent).run(prompt)``
+    inside a tool of a durable agent runs it as a child run (docs/pydantic-ai.md).
+
+    The runtime that drives the calling run must know the agent too
+    (``durable(agent, runtime)``, or its ``definition`` in the app's agents), so
+    that any process resumes the child. ``InvalidArgumentError`` for an agent
+    without a name or a model.
+    """
+    return Delegate(agent)
 
 
 # ------------------------------------------------------------ what it takes
@@ -649,15 +758,16 @@ def typed_output(agent: Agent[Any, Any], output: Any) -> Any:
         return output
 
 
-def definition(agent: Agent[Any, Any]) -> KuralleAgent:
+def definition(agent: Agent[Any, Any], *, deps: Any = None) -> KuralleAgent:
     """The kuralle_es agent that runs the Pydantic AI ``agent`` (``define_agent(loop=)``).
 
     ``durable`` adds it to a runtime. List it in the app that the command line,
     the dashboard or the HTTP server load (``--app``/``KURALLE_APP``, a list of
-    agents), so that they too approve, deny and resume the agent's runs.
-    Refused with ``InvalidArgumentError``: an agent without a ``name`` (the
-    runtime knows it by that name, so that another process resumes its runs)
-    or without a model.
+    agents), so that they too approve, deny and resume the agent's runs;
+    ``deps`` are the agent's deps for the turns they drive (a recovery by
+    ``kuralle-es worker``, an approval). Refused with ``InvalidArgumentError``:
+    an agent without a ``name`` (the runtime knows it by that name, so that
+    another process resumes its runs) or without a model.
     """
     if not isinstance(agent, Agent):
         msg = f"expected a pydantic_ai.Agent, got {agent!r}"
@@ -671,7 +781,9 @@ def definition(agent: Agent[Any, Any]) -> KuralleAgent:
     if agent.model is None:
         msg = f"Pydantic AI agent {agent.name!r} has no model; give it one, Agent(model, ...)"
         raise InvalidArgumentError(msg)
-    return define_agent(agent.name, "", None, loop=PydanticAILoop(agent))
+    loop = PydanticAILoop(agent)
+    loop.deps = deps
+    return define_agent(agent.name, "", None, loop=loop)
 
 
 def durable(agent: Agent[Any, Any], runtime: Runtime, *, deps: Any = None) -> DurableAgent:
@@ -683,10 +795,11 @@ def durable(agent: Agent[Any, Any], runtime: Runtime, *, deps: Any = None) -> Du
     same agent is harmless; another agent under a taken name is
     ``InvalidArgumentError``. ``deps`` are the agent's deps for the turns this
     runtime drives outside a ``DurableAgent.run`` call (an approval, a
-    recovery); a ``run`` call's own ``deps`` win for its turn.
+    recovery); a ``run`` call's own ``deps`` win for its turn. Without
+    ``deps``, those given before (here or to ``definition``) stay.
     """
     runtime.add_agent(definition(agent))
     loop = runtime.agent(str(agent.name)).loop
-    if isinstance(loop, PydanticAILoop):
+    if isinstance(loop, PydanticAILoop) and deps is not None:
         loop.deps = deps
     return DurableAgent(agent, runtime)
