@@ -181,7 +181,7 @@ def test_the_openapi_document_describes_this_server(served: Served) -> None:
         "/api/runs", "/api/runs/{run_id}", "/api/runs/{run_id}/steps",
         "/api/runs/{run_id}/signals", "/api/runs/{run_id}/approve", "/api/runs/{run_id}/deny",
         "/api/runs/{run_id}/input", "/api/runs/{run_id}/cancel", "/api/runs/{run_id}/messages",
-        "/api/runs/{run_id}/published",
+        "/api/runs/{run_id}/published", "/api/runs/{run_id}/stream",
     }  # fmt: skip
     schemas = document["components"]["schemas"]
     assert {"TurnResult", "RunState", "StepRecord", "RunSummary", "ErrorBody"} <= set(schemas)

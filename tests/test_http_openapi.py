@@ -4,11 +4,11 @@ from ``http/openapi.py`` for the test app's flows and a bearer token).
 
 Every path, method, operation id, parameter, request body, response status, link and
 security scheme of the old document is in the new one (which also has the routes added
-since: messages, published values); every schema of the old document is *covered* by
-the new one: whatever the old one accepted, the new one accepts. Where they differ, the
-new one is looser or only says more (titles, descriptions; an optional header or query
-parameter as ``anyOf [..., null]``; a ``default: null`` it leaves out; values added to
-an enum, such as a new step kind), never tighter.
+since: messages, published values, the run's stream); every schema of the old document
+is *covered* by the new one: whatever the old one accepted, the new one accepts. Where
+they differ, the new one is looser or only says more (titles, descriptions; an optional
+header or query parameter as ``anyOf [..., null]``; a ``default: null`` it leaves out;
+values added to an enum, such as a new step kind), never tighter.
 """
 
 from __future__ import annotations
@@ -111,6 +111,7 @@ def test_the_generated_document_has_the_old_paths_methods_and_operations(new: An
     assert set(old_ops) <= set(new_ops)
     assert set(new_ops) - set(old_ops) == {
         ("post", "/api/runs/{run_id}/messages"), ("get", "/api/runs/{run_id}/published"),
+        ("get", "/api/runs/{run_id}/stream"),
     }  # fmt: skip
     for where, old in old_ops.items():
         mine = new_ops[where]
