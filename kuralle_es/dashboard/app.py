@@ -36,9 +36,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from .._journal.spending import PRICES_ENV, Prices, prices_from_json, validate_prices
 from .._journal.store import RunStore
 from .._runtime.runtime import Runtime
+from .._runtime.streaming import stored_parts
 from .._serving import HostGate, Server, UnservedHostError, refuse_open_bind, served_hosts
-from ..errors import KuralleError
+from ..errors import InvalidArgumentError, KuralleError
 from ..http.errors import status_of  # the statuses of the HTTP API's refusals, one mapping
+from ..http.sse import EventStream, last_event_id
 from ..shapes import RunState
 from ..views import RunViews
 from ..views.timeline import read_deliveries
@@ -65,6 +67,7 @@ _FAILED_LOGIN_PAUSE = 0.5
 _SECURITY_HEADERS = {
     "Content-Security-Policy": (
         "default-src 'none'; style-src 'self'; img-src 'self' data:; "
+        "script-src 'self'; connect-src 'self'; "
         "form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
     ),
     "X-Frame-Options": "DENY",
@@ -243,6 +246,9 @@ class _Dashboard:
 
     async def run_page(self, request: Request) -> Response:
         run_id = request.path_params["run_id"]
+        # The stream's offset first: a turn that ends after it is read reloads the page.
+        streams = await self.store.stream_log_async(run_id)
+        seen = await streams.last_offset(run_id) if streams is not None else 0
         run = await self.store.load_async(run_id, history=True)
         if run is None:
             return self.problem(request, 404, "No such run", f"There is no run {run_id}.")
@@ -256,8 +262,22 @@ class _Dashboard:
             "priced": self.prices is not None,
             # What its nodes published (ctx.publish), the latest value of each key.
             "published": {key: json.loads(text) for key, text in run.published.items()},
+            "stream_seen": seen,
+            "live": True,
         }
         return self.render(request, "run.html", context, refresh=True)
+
+    async def stream(self, request: Request) -> Response:
+        """The run's stored stream, then live, as Server-Sent Events (docs/streaming.md)."""
+        run_id = request.path_params["run_id"]
+        try:
+            start = last_event_id(request.headers.get("last-event-id"), 0)
+        except InvalidArgumentError as error:
+            return PlainTextResponse(str(error), status_code=400)
+        run = await self.store.load_async(run_id)
+        if run is None:
+            return PlainTextResponse(f"There is no run {run_id}.", status_code=404)
+        return EventStream(stored_parts(self.store, run_id, run.session_id, start))
 
     def decision(self, approve: bool) -> Handler:
         """GET: the confirmation step; POST: the delivery."""
@@ -400,6 +420,7 @@ def create_app(
         Route("/tools", dash.page(dash.tools)),
         Route("/usage", dash.page(dash.usage)),
         Route("/runs/{run_id}", dash.page(dash.run_page)),
+        Route("/runs/{run_id}/stream", dash.page(dash.stream)),
         Route("/runs/{run_id}/approve", dash.decision(True), methods=["GET", "POST"]),
         Route("/runs/{run_id}/deny", dash.decision(False), methods=["GET", "POST"]),
         Route("/login", dash.login, methods=["GET", "POST"]),
