@@ -2,7 +2,9 @@
 
 ``create_app(store, runtime_factory, host=..., token=...)`` builds the ASGI
 app; ``serve(...)`` runs it with uvicorn. Pages are rendered on the server
-(Jinja2 with autoescape, so run data is always text) and refresh themselves.
+(Jinja2 with autoescape, so run data is always text) and refresh themselves;
+a run's page shows its stream live instead (``static/stream.js`` on the
+run's Server-Sent Events, docs/streaming.md).
 Reads go to the store and its views; the only write is an approve or deny,
 delivered by ``Runtime.run`` like any other delivery. The runtime (and with
 it the user's agents) is built on the first decision, so the read-only pages
