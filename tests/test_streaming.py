@@ -503,3 +503,26 @@ async def test_a_stream_that_ends_before_its_completion_is_not_taken_for_an_answ
     parts = [part async for part in _parts_until_error(handle)]
     assert parts[-2].type == "retract" and parts[-1].type == "error"
     assert parts[-1].error is not None and "finish_reason" in parts[-1].error.message
+
+
+# ------------------------------------------------------------- partitions
+@pytest.mark.postgres
+async def test_each_partition_and_shard_keeps_the_streams_of_its_runs(
+    pg_dsn: str, tmp_path: Path
+) -> None:
+    texts = {f"s-{n}": f"Answer number {n} for you." for n in range(6)}
+    model = ScriptedModel(lambda request: texts[request.messages[-1].content or ""])
+    for opened in (
+        lambda: RunStore.postgres(pg_dsn, partitions=2),
+        lambda: RunStore.sharded([f"sqlite:///{tmp_path / n}.db" for n in ("a", "b")]),
+    ):
+        with opened() as store, opened() as elsewhere:
+            runtime = Runtime([chat(model)], store=store)
+            reader = Runtime([chat(model)], store=elsewhere)
+            done = {s: await runtime.run(s, input=s).result() for s in texts}
+            assert {store.partition_of(d.run_id) for d in done.values()} == {0, 1}
+            for session, result in done.items():
+                parts = [p async for p in reader.stream(result.run_id, session)]
+                assert shown(parts) == texts[session]
+                with pytest.raises(RunNotFoundError):
+                    await anext(aiter(reader.stream(result.run_id, "another-session")))

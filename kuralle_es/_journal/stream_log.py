@@ -66,6 +66,8 @@ SQLITE_POLL = 0.05
 SAFETY_POLL = 1.0
 #: Writes of one batch tried before its parts are given up (the journal stands).
 WRITE_ATTEMPTS = 5
+#: Runs whose saves a log counts (the latest: a long-lived process forgets the rest).
+COUNTED_RUNS = 10_000
 #: The table every backend keeps its streams in, and PostgreSQL's notify channel.
 TABLE = "kuralle_stream"
 CHANNEL = "kuralle_stream"
@@ -140,7 +142,8 @@ class StreamLog(ABC):
         self._given: dict[str, int] = {}
         self._followers: dict[str, set[_Follower]] = collections.defaultdict(set)
         self._closed = False
-        #: Writes that carried each run's parts (the figure ``benchmarks/streaming.py`` shows).
+        #: Writes that carried each run's parts, for the latest ``COUNTED_RUNS`` runs
+        #: (the figure ``benchmarks/streaming.py`` shows).
         self.saves: collections.Counter[str] = collections.Counter()
         #: Writes made, each a transaction that may carry several runs' parts.
         self.writes = 0
@@ -215,6 +218,14 @@ class StreamLog(ABC):
         self._insert(batch, runs)
         self.writes += 1
         self.saves.update(runs)
+        with self._guard:
+            # A run none of whose parts waits any more reads its offsets back.
+            waiting = {part.run_id for part in self._queued}
+            for run in runs:
+                if run not in waiting:
+                    self._given.pop(run, None)
+            while len(self.saves) > COUNTED_RUNS:
+                del self.saves[next(iter(self.saves))]
         self._wake(runs)
 
     def flush(self) -> None:
@@ -233,8 +244,11 @@ class StreamLog(ABC):
 
     async def last_offset(self, run_id: str) -> int:
         """The run's last offset, stored or given by this process (0: none)."""
+        # What this process gave first: once it is written (and forgotten here),
+        # the read after it finds it stored.
+        given = self.given(run_id)
         stored: int = await self._call(self._select_last, run_id)
-        return max(stored, self.given(run_id))
+        return max(stored, given)
 
     async def step_parts(self, run_id: str, step: int) -> list[StoredPart]:
         """The stored deltas and retracts of model step ``step``, oldest first,
