@@ -30,6 +30,7 @@ from pydantic_core import PydanticSerializationError
 
 from .._journal.store import RunStore
 from .._journal.stream_log import StoredPart, StreamLog
+from .._unicode import printable
 from ..errors import InvalidArgumentError, RunNotFoundError
 from ..shapes import StreamPart
 
@@ -71,12 +72,8 @@ class TurnStream:
         if log is None:
             self._sink(part)
             return
-        try:
-            numbered = part.model_copy(update={"offset": self._offset + 1})
-            body = numbered.model_dump_json(exclude_none=True)
-        except (PydanticSerializationError, ValueError, TypeError) as error:
-            msg = f"a stream part must be JSON data to be stored: {error}"
-            raise InvalidArgumentError(msg) from None
+        numbered = part.model_copy(update={"offset": self._offset + 1})
+        body = _stored_body(numbered)
         self._offset += 1
         log.add(
             StoredPart(
@@ -124,6 +121,22 @@ class TurnStream:
             self._sink(StreamPart.model_validate_json(part.body))
         if len(text) > len(so_far):
             self.delta(step, attempt, text[len(so_far) :])
+
+
+def _stored_body(part: StreamPart) -> str:
+    """The part as the stored stream keeps it: JSON. A model's text with a lone
+    surrogate (an emoji cut in half) is kept escaped: its attempt fails, since the
+    journal cannot hold it, and is retracted. Anything else that is not JSON data
+    is refused (``InvalidArgumentError``)."""
+    try:
+        return part.model_dump_json(exclude_none=True)
+    except (PydanticSerializationError, ValueError, TypeError) as error:
+        if part.type in ("text-delta", "text"):
+            texts = {"delta": part.delta, "text": part.text}
+            escaped = {k: printable(v) for k, v in texts.items() if v is not None}
+            return part.model_copy(update=escaped).model_dump_json(exclude_none=True)
+        msg = f"a stream part must be JSON data to be stored: {error}"
+        raise InvalidArgumentError(msg) from None
 
 
 def _delta_of(part: StoredPart) -> str:
