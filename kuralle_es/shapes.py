@@ -188,7 +188,7 @@ class StreamPart(BaseModel):
     arrives, with ``step`` (the model step's index) and ``attempt`` (from 1);
     ``retract`` carries the ``step`` and ``attempt`` whose deltas a consumer
     drops (that attempt failed); ``text`` is a model step's whole text (with
-    its ``step``) once it is journaled. ``offset`` is the part's position in
+    its ``step`` and ``attempt``) once it is journaled. ``offset`` is the part's position in
     the run's stored stream (``Runtime.stream(after=)``, the SSE event id);
     docs/streaming.md.
     """

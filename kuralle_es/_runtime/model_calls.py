@@ -101,7 +101,10 @@ async def model_turn(
         if replayed:
             await texts.replay(done["index"], done["attempts"], response.content)
         else:
-            texts(StreamPart(type="text", text=response.content, step=done["index"]))
+            whole = StreamPart(
+                type="text", text=response.content, step=done["index"], attempt=done["attempts"]
+            )
+            texts(whole)
     return response
 
 
