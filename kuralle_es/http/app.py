@@ -357,6 +357,17 @@ LastEventId = Annotated[
         pattern=r"^[0-9]{0,18}$",
     ),
 ]
+#: One event of the stream (each is checked against it): a part (``data``: the part as
+#: JSON, ``id``: its offset), the ``end`` event, or the ``retry`` hint.
+_SSE_EVENT = {
+    "type": "object",
+    "properties": {
+        "data": {"type": "string", "description": "a StreamPart as JSON ({} for end)"},
+        "event": {"type": "string", "description": "end, once the run is at rest"},
+        "id": {"type": "string", "description": "the part's offset"},
+        "retry": {"type": "integer", "minimum": 0},
+    },
+}
 _ERROR_JSON = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}
 _STREAM_RESPONSES: dict[int | str, dict[str, Any]] = {
     # Refusals are JSON, whatever the stream's own media type.
@@ -368,7 +379,7 @@ _STREAM_RESPONSES: dict[int | str, dict[str, Any]] = {
         "description": "Server-Sent Events: each part of the run's stored stream (id: its "
         "offset; data: the part as JSON), then the live ones, then an `end` event once the "
         "run is at rest",
-        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+        "content": {"text/event-stream": {"schema": _SSE_EVENT}},
     },
 }
 
