@@ -15,4 +15,5 @@ mkdir -p "$OUT"
 "$PY" benchmarks/throughput.py --json "$OUT/throughput.json" 2>&1 | tee "$OUT/throughput.txt"
 "$PY" benchmarks/long_conversations.py 2>&1 | tee "$OUT/long_conversations.txt"
 "$PY" benchmarks/search_runs.py 2>&1 | tee "$OUT/search_runs.txt"
+"$PY" benchmarks/streaming.py 2>&1 | tee "$OUT/streaming.txt"
 "$PY" benchmarks/chart.py "$OUT/peers.json" "$OUT/long_runs.json" --out benchmarks/results.png

@@ -26,6 +26,7 @@ from ._definitions.llm import (
     ModelRequest,
     ModelResponse,
     OpenAIModel,
+    StreamingModel,
     ToolCallRequest,
     openai_model,
 )
@@ -152,6 +153,7 @@ __all__ = [
     "StepRecord",
     "StoreUnavailableError",
     "StreamPart",
+    "StreamingModel",
     "SuspendError",
     "SweepJob",
     "SweepReport",

@@ -24,7 +24,17 @@ StepStatus = Literal["running", "finished", "error"]
 RunKind = Literal["conversation", "flow"]
 RunStatus = Literal["running", "paused", "finished", "error", "aborted"]
 WaitKind = Literal["approval", "signal", "input", "timer", "message", "child"]
-PartType = Literal["text", "tool-call", "tool-result", "paused", "finished", "error", "custom"]
+PartType = Literal[
+    "text",
+    "text-delta",
+    "retract",
+    "tool-call",
+    "tool-result",
+    "paused",
+    "finished",
+    "error",
+    "custom",
+]
 
 
 class StepError(BaseModel):
@@ -192,10 +202,23 @@ class ToolCall(BaseModel):
 
 
 class StreamPart(BaseModel):
-    """One part of a turn's stream; ``type`` says which fields are set."""
+    """One part of a turn's stream; ``type`` says which fields are set.
+
+    ``text-delta`` carries ``delta``, a piece of a model step's text as it
+    arrives, with ``step`` (the model step's index) and ``attempt`` (from 1);
+    ``retract`` carries the ``step`` and ``attempt`` whose deltas a consumer
+    drops (that attempt failed); ``text`` is a model step's whole text (with
+    its ``step`` and ``attempt``) once it is journaled. ``offset`` is the part's position in
+    the run's stored stream (``Runtime.stream(after=)``, the SSE event id);
+    docs/streaming.md.
+    """
 
     type: PartType
     text: str | None = None
+    delta: str | None = None
+    step: int | None = None
+    attempt: int | None = None
+    offset: int | None = None
     tool_name: str | None = None
     tool_call_id: str | None = None
     args: Any = None

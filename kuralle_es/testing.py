@@ -22,8 +22,10 @@ of your own runs exactly once under crashes, is in docs/howto/testing.md:
 
 from __future__ import annotations
 
+import asyncio
+import re
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -73,14 +75,20 @@ class ScriptedModel:
     """A model that answers from a script: responses in order, or a function.
 
     ``requests`` keeps every request it was asked, so a test can check that a
-    resume did not ask the model again.
+    resume did not ask the model again. It streams (docs/streaming.md): an
+    answer's text comes in several deltas, word by word, ``delay`` seconds
+    apart; ``stream=False`` answers whole.
     """
 
-    def __init__(self, script: Script, id: str = "scripted") -> None:
+    def __init__(
+        self, script: Script, id: str = "scripted", *, stream: bool = True, delay: float = 0.0
+    ) -> None:
         self._script = script
         self._id = id
         self._next = 0
         self.requests: list[ModelRequest] = []
+        self.streaming = stream
+        self.delay = delay
 
     @property
     def id(self) -> str:
@@ -100,6 +108,26 @@ class ScriptedModel:
             answer = self._script[self._next]
             self._next += 1
         return as_response(self._id, answer)
+
+    async def stream(self, request: ModelRequest) -> AsyncIterator[str | ModelResponse]:
+        """The scripted answer, its text in deltas (``delay`` apart), then whole."""
+        response = await self.respond(request)
+        if self.streaming and response.content and response.data is None:
+            for piece in _deltas(response.content):
+                if self.delay:
+                    await asyncio.sleep(self.delay)
+                yield piece
+        yield response
+
+
+def _deltas(text: str) -> list[str]:
+    """``text`` in the pieces a streaming model might send: a word and the space
+    after it each (a single word in two halves), so a test sees several deltas."""
+    pieces = re.findall(r"\s*\S+\s*", text) or [text]
+    if len(pieces) == 1 and len(text) > 1:
+        half = len(text) // 2
+        pieces = [text[:half], text[half:]]
+    return pieces
 
 
 # ------------------------------------------------------------------ crashes

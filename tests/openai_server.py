@@ -15,12 +15,23 @@ status 200) or a ``Raw`` (any status, headers and body bytes: HTTP 500,
 malformed JSON, ...). A request with nothing queued gets HTTP 599 with
 ``x-should-retry: false`` and is recorded, so an unexpected model call fails
 loudly instead of hanging.
+
+A request with ``"stream": true`` gets its completion as Server-Sent Events
+of ``chat.completion.chunk`` objects, as OpenAI sends them (chunked transfer
+encoding, the text word by word, the tool calls' arguments in pieces, the
+usage in a last chunk without choices when ``stream_options.include_usage``
+asks, then ``data: [DONE]``). A ``Streamed`` response says how: the text's
+pieces, a pause before each, and ``drop_after=n`` to close the connection
+after n pieces, mid-body (``Streamed.started`` is set when the first piece
+is sent, ``Streamed.release`` lets a held stream go on).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import re
+import socket
 import threading
 import time
 from collections import deque
@@ -32,6 +43,7 @@ from typing import Any
 __all__ = [
     "Raw",
     "ScriptedOpenAIServer",
+    "Streamed",
     "completion",
     "json_completion",
     "serve",
@@ -49,6 +61,65 @@ class Raw:
     status: int
     body: bytes = b""
     headers: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Streamed:
+    """A completion sent as a stream: ``pieces`` of its text (default: word by word),
+    ``delay`` seconds before each, the connection closed mid-body after
+    ``drop_after`` pieces, and the stream held before piece ``hold_at`` until
+    ``release`` is set (a test that acts mid-answer)."""
+
+    body: dict[str, Any]
+    pieces: list[str] | None = None
+    delay: float = 0.0
+    drop_after: int | None = None
+    hold_at: int | None = None
+    started: threading.Event = field(default_factory=threading.Event)
+    release: threading.Event = field(default_factory=threading.Event)
+
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"\s*\S+\s*", text) or [text]
+
+
+def chunks_of(body: dict[str, Any], pieces: list[str] | None, usage_asked: bool) -> list[Any]:
+    """The ``chat.completion.chunk`` objects of a completion ``body``; each piece of
+    its text is one chunk (a list item ``("piece", text)`` marks where one starts)."""
+    base = {k: body.get(k) for k in ("id", "created", "model")}
+    base["object"] = "chat.completion.chunk"
+    out: list[Any] = []
+    for choice in body.get("choices", []):
+        message = choice.get("message") or {}
+        index = choice.get("index", 0)
+
+        def chunk(delta: dict[str, Any], finish: str | None = None, i: int = index) -> Any:
+            return {
+                **base,
+                "choices": [{"index": i, "delta": delta, "finish_reason": finish,
+                             "logprobs": None}],
+            }  # fmt: skip
+
+        out.append(chunk({"role": "assistant", "content": ""}))
+        content = message.get("content")
+        if content:
+            for piece in pieces if pieces is not None else _words(content):
+                out.append(("piece", chunk({"content": piece})))
+        for n, call in enumerate(message.get("tool_calls") or []):
+            function = call["function"]
+            head = {"index": n, "id": call["id"], "type": "function",
+                    "function": {"name": function["name"], "arguments": ""}}  # fmt: skip
+            out.append(chunk({"tool_calls": [head]}))
+            arguments = function.get("arguments") or ""
+            for start in range(0, len(arguments), 8):
+                piece = {"index": n, "function": {"arguments": arguments[start : start + 8]}}
+                out.append(chunk({"tool_calls": [piece]}))
+        finish = choice.get("finish_reason", "stop")
+        if finish is not None:  # None: a stream that ends before its completion says why
+            out.append(chunk({}, finish))
+    if usage_asked and body.get("usage") is not None:
+        out.append({**base, "choices": [], "usage": body["usage"]})
+    return out
 
 
 def completion(
@@ -112,7 +183,7 @@ class ScriptedOpenAIServer:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._queue: deque[dict[str, Any] | Raw] = deque()
+        self._queue: deque[dict[str, Any] | Raw | Streamed] = deque()
         self._requests: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []
         self.port = 0
@@ -121,7 +192,7 @@ class ScriptedOpenAIServer:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
 
-    def queue(self, *responses: dict[str, Any] | Raw) -> None:
+    def queue(self, *responses: dict[str, Any] | Raw | Streamed) -> None:
         with self._lock:
             self._queue.extend(responses)
 
@@ -137,7 +208,9 @@ class ScriptedOpenAIServer:
         with self._lock:
             return len(self._queue)
 
-    def _take(self, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any] | Raw:
+    def _take(
+        self, body: dict[str, Any], headers: dict[str, str]
+    ) -> dict[str, Any] | Raw | Streamed:
         with self._lock:
             self._requests.append(body)
             self.headers.append(headers)
@@ -176,9 +249,45 @@ def _handler(server: ScriptedOpenAIServer) -> type[BaseHTTPRequestHandler]:
             if isinstance(answer, Raw):
                 headers = {"Content-Type": "application/json", **answer.headers}
                 self._send(answer.status, answer.body, headers)
+            elif body.get("stream"):
+                streamed = answer if isinstance(answer, Streamed) else Streamed(answer)
+                self._stream(streamed, bool((body.get("stream_options") or {}).get(
+                    "include_usage")))  # fmt: skip
             else:
-                payload = json.dumps(answer).encode()
+                whole = answer.body if isinstance(answer, Streamed) else answer
+                payload = json.dumps(whole).encode()
                 self._send(200, payload, {"Content-Type": "application/json"})
+
+        def _stream(self, streamed: Streamed, usage_asked: bool) -> None:
+            """The completion as SSE chunks, in chunked transfer encoding (so a
+            connection closed mid-body is a broken response, not a short one)."""
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            sent = 0
+            for item in chunks_of(streamed.body, streamed.pieces, usage_asked):
+                if isinstance(item, tuple):
+                    if streamed.drop_after is not None and sent >= streamed.drop_after:
+                        self.wfile.flush()
+                        self.close_connection = True
+                        self.connection.shutdown(socket.SHUT_RDWR)
+                        return
+                    if streamed.hold_at is not None and sent == streamed.hold_at:
+                        streamed.release.wait(timeout=30)
+                    if streamed.delay:
+                        time.sleep(streamed.delay)
+                    item = item[1]
+                    sent += 1
+                self._chunk(f"data: {json.dumps(item)}\n\n".encode())
+                if sent == 1:
+                    streamed.started.set()
+            self._chunk(b"data: [DONE]\n\n")
+            self._chunk(b"")
+
+        def _chunk(self, data: bytes) -> None:
+            self.wfile.write(f"{len(data):X}\r\n".encode() + data + b"\r\n")
+            self.wfile.flush()
 
     return Handler
 

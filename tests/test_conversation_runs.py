@@ -345,9 +345,13 @@ async def test_an_inbound_idempotency_key_seen_before_returns_the_earlier_result
 async def test_streaming_a_turn_yields_tool_and_text_parts_then_finished() -> None:
     runtime = runtime_for(RunStore.memory())
     handle = runtime.run(SESSION, input="ping")
-    parts = [part async for part in handle]
+    streamed = [part async for part in handle]
+    deltas = [p.delta for p in streamed if p.type == "text-delta"]
+    parts = [p for p in streamed if p.type != "text-delta"]
 
     assert [p.type for p in parts] == ["tool-call", "tool-result", "text", "finished"]
+    assert "".join(d or "" for d in deltas) == "pong after 1 turn(s)"
+    assert [p.offset for p in streamed] == list(range(1, len(streamed) + 1))
     assert parts[0].tool_name == "ping"
     assert parts[0].args == {"n": 1}
     assert parts[1].result == {"pong": 1}

@@ -116,7 +116,7 @@ def test_the_openapi_document_describes_this_server(served: Served) -> None:
         "/api/runs", "/api/runs/{run_id}", "/api/runs/{run_id}/steps",
         "/api/runs/{run_id}/signals", "/api/runs/{run_id}/approve", "/api/runs/{run_id}/deny",
         "/api/runs/{run_id}/input", "/api/runs/{run_id}/cancel", "/api/runs/{run_id}/messages",
-        "/api/runs/{run_id}/published",
+        "/api/runs/{run_id}/published", "/api/runs/{run_id}/stream",
         "/api/sessions/{session_id}/turns", "/api/runs/{run_id}/resume",
         "/api/runs/{run_id}/resolve-drift", "/api/subjects/{subject}",
     }  # fmt: skip

@@ -37,6 +37,7 @@ NEW_OPERATIONS = {
     ("post", "/api/runs/{run_id}/messages"): "send_message",
     ("get", "/api/runs/{run_id}/published"): "get_published",
     ("delete", "/api/subjects/{subject}"): "erase_subject",
+    ("get", "/api/runs/{run_id}/stream"): "stream",
     ("post", "/api/runs/{run_id}/in-doubt"): "answer_in_doubt",
 }
 #: Keywords that describe and constrain nothing.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, Field, field_validator
@@ -16,6 +17,7 @@ from pydantic import BaseModel, Field, field_validator
 from .._journal.spending import normalise_usage
 from ..errors import KuralleError, ModelResponseError
 from ..shapes import Message
+from .openai_chunks import Call, ChunkAssembly
 
 if TYPE_CHECKING:
     from openai import AsyncOpenAI
@@ -25,6 +27,7 @@ __all__ = [
     "ModelRequest",
     "ModelResponse",
     "OpenAIModel",
+    "StreamingModel",
     "ToolCallRequest",
     "as_response",
     "openai_model",
@@ -88,12 +91,24 @@ class ModelRequest(BaseModel):
 
 @runtime_checkable
 class Model(Protocol):
-    """Anything with an ``id`` that answers a ``ModelRequest``."""
+    """Anything with an ``id`` that answers a ``ModelRequest``.
+
+    A model may also stream (``StreamingModel``): the runtime then calls
+    ``stream`` instead of ``respond`` for agent and reply turns."""
 
     @property
     def id(self) -> str: ...
 
     async def respond(self, request: ModelRequest) -> ModelResponse | str: ...
+
+
+@runtime_checkable
+class StreamingModel(Model, Protocol):
+    """A ``Model`` that streams: ``stream(request)`` yields its text as it comes
+    (``str`` deltas) and, last, its whole answer as a ``ModelResponse`` (without
+    it, the answer is the deltas' text). docs/streaming.md."""
+
+    def stream(self, request: ModelRequest) -> AsyncIterator[str | ModelResponse]: ...
 
 
 def as_response(model_id: str, value: Any) -> ModelResponse:
@@ -113,7 +128,8 @@ def as_response(model_id: str, value: Any) -> ModelResponse:
 
 
 class OpenAIModel:
-    """Chat completions with tools over ``openai.AsyncOpenAI``."""
+    """Chat completions with tools over ``openai.AsyncOpenAI``; streamed unless
+    ``streaming`` is off (a server that cannot stream)."""
 
     def __init__(
         self,
@@ -121,11 +137,15 @@ class OpenAIModel:
         client: AsyncOpenAI | None = None,
         base_url: str | None = None,
         api_key: str | None = None,
+        *,
+        stream: bool = True,
     ) -> None:
         self.model = model
         self._client = client
         self._base_url = base_url
         self._api_key = api_key
+        #: Whether ``stream`` asks the server for a streamed completion.
+        self.streaming = stream
 
     @property
     def id(self) -> str:
@@ -146,7 +166,8 @@ class OpenAIModel:
             self._client = AsyncOpenAI(api_key=api_key, base_url=self._base_url)
         return self._client
 
-    async def respond(self, request: ModelRequest) -> ModelResponse:
+    def _arguments(self, request: ModelRequest) -> dict[str, Any]:
+        """The chat-completion request for ``request``."""
         messages: list[dict[str, Any]] = []
         if request.instructions:
             messages.append({"role": "system", "content": request.instructions})
@@ -159,19 +180,57 @@ class OpenAIModel:
                 "type": "json_schema",
                 "json_schema": {"name": "extraction", "schema": request.schema},
             }
-        completion = await self.client().chat.completions.create(**kwargs)
-        return self._parse(completion, request)
+        return kwargs
 
-    def _parse(self, completion: Any, request: ModelRequest) -> ModelResponse:
+    async def respond(self, request: ModelRequest) -> ModelResponse:
+        completion = await self.client().chat.completions.create(**self._arguments(request))
         choices = getattr(completion, "choices", None)
         if not choices:
             raise ModelResponseError(self.model, "the completion has no choices")
         message = choices[0].message
         if message is None:
             raise ModelResponseError(self.model, "the first choice has no message")
+        calls = [
+            Call(call.id, getattr(call, "function", None)) for call in message.tool_calls or []
+        ]
+        usage = completion.usage.model_dump() if getattr(completion, "usage", None) else None
+        return self._response(message.content, calls, usage, request)
+
+    async def stream(self, request: ModelRequest) -> AsyncIterator[str | ModelResponse]:
+        """The completion streamed (``stream_options.include_usage``): its text as it
+        comes, then the response assembled as ``respond`` makes it. An extraction,
+        or a model made with ``stream=False``, is answered whole."""
+        if not self.streaming or request.purpose == "extract":
+            yield await self.respond(request)
+            return
+        chunks = await self.client().chat.completions.create(
+            **self._arguments(request), stream=True, stream_options={"include_usage": True}
+        )
+        assembly = ChunkAssembly()
+        async with chunks:
+            async for chunk in chunks:
+                text = assembly.add(chunk)
+                if text:
+                    yield text
+        if not assembly.chosen:
+            raise ModelResponseError(self.model, "the completion has no choices")
+        if not assembly.finished:
+            detail = "the stream ended before the completion did (no finish_reason)"
+            raise ModelResponseError(self.model, detail)
+        content = "".join(assembly.text) if assembly.text else None
+        yield self._response(content, assembly.calls(), assembly.usage, request)
+
+    def _response(
+        self,
+        content: str | None,
+        calls: list[Call],
+        usage: dict[str, Any] | None,
+        request: ModelRequest,
+    ) -> ModelResponse:
+        """The response of a completion's first choice (its text, tool calls and usage)."""
         tool_calls = []
-        for call in message.tool_calls or []:
-            function = getattr(call, "function", None)
+        for call in calls:
+            function = call.function
             if function is None or not function.name:
                 raise ModelResponseError(self.model, f"tool call {call.id!r} names no function")
             try:
@@ -185,15 +244,14 @@ class OpenAIModel:
         data = None
         if request.purpose == "extract":
             try:
-                parsed = json.loads(message.content or "{}")
+                parsed = json.loads(content or "{}")
             except json.JSONDecodeError as e:
                 raise ModelResponseError(self.model, f"extraction is not JSON: {e}") from None
             if not isinstance(parsed, dict):
                 raise ModelResponseError(self.model, "extraction is not a JSON object")
             data = parsed
-        usage = completion.usage.model_dump() if getattr(completion, "usage", None) else None
         return ModelResponse(
-            content=None if data is not None else message.content,
+            content=None if data is not None else content,
             tool_calls=tool_calls,
             data=data,
             usage=usage,
@@ -214,6 +272,10 @@ def openai_model(
     client: AsyncOpenAI | None = None,
     base_url: str | None = None,
     api_key: str | None = None,
+    *,
+    stream: bool = True,
 ) -> OpenAIModel:
-    """A ``Model`` over ``openai.AsyncOpenAI`` (key from ``OPENAI_API_KEY``)."""
-    return OpenAIModel(model, client=client, base_url=base_url, api_key=api_key)
+    """A ``Model`` over ``openai.AsyncOpenAI`` (key from ``OPENAI_API_KEY``) that
+    streams its text as it comes (``stream=False``: whole completions, for a server
+    that cannot stream; docs/streaming.md)."""
+    return OpenAIModel(model, client=client, base_url=base_url, api_key=api_key, stream=stream)

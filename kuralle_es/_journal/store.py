@@ -24,7 +24,9 @@ read every log (docs/scaling.md).
 
 from __future__ import annotations
 
+import asyncio
 import os
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -54,6 +56,7 @@ from .store_url import (
     redact,
     shards_of,
 )
+from .stream_log import StreamLog, stream_log_for
 from .subject_keys import KeyTable, key_table_at
 
 __all__ = ["RunStore"]
@@ -102,6 +105,9 @@ class RunStore:
         #: Every log of the store, by partition number.
         self.partitions: tuple[RunLog, ...] = tuple(logs)
         self._router = Router(self.partitions)
+        #: Each partition's stored streams (``stream_log``), made on first use.
+        self._streams: dict[int, StreamLog] = {}
+        self._streams_guard = threading.Lock()
 
     def __repr__(self) -> str:
         labels = dict.fromkeys(str(log.address and log.address.label()) for log in self.partitions)
@@ -325,7 +331,33 @@ class RunStore:
         log = await self._router.of_run_async(run_id)
         return None if log is None else await log.lease_async(run_id)
 
+    # -------------------------------------------------------------- streams
+    def stream_log(self, partition: int = 0) -> StreamLog:
+        """The stored streams of a partition's runs (docs/streaming.md)."""
+        with self._streams_guard:
+            log = self._streams.get(partition)
+            if log is None:
+                log = self._streams[partition] = stream_log_for(self.partitions[partition].recorder)
+            return log
+
+    async def stream_log_async(self, run_id: str) -> StreamLog | None:
+        """The stored streams of the run's partition (None: no such run)."""
+        log = await self._router.of_run_async(run_id)
+        if log is None:
+            return None
+        with self._streams_guard:
+            made = self._streams.get(log.partition)
+        if made is not None:
+            return made
+        if log.saves_block:  # its table is set up on first use
+            return await asyncio.to_thread(self.stream_log, log.partition)
+        return self.stream_log(log.partition)
+
     def close(self) -> None:
+        with self._streams_guard:
+            streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:  # what they still hold queued goes first
+            stream.close()
         _close(self.partitions)
 
 

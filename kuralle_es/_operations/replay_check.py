@@ -31,6 +31,7 @@ from .._journal.run import Run
 from .._journal.store import RunStore
 from .._runtime.flow_driver import drive
 from .._runtime.registry import Registry
+from .._runtime.streaming import TurnStream
 from .._runtime.suspensions import Schemas
 from .._runtime.writer import RunWriter
 from ..errors import FlowDriftError, InvalidArgumentError, NonDeterminismError
@@ -126,7 +127,9 @@ async def _nondeterminism(
         return None
 
     try:
-        await drive(writer, agent, flow, ignore, schemas=Schemas(), max_tool_concurrency=1)
+        await drive(
+            writer, agent, flow, TurnStream(ignore), schemas=Schemas(), max_tool_concurrency=1
+        )
     except NonDeterminismError as e:
         if e.recorded_key is not None and not agents:
             return None  # other args or defaults: only the tools' input models can tell

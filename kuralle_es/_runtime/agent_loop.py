@@ -30,6 +30,7 @@ from ..errors import (
 from ..shapes import StreamPart
 from .cursor import Cursor
 from .model_calls import assistant_message, model_call, model_turn, tool_message
+from .streaming import TurnStream
 from .tool_calls import run_tool
 from .writer import RunWriter
 
@@ -194,7 +195,7 @@ async def agent_turn(
     writer: RunWriter,
     cursor: Cursor,
     agent: Agent,
-    emit: Callable[[StreamPart], None],
+    emit: TurnStream,
     max_concurrency: int,
 ) -> str | None:
     """Loop model turns and tool calls until the model replies without tools."""
@@ -202,8 +203,6 @@ async def agent_turn(
 
     def on_new(response: ModelResponse) -> None:
         writer.append_message(assistant_message(response))
-        if response.content:
-            emit(StreamPart(type="text", text=response.content))
 
     for _ in range(MAX_MODEL_TURNS):
         request = ModelRequest(
@@ -213,7 +212,7 @@ async def agent_turn(
             instructions=agent.instructions,
         )
         response = await model_turn(
-            writer, cursor, agent.model, request, on_new, budget=agent.budget
+            writer, cursor, agent.model, request, on_new, budget=agent.budget, stream=emit
         )
         if not response.tool_calls:
             return response.content

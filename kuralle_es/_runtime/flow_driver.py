@@ -9,7 +9,6 @@ owns the callsite cursor: one per node visit (or per conversation epoch).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,12 +36,14 @@ from .context import RunContext
 from .cursor import Cursor
 from .loop_turn import JournalTurn
 from .model_calls import model_turn
+from .streaming import TurnStream
 from .suspensions import Schemas, WaitRequest, suspend
 from .writer import RunWriter
 
 __all__ = ["Driven", "drive", "drive_flow"]
 
-Emit = Callable[[StreamPart], None]
+#: Where a turn's parts go (to its handle and its stored stream).
+Emit = TurnStream
 
 
 @dataclass(frozen=True)
@@ -182,7 +183,7 @@ async def _collect(node: CollectNode, state: dict[str, Any], visit: _Visit) -> A
         schema=node.schema.model_json_schema(),
     )
     response = await model_turn(
-        writer, cursor, visit.agent.model, request, budget=visit.agent.budget
+        writer, cursor, visit.agent.model, request, budget=visit.agent.budget, stream=visit.emit
     )
     state.update(_valid_fields(node.schema, response.data or {}))
     missing = [name for name in node.required if state.get(name) is None]
@@ -204,13 +205,17 @@ async def _reply(node: ReplyNode, state: dict[str, Any], visit: _Visit) -> Any:
 
     def on_new(response: ModelResponse) -> None:
         writer.append_message(Message(role="assistant", content=response.content))
-        if response.content:
-            visit.emit(StreamPart(type="text", text=response.content))
 
     request = ModelRequest(
         purpose="reply", messages=writer.messages(), instructions=node.instructions
     )
     await model_turn(
-        writer, visit.cursor, visit.agent.model, request, on_new, budget=visit.agent.budget
+        writer,
+        visit.cursor,
+        visit.agent.model,
+        request,
+        on_new,
+        budget=visit.agent.budget,
+        stream=visit.emit,
     )
     return node.next_transition(state)

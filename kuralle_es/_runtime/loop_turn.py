@@ -10,7 +10,7 @@ loop (docs/agents.md).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from .._definitions.agents import Agent
@@ -22,6 +22,7 @@ from .children import conversation_request, start_child, wait_child
 from .context import TurnBound
 from .cursor import Cursor
 from .model_calls import assistant_message, model_turn
+from .streaming import TurnStream
 from .tool_calls import ask_approval, recorded_approval, run_tool
 from .writer import RunWriter, decode
 
@@ -36,10 +37,11 @@ class JournalTurn(TurnBound):
         writer: RunWriter,
         cursor: Cursor,
         agent: Agent,
-        emit: Callable[[StreamPart], None],
+        emit: TurnStream,
     ) -> None:
         super().__init__(writer, cursor, emit)
         self._agent = agent
+        self._stream = emit
 
     def messages(self) -> list[Message]:
         return self._writer.messages()
@@ -60,11 +62,15 @@ class JournalTurn(TurnBound):
             for message in messages:
                 writer.append_message(message)
             writer.append_message(assistant_message(response))
-            if response.content:
-                self._emit(StreamPart(type="text", text=response.content))
 
         return await model_turn(
-            writer, self._cursor, model, request, on_new, budget=self._agent.budget
+            writer,
+            self._cursor,
+            model,
+            request,
+            on_new,
+            budget=self._agent.budget,
+            stream=self._stream,
         )
 
     def reserve(self, n: int) -> list[int]:

@@ -16,13 +16,15 @@ from typing import Any
 
 from .._definitions.budget import Budget
 from .._definitions.llm import Model, ModelRequest, ModelResponse, as_response
+from .._definitions.streamed import streamed_answer, streams
 from .._journal.json_data import plain_json_problem
 from .._journal.keys import canonical_json
 from .._journal.sites import Effect, Lane, Site
 from .._journal.wait import BUDGET
 from ..errors import BudgetExceededError, InvalidArgumentError, ModelResponseError
-from ..shapes import Message
+from ..shapes import Message, StreamPart
 from .cursor import Cursor
+from .streaming import TurnStream
 from .suspensions import WaitRequest, approval_decision, frozen_operation, suspend
 from .writer import RunWriter, decode
 
@@ -59,6 +61,7 @@ async def model_turn(
     request: ModelRequest,
     on_new: Callable[[ModelResponse], None] | None = None,
     budget: Budget | None = None,
+    stream: TurnStream | None = None,
 ) -> ModelResponse:
     """Ask ``model`` once, journaled: a replay returns the recorded response.
 
@@ -66,7 +69,10 @@ async def model_turn(
     calls, usage) after it; ``on_new`` runs only for a fresh answer, and the
     events it triggers (the assistant message) are saved with the response.
     A call that fails journals nothing more: the next pass asks again.
-    ``budget`` is the agent's (the run's own replaces it).
+    ``budget`` is the agent's (the run's own replaces it). With ``stream`` (a
+    turn's), a model that streams sends its text deltas there as they come,
+    a fresh answer's text follows as a ``text`` part, and a replay sends the
+    recorded text (docs/streaming.md).
     """
     if model is None:
         msg = (
@@ -79,23 +85,24 @@ async def model_turn(
     site = cursor.take()
     model_id = model.id
     call = model_call(site, model_id, request.purpose, request)
-    if writer.recorded(call) is None:
+    step = writer.recorded(call)
+    if step is None:
         await _within_budget(writer, site, budget)
+    replayed = step is not None and step["status"] == "finished"
+    texts = stream if request.purpose != "extract" else None
 
     async def ask() -> dict[str, Any]:
-        answer = as_response(model_id, await model.respond(request))
-        # Nothing of a refused response is journaled: the next pass asks again.
-        # JSON mode would replace a lone surrogate in a key, so look at both dumps.
-        problem = plain_json_problem(answer.model_dump(), other_types_ok=True)
-        if problem is None:
-            try:
-                dumped = answer.model_dump(mode="json")
-            except (ValueError, UnicodeError) as e:
-                raise ModelResponseError(model_id, f"the response is not JSON: {e}") from None
-            problem = plain_json_problem(dumped)
-        if problem is not None:
-            raise ModelResponseError(model_id, f"the response {problem}")
-        return dumped
+        if texts is None or not streams(model):
+            return _checked(model_id, await model.respond(request))
+        current = writer.peek(call)
+        assert current is not None, "the intent is journaled before the call"
+        index, attempt = current["index"], current["attempts"]
+        await texts.before_attempt(index, attempt)
+        try:
+            return await _streamed(model, request, texts, index, attempt)
+        except Exception:
+            texts.retract(index, attempt)  # it will not be the journaled response
+            raise
 
     def recorded(value: Any) -> None:
         if on_new is not None:
@@ -107,7 +114,59 @@ async def model_turn(
         on_recorded=recorded,
         journal_errors=False,
     )
-    return ModelResponse.model_validate(value)
+    response = ModelResponse.model_validate(value)
+    if texts is not None and response.content:
+        done = writer.peek(call)
+        assert done is not None
+        if replayed:
+            await texts.replay(done["index"], done["attempts"], response.content)
+        else:
+            whole = StreamPart(
+                type="text", text=response.content, step=done["index"], attempt=done["attempts"]
+            )
+            texts(whole)
+    return response
+
+
+async def _streamed(
+    model: Model, request: ModelRequest, stream: TurnStream, step: int, attempt: int
+) -> dict[str, Any]:
+    """One streamed attempt: its deltas sent as they come, its response checked. A
+    response whose text is not what its deltas said is retracted and sent whole,
+    so the stream's text is the journaled one (a model that sent no delta, such
+    as ``openai_model(stream=False)``, answered whole: its text is the ``text``
+    part's alone)."""
+    sent: list[str] = []
+
+    def delta(text: str) -> None:
+        sent.append(text)
+        stream.delta(step, attempt, text)
+
+    answer = await streamed_answer(model, request, delta)
+    dumped = _checked(model.id, answer)
+    content = dumped.get("content") or ""
+    if sent and content != "".join(sent):
+        stream.retract(step, attempt)
+        if content:
+            stream.delta(step, attempt, content)
+    return dumped
+
+
+def _checked(model_id: str, raw: Any) -> dict[str, Any]:
+    """A model's answer as the journal keeps it; ``ModelResponseError`` (nothing of
+    it journaled: the next pass asks again) for one it cannot keep."""
+    answer = as_response(model_id, raw)
+    # JSON mode would replace a lone surrogate in a key, so look at both dumps.
+    problem = plain_json_problem(answer.model_dump(), other_types_ok=True)
+    if problem is None:
+        try:
+            dumped: dict[str, Any] = answer.model_dump(mode="json")
+        except (ValueError, UnicodeError) as e:
+            raise ModelResponseError(model_id, f"the response is not JSON: {e}") from None
+        problem = plain_json_problem(dumped)
+    if problem is not None:
+        raise ModelResponseError(model_id, f"the response {problem}")
+    return dumped
 
 
 async def _within_budget(writer: RunWriter, site: Site, agent_budget: Budget | None) -> None:

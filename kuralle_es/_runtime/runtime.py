@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import os
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from datetime import datetime
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -25,7 +25,7 @@ from .._durations import positive_seconds
 from .._journal.spending import validate_prices
 from .._journal.store import RunStore
 from ..errors import InvalidArgumentError, RunNotFoundError
-from ..shapes import RunState, SignalDelivery, StepRecord, TurnResult
+from ..shapes import RunState, SignalDelivery, StepRecord, StreamPart, TurnResult
 from .cancel import cancel_run
 from .children import ChildRuns, notify_parent
 from .deliveries import approval_delivery, delivery_id
@@ -37,6 +37,7 @@ from .mailbox import published_values, send_message, wait_published
 from .migrate import migrate_run
 from .registry import Registry
 from .retention import ENDED, PruneReport, prune_runs
+from .streaming import stored_parts
 from .turn import drive_turn
 from .turn_calls import (
     Command,
@@ -224,6 +225,20 @@ class Runtime:
         (like ``get_run``'s None: a read never says whether a foreign run exists)."""
         run = await load_run(self.store, run_id, session_id, history=True)
         return run.step_records() if run is not None else []
+
+    def stream(self, run_id: str, session_id: str, after: int = 0) -> AsyncIterator[StreamPart]:
+        """The run's stored stream after offset ``after``: the parts its turns sent
+        (text deltas, retracts, tool calls, custom parts, each turn's end), each
+        with its ``offset``, then the new ones as they are stored, in order.
+
+        Ends once the run is at rest (not running) and every part it stored has
+        been given; a run running in another process is followed live (its parts
+        are stored in batches, at most every 50 ms). Raises, when iterated,
+        ``RunNotFoundError`` for an unknown run or one of another session, and
+        ``InvalidArgumentError`` for an ``after`` that is not an int >= 0
+        (docs/streaming.md).
+        """
+        return stored_parts(self.store, run_id, session_id, after)
 
     # ------------------------------------------------------------------ fork
     async def fork(

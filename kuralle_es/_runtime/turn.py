@@ -9,6 +9,7 @@ new user message, an accepted delivery, a re-pinned flow).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 from collections.abc import Callable
@@ -32,6 +33,7 @@ from .children import ChildRuns, driving, follow_up
 from .flow_driver import Driven, drive
 from .handle import TurnSink
 from .observability import log_event, set_status, span
+from .streaming import TurnStream
 from .turn_calls import Command, Opening, Recover, Resume, TurnEnv
 from .writer import RunStopped, RunWriter, result_of
 
@@ -66,6 +68,8 @@ class _Turn:
         self.span: Any = None
         #: The turn that drives the run on when the close was woken by a message.
         self.woken: Resume | None = None
+        #: Every part of the turn goes through it: to the handle, and stored.
+        self.stream = TurnStream(self.emit)
 
     def emit(self, part: StreamPart) -> None:
         if part.type == "text" and part.text:
@@ -181,7 +185,7 @@ class _Turn:
     ) -> TurnResult:
         env = self.env
         try:
-            await self._open(run, fresh, held, writer, opening)
+            await self._opened(run, fresh, held, writer, opening)
         except (StaleWriteError, LeaseHeldError):
             latest = await env.store.load_async(run.run_id)
             if latest is not None:
@@ -202,7 +206,7 @@ class _Turn:
                     writer,
                     agent,
                     flow,
-                    self.emit,
+                    self.stream,
                     schemas=env.registry.schemas,
                     max_tool_concurrency=env.max_tool_concurrency,
                 )
@@ -244,6 +248,26 @@ class _Turn:
         if run.active_flow is None:
             return registry.agent(run.active_agent), None
         return registry.run_flow(run.active_flow, run.flow_digest, run.flow_version)
+
+    async def _opened(
+        self, run: Run, fresh: bool, held: Lease | None, writer: RunWriter, opening: Opening
+    ) -> None:
+        """``_open``, with the run's stored stream found meanwhile (a run that has one
+        reads its last offset while the opening is saved)."""
+        store = self.env.store
+        if fresh:
+            await self._open(run, fresh, held, writer, opening)
+            await self.stream.open(store, run.run_id, fresh=True)
+            return
+        finding = asyncio.ensure_future(self.stream.open(store, run.run_id, fresh=False))
+        try:
+            await self._open(run, fresh, held, writer, opening)
+        except BaseException:
+            finding.cancel()
+            with contextlib.suppress(BaseException):
+                await finding
+            raise
+        await finding
 
     async def _open(
         self, run: Run, fresh: bool, held: Lease | None, writer: RunWriter, opening: Opening
@@ -309,7 +333,8 @@ class _Turn:
             outcome=writer.outcome if result.status != "paused" else None,
             error=writer.error_type,
         )
-        self.sink.emit(part.model_copy(update={"data": result.model_dump(mode="json")}))
+        ended = part.model_copy(update={"data": result.model_dump(mode="json")})
+        self.stream(ended, version=writer.version)
         # A child that ended tells its parent; a parent whose child ended meanwhile
         # goes on (docs/child-runs.md): within this call, after this turn's close.
         followed = await follow_up(ChildRuns(self.env, drive_turn), writer, result)

@@ -286,6 +286,8 @@ class RunWriter:
     flow_version = _OfRun[str | None]()
     status = _OfRun[RunStatus]()
     outcome = _OfRun[str | None]()
+    #: The run's aggregate version (its saved events so far, and those pending).
+    version = _OfRun[int]()
     #: How many steps the run has journaled: the index its next step gets.
     step_count = _OfRun[int]()
 

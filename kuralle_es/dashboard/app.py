@@ -3,14 +3,15 @@
 ``create_app(store, runtime_factory, host=..., token=...)`` builds the ASGI
 app; ``serve(...)`` runs it with uvicorn. Pages are rendered on the server
 (Jinja2 with autoescape, so run data is always text) and change in place as
-their runs do: the page's one script (``static/live.js``) listens to the run
+their runs do: the page's script (``static/live.js``) listens to the run
 events (``live``) and swaps the page's live parts (without a script, the page
-reloads itself every ``refresh_seconds``). Reads go to the store and its
-views; the writes are an operator's decisions and actions (``decisions``,
-``actions``), each a call of the library's own API. The runtime (and with it
-the user's agents) is built on the first write, or the first run page an
-operator opens (it says whether the run's flow drifted), so the read-only
-pages never import the user's app.
+reloads itself every ``refresh_seconds``); a run's page also shows its stream
+live (``static/stream.js`` on the run's Server-Sent Events, docs/streaming.md).
+Reads go to the store and its views; the writes are an operator's decisions
+and actions (``decisions``, ``actions``), each a call of the library's own
+API. The runtime (and with it the user's agents) is built on the first
+write, or the first run page an operator opens (it says whether the run's
+flow drifted), so the read-only pages never import the user's app.
 """
 
 from __future__ import annotations
@@ -45,9 +46,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from .._journal.spending import PRICES_ENV, Prices, prices_from_json, validate_prices
 from .._journal.store import RunStore
 from .._runtime.runtime import Runtime
+from .._runtime.streaming import stored_parts
 from .._serving import HostGate, Server, UnservedHostError, refuse_open_bind, served_hosts
 from ..errors import InvalidArgumentError, KuralleError
 from ..http.errors import status_of  # the statuses of the HTTP API's refusals, one mapping
+from ..http.sse import EventStream, last_event_id
 from ..redaction import loads
 from ..shapes import RunState
 from ..views import RunViews
@@ -270,6 +273,9 @@ class _Dashboard:
     async def run_page(self, request: Request) -> Response:
         run_id = request.path_params["run_id"]
         live = await self.live(run_id)
+        # The stream's offset first: a turn that ends after it is read reloads the page.
+        streams = await self.store.stream_log_async(run_id)
+        seen = await streams.last_offset(run_id) if streams is not None else 0
         run = await self.store.load_async(run_id, history=True)
         if run is None:
             return self.problem(request, 404, "No such run", f"There is no run {run_id}.")
@@ -295,6 +301,8 @@ class _Dashboard:
             "message_id": new_signal_id(),
             # A parent waiting for its child: the child as it stands (what it waits for).
             "child": await self.child_of(state),
+            "stream_seen": seen,
+            "stream": True,
         }
         return self.render(request, "run.html", context, refresh=True, live=live)
 
@@ -388,6 +396,18 @@ class _Dashboard:
         back = "chat" if fields.get("back") == "chat" else ""
         path = f"/runs/{run_id}/chat" if back else f"/runs/{run_id}"
         return RedirectResponse(f"{path}?done={name}", status_code=303)
+
+    async def stream(self, request: Request) -> Response:
+        """The run's stored stream, then live, as Server-Sent Events (docs/streaming.md)."""
+        run_id = request.path_params["run_id"]
+        try:
+            start = last_event_id(request.headers.get("last-event-id"), 0)
+        except InvalidArgumentError as error:
+            return PlainTextResponse(str(error), status_code=400)
+        run = await self.store.load_async(run_id)
+        if run is None:
+            return PlainTextResponse(f"There is no run {run_id}.", status_code=404)
+        return EventStream(stored_parts(self.store, run_id, run.session_id, start))
 
     def decision(self, approve: bool) -> Handler:
         """GET: the confirmation step; POST: the delivery."""
@@ -561,6 +581,7 @@ def create_app(
         Route("/tools", dash.page(dash.tools)),
         Route("/usage", dash.page(dash.usage)),
         Route("/runs/{run_id}", dash.page(dash.run_page)),
+        Route("/runs/{run_id}/stream", dash.page(dash.stream)),
         Route("/runs/{run_id}/approve", dash.decision(True), methods=["GET", "POST"]),
         Route("/runs/{run_id}/deny", dash.decision(False), methods=["GET", "POST"]),
         Route("/runs/{run_id}/chat", dash.page(dash.chat_page)),

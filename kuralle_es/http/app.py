@@ -59,6 +59,8 @@ from .shapes import (
     StartRun,
     Turn,
 )
+from .sse import EventStream
+from .sse import last_event_id as last_event_id_of
 
 __all__ = ["BODY_SLACK_BYTES", "IDEMPOTENCY_HEADER", "create_app"]
 
@@ -417,6 +419,73 @@ async def erase_subject(
 # HEAD on the reads, as Starlette serves it, left out of the document.
 for _read in [r for r in router.routes if isinstance(r, APIRoute) and "GET" in (r.methods or ())]:
     router.add_api_route(_read.path, _read.endpoint, methods=["HEAD"], include_in_schema=False)
+
+
+# ----------------------------------------------------------------- stream
+SessionQuery = Annotated[
+    str | None,
+    Query(
+        description="the run's session; given, a run of another session is 404 (else the "
+        "store says which session the run is of)",
+        min_length=1,
+        max_length=MAX_ID_LENGTH,
+    ),
+]
+AfterQuery = Annotated[
+    int, Query(ge=0, description="the offset to start after (Last-Event-ID, if sent, wins)")
+]
+LastEventId = Annotated[
+    str | None,
+    Header(
+        alias="Last-Event-ID",
+        description="the id of the last event a reconnecting client saw: it resumes after it",
+        pattern=r"^[0-9]{0,18}$",
+    ),
+]
+#: One event of the stream (each is checked against it): a part (``data``: the part as
+#: JSON, ``id``: its offset), the ``end`` event, or the ``retry`` hint.
+_SSE_EVENT = {
+    "type": "object",
+    "properties": {
+        "data": {"type": "string", "description": "a StreamPart as JSON ({} for end)"},
+        "event": {"type": "string", "description": "end, once the run is at rest"},
+        "id": {"type": "string", "description": "the part's offset"},
+        "retry": {"type": "integer", "minimum": 0},
+    },
+}
+_ERROR_JSON = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}
+_STREAM_RESPONSES: dict[int | str, dict[str, Any]] = {
+    # Refusals are JSON, whatever the stream's own media type.
+    **{
+        status: {"description": answer["description"], "content": _ERROR_JSON}
+        for status, answer in _responses(404).items()
+    },
+    200: {
+        "description": "Server-Sent Events: each part of the run's stored stream (id: its "
+        "offset; data: the part as JSON), then the live ones, then an `end` event once the "
+        "run is at rest",
+        "content": {"text/event-stream": {"schema": _SSE_EVENT}},
+    },
+}
+
+
+@router.get(f"{_RUN}/stream", operation_id="stream", response_class=EventStream,
+            status_code=200, responses=_STREAM_RESPONSES,
+            summary="stream: the run's stored stream as Server-Sent Events, then live")  # fmt: skip
+async def stream(
+    runtime: Served,
+    run_id: RunId,
+    session_id: SessionQuery = None,
+    after: AfterQuery = 0,
+    last_event_id: LastEventId = None,
+) -> EventStream:
+    """The parts the run's turns sent after an offset (text deltas, retracts, tool
+    calls, each turn's end), as they are stored; docs/streaming.md."""
+    start = last_event_id_of(last_event_id, after)
+    session = session_id if session_id is not None else await _session_of(runtime, run_id)
+    if await runtime.get_run(run_id, session) is None:
+        raise unknown_run(run_id)  # fail-closed: no stream of another session's run
+    return EventStream(runtime.stream(run_id, session, after=start))
 
 
 def _describe_server(document: dict[str, Any], flows: list[str], bearer: bool) -> None:

@@ -7,7 +7,14 @@ journal under it, at the three places where a run touches the world:
 
 - every model request goes through the journal as a ``model`` step (a
   ``WrapperModel``), its ``ModelResponse`` recorded in Pydantic AI's own JSON
-  form, so a replay hands the agent the very response it had;
+  form, so a replay hands the agent the very response it had. Requests are
+  streamed (docs/streaming.md): the model's text deltas go to the turn's
+  stream as they come, and so do its events to an ``event_stream_handler``
+  given to ``DurableAgent.run``, inside the step; Pydantic AI then gets the
+  journaled response as a completed stream (the way its own durable
+  integrations hand a step's response to a workflow), replayed as events
+  for a handler that did not see it live;
+
 - every tool call goes through the journal as a ``tool`` step (a
   ``WrapperToolset``), with the idempotency key of docs/concepts.md;
 - approval-required tools (``requires_approval=True``) reach Pydantic AI's
@@ -33,10 +40,12 @@ and an ``idempotency_key``; its ``output`` is typed (the agent's
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import contextvars
 import inspect
 import json
-from collections.abc import Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union, get_type_hints
 
@@ -54,6 +63,8 @@ from kuralle_es import (
     Runtime,
     ToolCall,
     ToolCallRequest,
+    TurnHandle,
+    TurnResult,
     WaitingFor,
     define_agent,
     define_tool,
@@ -64,14 +75,19 @@ from kuralle_es.shapes import Message
 
 try:
     from pydantic_ai import Agent, ModelRetry, NativeOutput, PromptedOutput, TextOutput, ToolOutput
+    from pydantic_ai.agent import EventStreamHandler
     from pydantic_ai.capabilities import AbstractCapability
     from pydantic_ai.messages import (
+        AgentStreamEvent,
         ModelMessage,
         ModelMessagesTypeAdapter,
         ModelRequestPart,
+        PartDeltaEvent,
+        PartStartEvent,
         RetryPromptPart,
         SystemPromptPart,
         TextPart,
+        TextPartDelta,
         ToolCallPart,
         ToolReturnPart,
         UserPromptPart,
@@ -79,7 +95,12 @@ try:
     )
     from pydantic_ai.messages import ModelRequest as PaiRequest
     from pydantic_ai.messages import ModelResponse as PaiResponse
-    from pydantic_ai.models import Model, ModelRequestParameters
+    from pydantic_ai.models import (
+        CompletedStreamedResponse,
+        Model,
+        ModelRequestParameters,
+        StreamedResponse,
+    )
     from pydantic_ai.models.wrapper import WrapperModel
     from pydantic_ai.settings import ModelSettings
     from pydantic_ai.tools import DeferredToolRequests, DeferredToolResults, RunContext, ToolDenied
@@ -97,6 +118,7 @@ __all__ = [
     "Delegate",
     "DurableAgent",
     "DurableRunResult",
+    "DurableStreamedRun",
     "definition",
     "delegate",
     "durable",
@@ -144,6 +166,8 @@ class _Call:
     #: The message history in Pydantic AI's JSON form (None: the run's own chat).
     history: list[Any] | None = None
     outputs: dict[str, Any] = field(default_factory=dict)
+    #: Pydantic AI's ``event_stream_handler``: with one, model requests stream.
+    handler: EventStreamHandler[Any] | None = None
 
 
 # --------------------------------------------------------------- the result
@@ -162,6 +186,39 @@ class DurableRunResult:
     run_id: str
     status: str
     waiting_for: WaitingFor | None = None
+
+
+class DurableStreamedRun:
+    """A durable turn being streamed (``DurableAgent.run_stream``)."""
+
+    def __init__(
+        self, handle: TurnHandle, finish: Callable[[TurnResult], DurableRunResult]
+    ) -> None:
+        self._handle = handle
+        self._finish = finish
+
+    async def run_id(self) -> str:
+        """The run's id, once the turn opened it."""
+        return await self._handle.run_id
+
+    async def stream_text(self, *, delta: bool = False) -> AsyncIterator[str]:
+        """The text of each model response as it is written: the text so far
+        (``delta=False``), or each new piece. The text of an attempt that failed is
+        dropped (a ``retract``: with ``delta=True`` its pieces were given already,
+        and the turn's error follows them). The turn's error is raised here."""
+        attempts: dict[tuple[int, int], str] = {}
+        async for part in self._handle:
+            if part.type == "retract":
+                attempts.pop((part.step or 0, part.attempt or 0), None)
+            if part.type != "text-delta" or not part.delta:
+                continue
+            key = (part.step or 0, part.attempt or 0)
+            attempts[key] = attempts.get(key, "") + part.delta
+            yield part.delta if delta else attempts[key]
+
+    async def result(self) -> DurableRunResult:
+        """How the turn ended, as ``DurableAgent.run`` says it."""
+        return self._finish(await self._handle.result())
 
 
 def tool_call() -> ToolCall | None:
@@ -251,6 +308,80 @@ class _OneRequest:
         return _recordable(answer)
 
 
+@dataclass
+class _OneStream(_OneRequest):
+    """One Pydantic AI model request, streamed: its text deltas as they come (to the
+    turn's stream), its events to the run's ``event_stream_handler`` inside the
+    step, then the response to journal. Asked only when the journal has none."""
+
+    run_context: RunContext[Any] | None = None
+    handler: EventStreamHandler[Any] | None = None
+    #: Whether the handler saw this response's events live (none to replay then).
+    delivered: bool = False
+
+    async def stream(self, request: ModelRequest) -> AsyncIterator[str | ModelResponse]:
+        opened = self.model.request_stream(
+            self.messages, self.settings, self.parameters, self.run_context
+        )
+        async with opened as streamed:
+            if self.handler is None or self.run_context is None:
+                async for event in streamed:
+                    text = _text_of(event)
+                    if text:
+                        yield text
+            else:
+                async for text in self._handled(streamed, self.handler, self.run_context):
+                    yield text
+            yield _recordable(streamed.get())
+
+    async def _handled(
+        self,
+        streamed: StreamedResponse,
+        handler: EventStreamHandler[Any],
+        run_context: RunContext[Any],
+    ) -> AsyncIterator[str]:
+        """The stream's text while ``handler`` consumes its events (in a task of its
+        own: a handler pulls the events at its pace, the deltas go on as they come)."""
+        texts: asyncio.Queue[str | None] = asyncio.Queue()
+
+        async def tapped() -> AsyncIterator[AgentStreamEvent]:
+            try:
+                async for event in streamed:
+                    text = _text_of(event)
+                    if text:
+                        texts.put_nowait(text)
+                    yield event
+            finally:
+                texts.put_nowait(None)
+
+        async def handle() -> None:
+            events = tapped()
+            await handler(run_context, events)
+            async for _ in events:  # what the handler left unread
+                pass
+
+        self.delivered = True
+        handling = asyncio.ensure_future(handle())
+        try:
+            while (text := await texts.get()) is not None:
+                yield text
+            await handling
+        finally:
+            if not handling.done():
+                handling.cancel()
+                with contextlib.suppress(BaseException):
+                    await handling
+
+
+def _text_of(event: Any) -> str | None:
+    """The text a streamed event adds to a text part, if any."""
+    if isinstance(event, PartStartEvent) and isinstance(event.part, TextPart):
+        return event.part.content
+    if isinstance(event, PartDeltaEvent) and isinstance(event.delta, TextPartDelta):
+        return event.delta.content_delta
+    return None
+
+
 def _tool_messages(parts: Sequence[ModelRequestPart]) -> list[Message]:
     """The chat messages of the tool results among ``parts`` (a request's)."""
     out: list[Message] = []
@@ -283,9 +414,36 @@ class _JournaledModel(WrapperModel):
         model_settings: ModelSettings | None,
         model_request_parameters: ModelRequestParameters,
     ) -> PaiResponse:
-        last = messages[-1] if messages else None
-        led_here = _tool_messages(last.parts) if isinstance(last, PaiRequest) else []
         one = _OneRequest(self.wrapped, messages, model_settings, model_request_parameters)
+        return await self._journaled(one)
+
+    @contextlib.asynccontextmanager
+    async def request_stream(
+        self,
+        messages: list[ModelMessage],
+        model_settings: ModelSettings | None,
+        model_request_parameters: ModelRequestParameters,
+        run_context: RunContext[Any] | None = None,
+    ) -> AsyncIterator[StreamedResponse]:
+        """The request streamed inside its journaled step; Pydantic AI gets the
+        journaled response as a completed stream (its events replayed for a handler
+        that did not see them live: a replayed step's, or a run without one)."""
+        call = _call.get()
+        handler = call.handler if call is not None else None
+        one = _OneStream(
+            self.wrapped, messages, model_settings, model_request_parameters, run_context, handler
+        )
+        response = await self._journaled(one)
+        yield CompletedStreamedResponse(
+            response,
+            model_request_parameters=model_request_parameters,
+            replay_events=not one.delivered,
+        )
+
+    async def _journaled(self, one: _OneRequest) -> PaiResponse:
+        """The request as a journaled model step (replayed if the journal has it)."""
+        last = one.messages[-1] if one.messages else None
+        led_here = _tool_messages(last.parts) if isinstance(last, PaiRequest) else []
         recorded = await self._turn.model(one, ModelRequest(purpose="agent", messages=[]), led_here)
         response = _rebuilt(recorded)
         self._callsites.assign(self._turn, response)
@@ -472,11 +630,15 @@ class PydanticAILoop:
         given = await turn.given(HISTORY, call.history if call is not None else None)
         if given is not None:
             history = ModelMessagesTypeAdapter.validate_python(given)
+        # A handler (a streamed call: run_stream, or run with one) makes Pydantic AI
+        # stream its model requests (request_stream): their text reaches the turn's
+        # stream as it comes. Without, requests are made whole, as Pydantic AI does.
         result = await self.agent.run(
             prompt,
             message_history=history,
             deps=call.deps if call is not None else self.deps,
             capabilities=[_OnTheJournal(turn)],
+            event_stream_handler=call.handler if call is not None else None,
         )
         # Tool results after the last response (an output tool's) ride the turn's close.
         new = result.new_messages()
@@ -486,6 +648,12 @@ class PydanticAILoop:
         if call is not None:
             call.outputs[turn.run_id] = result.output
         return _output_text(result.output)
+
+
+async def _drained(run_context: RunContext[Any], events: Any) -> None:
+    """The handler of a run that has none of its own: reads the events, ignores them."""
+    async for _ in events:
+        pass
 
 
 # ----------------------------------------------------------- durable agent
@@ -507,6 +675,7 @@ class DurableAgent:
         usage_limits: UsageLimits | None = None,
         message_history: Sequence[ModelMessage] | None = None,
         idempotency_key: str | None = None,
+        event_stream_handler: EventStreamHandler[Any] | None = None,
     ) -> DurableRunResult:
         """Run one user turn of the session's conversation with the agent.
 
@@ -532,15 +701,60 @@ class DurableAgent:
         (same key, same request) return the first one's result and run
         nothing more. ``output`` is typed by the agent's ``output_type``
         whichever process drove the turn: rebuilt from the journal when this
-        call did not.
+        call did not. ``event_stream_handler`` is Pydantic AI's: with it, the
+        model's requests stream, and it gets each fresh response's events live
+        (a replayed one's, replayed) and the tool calls' events; the text also
+        reaches the run's stream (``Runtime.stream``, docs/streaming.md).
         """
-        call = _Call(deps=deps, history=_journalable(message_history))
+        call = _Call(deps, _journalable(message_history), handler=event_stream_handler)
+        handle = await self._opened(call, prompt, session_id, run_id, usage_limits, idempotency_key)
+        return self._result(await handle.result(), call)
+
+    @contextlib.asynccontextmanager
+    async def run_stream(
+        self,
+        prompt: str,
+        *,
+        session_id: str,
+        run_id: str | None = None,
+        deps: Any = None,
+        usage_limits: UsageLimits | None = None,
+        message_history: Sequence[ModelMessage] | None = None,
+        idempotency_key: str | None = None,
+        event_stream_handler: EventStreamHandler[Any] | None = None,
+    ) -> AsyncIterator[DurableStreamedRun]:
+        """``run``, streamed: ``async with agent.run_stream(...) as streamed:`` then
+        ``async for text in streamed.stream_text(): ...`` and ``await
+        streamed.result()``. The model's text comes as it is written; the turn is
+        journaled exactly as ``run``'s (docs/streaming.md). Leaving the block
+        early lets the turn go on to its end, durably, without a reader."""
+        handler = event_stream_handler or _drained
+        call = _Call(deps, _journalable(message_history), handler=handler)
+        handle = await self._opened(call, prompt, session_id, run_id, usage_limits, idempotency_key)
+        yield DurableStreamedRun(handle, lambda result: self._result(result, call))
+
+    async def _opened(
+        self,
+        call: _Call,
+        prompt: str,
+        session_id: str,
+        run_id: str | None,
+        usage_limits: UsageLimits | None,
+        idempotency_key: str | None,
+    ) -> TurnHandle:
+        """The turn's handle; its task (made here) sees ``call``."""
         token = _call.set(call)
         try:
-            handle = await self._turn(prompt, session_id, run_id, usage_limits, idempotency_key)
-            result = await handle.result()
+            handle: TurnHandle = await self._turn(
+                prompt, session_id, run_id, usage_limits, idempotency_key
+            )
+            return handle
         finally:
             _call.reset(token)
+
+    def _result(self, result: TurnResult, call: _Call) -> DurableRunResult:
+        """A turn's result as this agent's run's: the agent's own output when the
+        turn ended in this call, typed from the journal otherwise (None while paused)."""
         if result.status == "paused":
             output = None
         elif result.run_id in call.outputs:
