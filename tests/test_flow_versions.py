@@ -256,13 +256,16 @@ async def test_a_migrate_retried_after_its_fork_died_mid_turn_drives_the_fork_on
 ) -> None:
     store = open_store.crashing()
     (old,) = await paused_on_v1(open_store)
-    store.plan = CrashPlan("after_finalize")  # the fork's reserve is saved, then it dies
+    # The fork's reserve is saved (with the save after it: its pause), then the
+    # migrator dies before it marks the original migrated.
+    store.plan = CrashPlan("after_finalize")
     with pytest.raises(Crash):
         await Runtime(deploy_app.v2(), store=store, holder="migrator").migrate(old, SESSION, 0)
     store.plan = None
     fork_id = migration_id(old, 0)
     cut_off = Runtime(deploy_app.v2(), store=open_store())
-    assert (await cut_off.get_run(fork_id, SESSION)).status == "running"  # type: ignore[union-attr]
+    fork = await cut_off.get_run(fork_id, SESSION)
+    assert fork is not None and fork.status in ("running", "paused")
     assert (await cut_off.get_run(old, SESSION)).status == "paused"  # type: ignore[union-attr]
 
     # The restarted migrator (its holder name) retries: the fork goes on to its pause.
