@@ -17,7 +17,7 @@ from base64 import b64decode
 from collections.abc import Mapping
 from typing import Any
 
-from eventsourcing.cipher import AESCipher
+from eventsourcing.cryptography import AESCipher
 from eventsourcing.persistence import Cipher, Mapper, StoredEvent
 from eventsourcing.utils import Environment, get_topic
 

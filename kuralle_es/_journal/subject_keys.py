@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eventsourcing.cipher import AESCipher
+from eventsourcing.cryptography import AESCipher
 from eventsourcing.persistence import Cipher
 from eventsourcing.utils import Environment
 from psycopg.sql import SQL, Identifier
