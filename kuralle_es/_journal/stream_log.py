@@ -142,6 +142,11 @@ class StreamLog(ABC):
         self._given: dict[str, int] = {}
         self._followers: dict[str, set[_Follower]] = collections.defaultdict(set)
         self._closed = False
+        #: Held by every write, on whatever thread: ``close`` waits for the write in
+        #: flight before the store closes the connections it uses (closing a SQLite
+        #: connection under a write on another thread crashes the process).
+        self._write_lock = threading.Lock()
+        self._shut = False
         #: Writes that carried each run's parts, for the latest ``COUNTED_RUNS`` runs
         #: (the figure ``benchmarks/streaming.py`` shows).
         self.saves: collections.Counter[str] = collections.Counter()
@@ -215,7 +220,10 @@ class StreamLog(ABC):
     def _write(self, batch: list[StoredPart]) -> None:
         """One transaction of ``batch`` (several runs' parts), then the wake-ups."""
         runs = list(dict.fromkeys(part.run_id for part in batch))
-        self._insert(batch, runs)
+        with self._write_lock:
+            if self._shut:
+                return  # the store is closing: its connections are going
+            self._insert(batch, runs)
         self.writes += 1
         self.saves.update(runs)
         with self._guard:
@@ -306,8 +314,11 @@ class StreamLog(ABC):
         """Hook: stop hearing them once the loop has no follower left."""
 
     def close(self) -> None:
-        """Write what is queued, then let go of the log's connections."""
+        """Write what is queued, then let go of the log's connections (once the
+        write in flight on another thread, if any, is done)."""
         self.flush()
+        with self._write_lock:
+            self._shut = True
         with self._guard:
             self._closed = True
             writer, self._writer = self._writer, None
