@@ -83,4 +83,3 @@ def loads(text: Any) -> Any:
     if isinstance(text, Redacted):
         return text
     return json.loads(text)
-

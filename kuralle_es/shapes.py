@@ -17,7 +17,16 @@ from .redaction import Redacted
 #: ``"child"``: a child run started (the step's name is its flow) or waited for
 #: (name ``"__child"``, result: how the child ended), docs/child-runs.md.
 StepKind = Literal[
-    "tool", "approval", "signal", "now", "uuid", "model", "timer", "publish", "receive", "value",
+    "tool",
+    "approval",
+    "signal",
+    "now",
+    "uuid",
+    "model",
+    "timer",
+    "publish",
+    "receive",
+    "value",
     "child",
 ]
 StepStatus = Literal["running", "finished", "error"]

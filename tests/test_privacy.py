@@ -154,6 +154,8 @@ async def test_erasing_a_subject_redacts_its_payloads_everywhere_and_aborts_its_
     ).result()
     other = await runtime.run(session_id="s2", input="bob's own words").result()
     assert paused.status == "paused"
+    said = [p.delta async for p in runtime.stream(chat.run_id, "s1") if p.type == "text-delta"]
+    assert "".join(d for d in said if d) == "ok " + SECRET
 
     report = await runtime.erase_subject("alice")
     assert report.subject == "alice"
@@ -174,6 +176,11 @@ async def test_erasing_a_subject_redacts_its_payloads_everywhere_and_aborts_its_
     assert all(isinstance(m.content, Redacted) for m in conversation.messages)
     bob = await fresh.get_run(other.run_id, "s2")
     assert bob is not None and bob.messages[0].content == "bob's own words"
+    # The stored stream keeps each part's type and place; its payload is gone.
+    parts = [p async for p in fresh.stream(chat.run_id, "s1")]
+    deltas = [p for p in parts if p.type == "text-delta"]
+    assert deltas and all(p.delta is None and p.offset for p in deltas)
+    assert [p.offset for p in parts] == list(range(1, len(parts) + 1))
 
     # A resume of the erased run executes nothing: it is aborted for good.
     resumed = await fresh.run(session_id="s1", run_id=paused.run_id).result()
@@ -214,6 +221,9 @@ async def test_prune_deletes_exactly_the_ended_runs_before_the_date_and_keeps_us
     await consumer.run_until_caught_up()
     count = len(seen)
     usage_before = await runtime.views.usage()
+    for run in (ended, live):  # each stored to its end by now
+        assert [p async for p in runtime.stream(run.run_id, "old")]
+    streams = runtime.store.stream_log(0)
 
     cutoff = datetime.now(UTC) + timedelta(seconds=1)
     report = await runtime.prune(cutoff)
@@ -223,6 +233,8 @@ async def test_prune_deletes_exactly_the_ended_runs_before_the_date_and_keeps_us
     assert (await runtime.get_run(live.run_id, "old")) is not None
     assert [r.run_id for r in await runtime.views.list_runs()] == [live.run_id]
     assert (await runtime.views.usage()).model_calls == usage_before.model_calls
+    assert await streams.read(ended.run_id, 0, 100) == []  # its stored stream went too
+    assert await streams.read(live.run_id, 0, 100) != []
 
     # Followers go on across the gap: new events arrive, nothing is seen twice.
     await asyncio.sleep(0)

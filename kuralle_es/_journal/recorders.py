@@ -358,8 +358,9 @@ class OneTripPostgresRecorder(PostgresApplicationRecorder):
         self.one_trip_waking_statement = Composed(
             [
                 woken,
-                SQL("SELECT f.* FROM {schema}.{function}(%b, %s, %s, %s, %s, %s) AS f, woken")
-                .format(schema=schema, function=function),
+                SQL(
+                    "SELECT f.* FROM {schema}.{function}(%b, %s, %s, %s, %s, %s) AS f, woken"
+                ).format(schema=schema, function=function),
             ]
         ).as_bytes()
         # A wake-up for the followers, sent once a save has committed: its own

@@ -56,7 +56,7 @@ from .store_url import (
     redact,
     shards_of,
 )
-from .stream_log import StreamLog, stream_log_for
+from .stream_log import StreamLog, StreamSealing, stream_log_for
 from .subject_keys import KeyTable, key_table_at
 
 __all__ = ["RunStore"]
@@ -320,6 +320,7 @@ class RunStore:
         deleted = 0
         for partition, ids in by_log.items():
             deleted += delete_runs(self.partitions[partition], ids)
+            self.stream_log(partition).delete(ids)
         return deleted
 
     # --------------------------------------------------------------- leases
@@ -337,7 +338,9 @@ class RunStore:
         with self._streams_guard:
             log = self._streams.get(partition)
             if log is None:
-                log = self._streams[partition] = stream_log_for(self.partitions[partition].recorder)
+                run_log = self.partitions[partition]
+                log = self._streams[partition] = stream_log_for(run_log.recorder)
+                log.sealing = StreamSealing(run_log.mapper.transcoder, self.keys)
             return log
 
     async def stream_log_async(self, run_id: str) -> StreamLog | None:

@@ -25,6 +25,12 @@ partition), and is written the cheap way:
 Offsets are given by the turn that holds the run's lease (one writer a run);
 a row whose offset is taken already (a writer whose lease was taken over) is
 dropped, never written twice.
+
+A part's JSON is a payload of its run like any other: it is stored sealed under
+the run's data subject's key (``StreamSealing``, the journal's own sealing), so
+the table holds no plaintext, and once the subject is erased its parts read
+back with their payload gone (docs/privacy.md). A pruned run's parts are
+deleted with it (``delete``).
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
+import json
 import logging
 import threading
 import time
@@ -41,10 +49,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import psycopg
-from eventsourcing.persistence import PersistenceError
+from eventsourcing.persistence import PersistenceError, Transcoder
 from eventsourcing.postgres import PostgresDatastore
 from eventsourcing.sqlite import SQLiteDatastore
 from psycopg.sql import SQL, Composed, Identifier
+
+from ..redaction import Redacted
+from .sealing import SEALED_KEY, SealedAsList, open_payload, seal_payload, sealed_json
+from .subject_keys import KeyTable
 
 __all__ = [
     "SPACING",
@@ -53,6 +65,7 @@ __all__ = [
     "SqliteStreamLog",
     "StoredPart",
     "StreamLog",
+    "StreamSealing",
     "stream_log_for",
 ]
 
@@ -87,6 +100,9 @@ class StoredPart:
     attempt: int | None
     body: str
     version: int | None = None
+    #: Whose data the part is (the run's data subject): its body is sealed under
+    #: that subject's key when it is written. Not stored.
+    subject: str | None = None
 
     def row(self) -> tuple[str, int, str, int | None, int | None, str, int | None]:
         return (
@@ -97,6 +113,40 @@ class StoredPart:
 def _part(row: Sequence[Any], run_id: str) -> StoredPart:
     offset, kind, step, attempt, body, version = row
     return StoredPart(run_id, int(offset), str(kind), step, attempt, str(body), version)
+
+
+#: How a sealed part's JSON begins (``sealed_json``'s form, as the view rows keep it).
+_SEALED_PREFIX = '{"' + SEALED_KEY + '"'
+
+
+@dataclass(frozen=True)
+class StreamSealing:
+    """Parts sealed under their run's subject's key as they are written, and opened
+    as they are read back: the store's transcoder and key table, the same sealing
+    as the journal's payloads (``sealing``)."""
+
+    transcoder: Transcoder
+    keys: KeyTable
+
+    def seal(self, part: StoredPart) -> StoredPart:
+        if part.subject is None:
+            return part
+        sealed = seal_payload(self.transcoder, self.keys.key_for(part.subject), part.body)
+        return dataclasses.replace(part, body=json.dumps(sealed_json(sealed)))
+
+    def open(self, part: StoredPart) -> StoredPart:
+        """The part as it was sent; of an erased subject, its type and position only."""
+        if not part.body.startswith(_SEALED_PREFIX):
+            return part  # a part with no subject to seal it under
+        sealed = SealedAsList().decode(json.loads(part.body)[SEALED_KEY])
+        plain = open_payload(self.transcoder, self.keys, sealed)
+        if isinstance(plain, Redacted):
+            kept = {"type": part.type, "step": part.step, "attempt": part.attempt}
+            kept["offset"] = part.offset
+            body = json.dumps({k: v for k, v in kept.items() if v is not None})
+        else:
+            body = str(plain)
+        return dataclasses.replace(part, body=body)
 
 
 class _Follower:
@@ -133,6 +183,9 @@ class StreamLog(ABC):
 
     def __init__(self) -> None:
         self._guard = threading.Lock()
+        #: Seals parts as they are written and opens them as they are read (the
+        #: store sets it: ``RunStore.stream_log``); None keeps them as sent.
+        self.sealing: StreamSealing | None = None
         self._queued: list[StoredPart] = []
         #: The batch being written (neither queued nor readable meanwhile).
         self._writing: list[StoredPart] = []
@@ -223,7 +276,8 @@ class StreamLog(ABC):
         with self._write_lock:
             if self._shut:
                 return  # the store is closing: its connections are going
-            self._insert(batch, runs)
+            sealing = self.sealing
+            self._insert([sealing.seal(p) for p in batch] if sealing else batch, runs)
         self.writes += 1
         self.saves.update(runs)
         with self._guard:
@@ -247,7 +301,7 @@ class StreamLog(ABC):
     # ----------------------------------------------------------- reading
     async def read(self, run_id: str, after: int, limit: int) -> list[StoredPart]:
         """The run's stored parts after offset ``after``, oldest first, at most ``limit``."""
-        parts: list[StoredPart] = await self._call(self._select, run_id, after, limit)
+        parts: list[StoredPart] = await self._call(self._opened, self._select, run_id, after, limit)
         return parts
 
     async def last_offset(self, run_id: str) -> int:
@@ -263,12 +317,24 @@ class StreamLog(ABC):
         with those this process has not written yet."""
         with self._guard:  # before the read: a batch written meanwhile is then read
             unwritten = [*self._writing, *self._queued]
-        stored: list[StoredPart] = await self._call(self._select_step, run_id, step)
+        stored: list[StoredPart] = await self._call(self._opened, self._select_step, run_id, step)
         seen = {part.offset for part in stored}
         queued = [
             p for p in unwritten if p.run_id == run_id and p.step == step and p.offset not in seen
         ]
         return sorted([*stored, *queued], key=lambda part: part.offset)
+
+    def _opened(self, select: Callable[..., list[StoredPart]], *args: Any) -> list[StoredPart]:
+        """What ``select`` read, opened (on the reading thread: a key may be read)."""
+        parts = select(*args)
+        sealing = self.sealing
+        return [sealing.open(part) for part in parts] if sealing else parts
+
+    def delete(self, run_ids: Sequence[str]) -> None:
+        """Delete the runs' stored parts (pruned runs: ``RunStore.delete_runs``)."""
+        if run_ids:
+            with self._write_lock:
+                self._delete(list(run_ids))
 
     async def _call(self, hook: Any, *args: Any) -> Any:
         if self.blocking:
@@ -331,6 +397,9 @@ class StreamLog(ABC):
         """Store ``batch`` in one transaction (an offset stored already: skip that part)."""
 
     @abstractmethod
+    def _delete(self, run_ids: list[str]) -> None: ...
+
+    @abstractmethod
     def _select(self, run_id: str, after: int, limit: int) -> list[StoredPart]: ...
 
     @abstractmethod
@@ -359,6 +428,11 @@ class MemoryStreamLog(StreamLog):
         with self._rows_guard:
             for part in batch:
                 self._parts[part.run_id].setdefault(part.offset, part)
+
+    def _delete(self, run_ids: list[str]) -> None:
+        with self._rows_guard:
+            for run_id in run_ids:
+                self._parts.pop(run_id, None)
 
     def _stored(self, run_id: str) -> list[StoredPart]:
         with self._rows_guard:
@@ -403,6 +477,11 @@ class SqliteStreamLog(StreamLog):
                 f"INSERT OR IGNORE INTO {TABLE} (run_id, {_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)",
                 [part.row() for part in batch],
             )
+
+    def _delete(self, run_ids: list[str]) -> None:
+        marks = ",".join("?" * len(run_ids))
+        with self._datastore.transaction(commit=True) as c:
+            c.execute(f"DELETE FROM {TABLE} WHERE run_id IN ({marks})", run_ids)
 
     def _select(self, run_id: str, after: int, limit: int) -> list[StoredPart]:
         with self._datastore.transaction(commit=False) as c:
@@ -459,6 +538,7 @@ class PostgresStreamLog(StreamLog):
             "SELECT position, type, step, attempt, part, version FROM {} WHERE run_id = %s "
             "AND position > %s ORDER BY position LIMIT %s"
         ).format(table)
+        self._delete_sql = SQL("DELETE FROM {} WHERE run_id = ANY(%s)").format(table)
         self._last_sql = SQL("SELECT max(position) FROM {} WHERE run_id = %s").format(table)
         self._step_sql = SQL(
             "SELECT position, type, step, attempt, part, version FROM {} WHERE run_id = %s "
@@ -489,6 +569,10 @@ class PostgresStreamLog(StreamLog):
             c.execute(SQL("SET LOCAL synchronous_commit = off"))
             c.execute(self._insert_sql, [list(column) for column in columns])
             c.execute(self._notify_sql, (runs,))
+
+    def _delete(self, run_ids: list[str]) -> None:
+        with self._datastore.transaction(commit=True) as c:
+            c.execute(self._delete_sql, (run_ids,))
 
     def _select(self, run_id: str, after: int, limit: int) -> list[StoredPart]:
         with self._datastore.transaction(commit=False) as c:

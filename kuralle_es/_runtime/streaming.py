@@ -55,15 +55,17 @@ class TurnStream:
         self._sink = sink
         self._log: StreamLog | None = None
         self._run_id = ""
+        self._subject: str | None = None
         self._offset = 0
 
-    async def open(self, store: RunStore, run_id: str, *, fresh: bool) -> None:
-        """Find the run's stored stream and its last offset (a new run has none)."""
+    async def open(self, store: RunStore, run_id: str, subject: str, *, fresh: bool) -> None:
+        """Find the run's stored stream and its last offset (a new run has none); its
+        parts are stored sealed under ``subject``'s key (docs/privacy.md)."""
         log = await store.stream_log_async(run_id)
         if log is None:
             return
         self._offset = log.given(run_id) if fresh else await log.last_offset(run_id)
-        self._log, self._run_id = log, run_id
+        self._log, self._run_id, self._subject = log, run_id, subject
 
     def __call__(self, part: StreamPart, version: int | None = None) -> None:
         """Send ``part``; refused (``InvalidArgumentError``) if it has no JSON form.
@@ -77,7 +79,14 @@ class TurnStream:
         self._offset += 1
         log.add(
             StoredPart(
-                self._run_id, self._offset, part.type, part.step, part.attempt, body, version
+                self._run_id,
+                self._offset,
+                part.type,
+                part.step,
+                part.attempt,
+                body,
+                version,
+                self._subject,
             )
         )
         self._sink(numbered)

@@ -257,9 +257,11 @@ class _Turn:
         store = self.env.store
         if fresh:
             await self._open(run, fresh, held, writer, opening)
-            await self.stream.open(store, run.run_id, fresh=True)
+            await self.stream.open(store, run.run_id, run.data_subject, fresh=True)
             return
-        finding = asyncio.ensure_future(self.stream.open(store, run.run_id, fresh=False))
+        finding = asyncio.ensure_future(
+            self.stream.open(store, run.run_id, run.data_subject, fresh=False)
+        )
         try:
             await self._open(run, fresh, held, writer, opening)
         except BaseException:

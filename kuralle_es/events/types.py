@@ -102,8 +102,17 @@ class StepStarted(_Event):
     index: int
     key: str
     kind: Literal[
-        "tool", "approval", "signal", "now", "uuid", "model", "timer", "publish", "receive",
-        "value", "child",
+        "tool",
+        "approval",
+        "signal",
+        "now",
+        "uuid",
+        "model",
+        "timer",
+        "publish",
+        "receive",
+        "value",
+        "child",
     ]
     name: str
     attempt: int

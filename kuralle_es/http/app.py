@@ -405,6 +405,8 @@ async def resolve_drift(runtime: Served, run_id: RunId, body: ResolveDrift) -> R
     if state is None:  # pragma: no cover - the turn just saved it
         raise unknown_run(run_id)
     return state
+
+
 @router.delete("/api/subjects/{subject}", operation_id="erase_subject", responses=_responses(),
                summary="erase a data subject: its live runs aborted, its key destroyed; "
                "every payload of its runs reads Redacted (docs/privacy.md)",

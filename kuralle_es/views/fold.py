@@ -264,6 +264,8 @@ def _finished(run: RunRow, e: stored.Finished, step: StepLookup) -> tuple[RunRow
 
 def _parent_linked(run: RunRow, e: stored.ParentLinked, step: StepLookup) -> tuple[RunRow, None]:
     return replace(run, parent_run_id=e.run_id, parent_step=e.step), None
+
+
 def _errored(run: RunRow, e: stored.Errored, step: StepLookup) -> tuple[RunRow, None]:
     return replace(run, status="error", error_type=_type_of(e.error)), None
 
