@@ -8,8 +8,11 @@
 // connection resumes without repeating a part. On a page kept live by
 // live.js (the run events) the rest of the page changes in place; without it,
 // the page reloads itself when a turn ends live (to show the journal it
-// wrote), and every data-refresh seconds while the run is at rest.
+// wrote), and every data-refresh seconds while the run is at rest. A part of
+// an erased data subject comes without its payload (docs/privacy.md) and
+// shows as "(erased)".
 (function () {
+  var ERASED = "(erased)";
   "use strict";
   var box = document.getElementById("stream");
   if (!box || !window.EventSource) return;
@@ -53,7 +56,7 @@
       case "text-delta":
         view = step(part.step);
         if (!view.attempts.has(part.attempt)) view.attempts.set(part.attempt, []);
-        view.attempts.get(part.attempt).push(part.delta);
+        view.attempts.get(part.attempt).push(part.delta === undefined ? ERASED : part.delta);
         render(view);
         break;
       case "retract":
@@ -62,9 +65,9 @@
         render(view);
         break;
       case "text":
-        if (part.step === undefined) { line("said", part.text); break; }
+        if (part.step === undefined) { line("said", part.text === undefined ? ERASED : part.text); break; }
         view = step(part.step);
-        view.whole = part.text;
+        view.whole = part.text === undefined ? ERASED : part.text;
         render(view);
         break;
       case "tool-call":
