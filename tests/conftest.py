@@ -10,13 +10,16 @@ skipped, unless ``KURALLE_REQUIRE_POSTGRES=1`` (CI), where they fail.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import glob
 import os
 import pwd
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +34,22 @@ from psycopg.conninfo import conninfo_to_dict
 
 from kuralle_es import RunStore
 from kuralle_es.testing import CrashingStore
+
+#: Seconds the interpreter may take to exit once the suite has finished.
+EXIT_GRACE = 120
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """A finished suite must end. Python joins non-daemon threads and the worker
+    threads of ``asyncio.to_thread`` at exit, so one left blocked (a test's, or
+    the library's) would keep the process, and CI, waiting forever: name the
+    threads still alive now, and if the process has not exited ``EXIT_GRACE``
+    seconds later, print every thread's stack and exit with a failure."""
+    alive = [t for t in threading.enumerate() if t is not threading.main_thread()]
+    if alive:
+        names = ", ".join(f"{t.name}{' (daemon)' if t.daemon else ''}" for t in alive)
+        print(f"\nthreads alive after the suite: {names}", file=sys.stderr)
+    faulthandler.dump_traceback_later(EXIT_GRACE, exit=True)
 
 ADMIN_DSN_ENV = "KURALLE_TEST_POSTGRES_DSN"
 REQUIRE_ENV = "KURALLE_REQUIRE_POSTGRES"
