@@ -51,6 +51,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         print(f"\nthreads alive after the suite: {names}", file=sys.stderr)
     faulthandler.dump_traceback_later(EXIT_GRACE, exit=True)
 
+
 ADMIN_DSN_ENV = "KURALLE_TEST_POSTGRES_DSN"
 REQUIRE_ENV = "KURALLE_REQUIRE_POSTGRES"
 DEFAULT_ADMIN_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"

@@ -222,6 +222,31 @@ async def test_deltas_are_stored_in_batches_never_in_the_journal(open_store: Any
     assert journal == [e.topic for e in store.stored_events(quiet.run_id)]
 
 
+async def test_a_store_closed_while_a_batch_is_in_flight_still_stores_it(
+    open_store: Any,
+) -> None:
+    """A program that closes its store as soon as its turn ends (``with RunStore...``)
+    keeps the turn's last parts: the batch its writer had taken, and not yet
+    written, is written by ``close``."""
+    if open_store.backend == "memory":
+        pytest.skip("a memory store is gone once closed")
+    loop = asyncio.get_running_loop()
+    for attempt in range(2):
+        store = open_store()
+        runtime = Runtime([chat(ScriptedModel(["one two three four five"]))], store=store)
+        done = await runtime.run(f"s-close-{attempt}", input="talk").result()
+        # Worker threads all busy (a loaded machine): the writer task takes the
+        # turn's last batch and its write waits for a thread.
+        busy = [loop.run_in_executor(None, time.sleep, 0.3) for _ in range(20)]
+        await asyncio.sleep(0.1)
+        store.close()
+        await asyncio.gather(*busy)
+        reader = Runtime([chat(ScriptedModel([]))], store=open_store())
+        parts = [p async for p in reader.stream(done.run_id, f"s-close-{attempt}")]
+        assert shown(parts) == "one two three four five", attempt
+        assert parts[-1].type == "finished", attempt
+
+
 async def test_custom_parts_go_to_the_stored_stream(open_store: Any) -> None:
     async def progress(state: dict[str, Any], ctx: RunContext) -> Any:
         ctx.emit({"progress": 1})

@@ -276,8 +276,7 @@ class StreamLog(ABC):
         with self._write_lock:
             if self._shut:
                 return  # the store is closing: its connections are going
-            sealing = self.sealing
-            self._insert([sealing.seal(p) for p in batch] if sealing else batch, runs)
+            self._insert_sealed(batch, runs)
         self.writes += 1
         self.saves.update(runs)
         with self._guard:
@@ -290,8 +289,13 @@ class StreamLog(ABC):
                 del self.saves[next(iter(self.saves))]
         self._wake(runs)
 
+    def _insert_sealed(self, batch: list[StoredPart], runs: list[str]) -> None:
+        sealing = self.sealing
+        self._insert([sealing.seal(p) for p in batch] if sealing else batch, runs)
+
     def flush(self) -> None:
-        """Write what is queued now, on this thread (a store being closed)."""
+        """Write what is queued now, on this thread (the writer task is cancelled: its
+        loop is ending)."""
         with self._guard:
             batch, self._queued = self._queued, []
         if batch:
@@ -380,14 +384,27 @@ class StreamLog(ABC):
         """Hook: stop hearing them once the loop has no follower left."""
 
     def close(self) -> None:
-        """Write what is queued, then let go of the log's connections (once the
-        write in flight on another thread, if any, is done)."""
-        self.flush()
-        with self._write_lock:
-            self._shut = True
+        """Write what is queued and the batch in flight, then let go of the log's
+        connections (once the write in flight on another thread, if any, is done).
+
+        The batch in flight is written here too: its writer task may not have
+        reached its write yet, and would find the log shut (a part already
+        stored is skipped, so one written by both is stored once)."""
         with self._guard:
             self._closed = True
             writer, self._writer = self._writer, None
+        with self._write_lock:
+            with self._guard:
+                batch, self._queued = [*self._writing, *self._queued], []
+            if batch:
+                runs = list(dict.fromkeys(part.run_id for part in batch))
+                try:
+                    self._insert_sealed(batch, runs)
+                except (PersistenceError, psycopg.Error, OSError) as error:
+                    _log.warning("stream parts of %d runs not stored: %s", len(runs), error)
+                else:
+                    self._wake(runs)
+            self._shut = True
         if writer is not None and not writer.get_loop().is_closed():
             writer.get_loop().call_soon_threadsafe(writer.cancel)
 
