@@ -37,7 +37,7 @@ from conftest import _pg_binary, _ThrowawayCluster
 from runs_kit import stored_run, with_message
 
 from kuralle_es import RunStore, Runtime, StoreUnavailableError
-from kuralle_es._journal import pg_async
+from kuralle_es._journal import pg_async, subject_keys
 from kuralle_es.events import Consumer, RunFinished, follow
 from kuralle_es.testing import Crash
 
@@ -118,6 +118,7 @@ async def test_a_save_whose_server_dies_during_commit_is_read_back_and_done_once
     url = stalled_cluster.admin_dsn.rsplit("/", 1)[0] + f"/{dbname}"
     with RunStore.from_url(url) as store:
         run = stored_run(store)
+        store.keys.key_for(run.data_subject)  # made before commits stall: the save is tested
         head = store.recorder.max_notification_id() or 0
         _stall_commits(stalled_cluster, True)
         changed = with_message(run, "in doubt")
@@ -151,6 +152,7 @@ async def test_a_save_whose_server_never_comes_back_fails_as_unavailable_in_boun
     url = stalled_cluster.admin_dsn
     with RunStore.from_url(url) as store:
         run = stored_run(store)
+        store.keys.key_for(run.data_subject)  # made before commits stall: the save is tested
         _stall_commits(stalled_cluster, True)
         saving = asyncio.ensure_future(store.save_run_async(with_message(run, "lost")))
         await asyncio.to_thread(_waiting_in_commit, stalled_cluster, "postgres")
@@ -158,6 +160,22 @@ async def test_a_save_whose_server_never_comes_back_fails_as_unavailable_in_boun
         started = time.monotonic()
         with pytest.raises(StoreUnavailableError, match="cannot reach"):
             await asyncio.wait_for(saving, 30)
+        assert time.monotonic() - started < 10
+
+
+async def test_a_key_table_whose_server_is_gone_fails_as_unavailable_in_bounded_time(
+    stalled_cluster: _ThrowawayCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A subject's first payload needs its key from the key table: with the server
+    away that read is tried again, then fails as ``StoreUnavailableError``
+    naming the key table, not with a driver's traceback (docs/high-availability.md)."""
+    monkeypatch.setattr(subject_keys, "SAVE_DEADLINE", 2.0)
+    with RunStore.from_url(stalled_cluster.admin_dsn) as store:
+        stored_run(store, "s-known")
+        os.kill(stalled_cluster.postmaster_pid(), signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailableError, match="cannot reach the subjects' key table"):
+            store.keys.key_for("s-new")  # a subject this process has no key of
         assert time.monotonic() - started < 10
 
 

@@ -25,12 +25,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psycopg
 from eventsourcing.cryptography import AESCipher
 from eventsourcing.persistence import Cipher
 from eventsourcing.utils import Environment
 from psycopg.sql import SQL, Identifier
 
-from .store_url import MemoryAddress, PostgresAddress, SqliteAddress, parse_store_url
+from ..errors import StoreUnavailableError
+from .recorders import SAVE_DEADLINE
+from .store_url import (
+    MemoryAddress,
+    PostgresAddress,
+    SqliteAddress,
+    parse_store_url,
+    server_reason,
+)
 
 __all__ = [
     "KEYS_TABLE",
@@ -208,6 +217,32 @@ class PostgresKeyTable(KeyTable):
         self._table = Identifier(KEYS_TABLE)
 
     def _run(self, sql: SQL, args: tuple[Any, ...]) -> list[Any]:
+        """One statement in a transaction of its own, sent again on a new connection
+        while the server is away (a restart, a failover) for up to a save's
+        deadline; then ``StoreUnavailableError``. Every statement here may be sent
+        twice: a key is made once (the first insert wins) and read back."""
+        deadline = time.monotonic() + SAVE_DEADLINE
+        wait = 0.1
+        while True:
+            try:
+                return self._run_once(sql, args)
+            except (
+                psycopg.OperationalError,
+                psycopg.InterfaceError,
+                StoreUnavailableError,
+            ) as lost:
+                if time.monotonic() + wait >= deadline:
+                    why = (
+                        str(lost)
+                        if isinstance(lost, StoreUnavailableError)
+                        else (f"{self._address.label()}: {server_reason(lost)}")
+                    )
+                    msg = f"cannot reach the subjects' key table ({why})"
+                    raise StoreUnavailableError(msg) from lost
+                time.sleep(wait)
+                wait = min(1.0, wait * 2)
+
+    def _run_once(self, sql: SQL, args: tuple[Any, ...]) -> list[Any]:
         with self._address.connect() as conn, conn.transaction():
             if not self._ready:
                 # Locked: two stores creating the table at once would clash.
