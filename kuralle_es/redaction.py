@@ -16,7 +16,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pydantic import GetCoreSchemaHandler
+from pydantic import GetCoreSchemaHandler, GetJsonSchemaHandler
+from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import core_schema
 
 __all__ = ["REDACTED_KEY", "Redacted", "is_redacted"]
@@ -62,6 +63,20 @@ class Redacted(dict[str, Any]):
         # Written as what it is, a dict: a union member's own serializer would be
         # used for the other members' values too.
         return core_schema.no_info_plain_validator_function(_validate)
+
+    @classmethod
+    def __get_pydantic_json_schema__(
+        cls, schema: core_schema.CoreSchema, handler: GetJsonSchemaHandler
+    ) -> JsonSchemaValue:
+        """Its JSON form in an OpenAPI document, so a client that validates
+        responses accepts an erased payload where the field's own type is."""
+        return {
+            "title": "Redacted",
+            "type": "object",
+            "properties": {REDACTED_KEY: {"const": True}},
+            "required": [REDACTED_KEY],
+            "additionalProperties": False,
+        }
 
 
 def is_redacted(value: object) -> bool:
