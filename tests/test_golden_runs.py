@@ -367,13 +367,6 @@ async def test_every_golden_run_replays_under_its_own_app_with_no_divergence(
     assert not golden.ledger.exists() or golden.ledger.read_text() == ""
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason="a bug of e6d41a5: replay_with of an erased subject's conversation raises "
-    "TypeError (counterfactual._result json-loads the Redacted model result) instead of "
-    "replaying it or refusing it with a KuralleError",
-)
 async def test_replay_with_an_erased_subjects_runs_replays_them_or_refuses_them(
     golden: Golden,
 ) -> None:

@@ -19,6 +19,7 @@ from pydantic import BaseModel
 
 from kuralle_es import (
     EncryptionKeyError,
+    InvalidArgumentError,
     Redacted,
     RunStore,
     Runtime,
@@ -30,7 +31,7 @@ from kuralle_es import (
     generate_cipher_key,
 )
 from kuralle_es.events import Consumer
-from kuralle_es.testing import ScriptedModel
+from kuralle_es.testing import ScriptedModel, replay_with
 
 SECRET = "Zebulon-Quartzwhistle-4471"
 
@@ -176,6 +177,8 @@ async def test_erasing_a_subject_redacts_its_payloads_everywhere_and_aborts_its_
     assert all(isinstance(m.content, Redacted) for m in conversation.messages)
     bob = await fresh.get_run(other.run_id, "s2")
     assert bob is not None and bob.messages[0].content == "bob's own words"
+    with pytest.raises(InvalidArgumentError, match="subject was erased"):
+        await replay_with(fresh.store, chat.run_id, "s1", agents=[_agent(executed)])
     # The stored stream keeps each part's type and place; its payload is gone.
     parts = [p async for p in fresh.stream(chat.run_id, "s1")]
     deltas = [p for p in parts if p.type == "text-delta"]

@@ -87,6 +87,8 @@ async def record(store: RunStore) -> dict[str, str]:
         "waiting-large": ("paused", None),
         "chat-large": ("finished", None),
     }
+    for case, run_id in ids.items():  # each run's stored stream written to its end
+        assert [part async for part in runtime.stream(run_id, CASES[case][0])]
     return ids
 
 

@@ -124,8 +124,10 @@ def _end(c: Counterfactual, side: str) -> tuple[Any, ...]:
 
 
 def _result(step: StepData) -> Any:
+    """A step's result: its stored JSON read, or ``Redacted`` as it is (an erased
+    subject's step: docs/privacy.md)."""
     text = step["result_json"]
-    return None if text is None else json.loads(text)
+    return json.loads(text) if isinstance(text, str) else text
 
 
 def tool_calls(steps: Sequence[StepData]) -> list[ToolCallSummary]:

@@ -61,6 +61,7 @@ from .._runtime.turn_calls import (
 )
 from .._runtime.writer import Abandon, change_run, decode
 from ..errors import InvalidArgumentError, RunNotFoundError
+from ..redaction import Redacted
 from ..shapes import StepError, StreamPart
 from .counterfactual import Counterfactual, divergence, tool_calls, usage_of
 from .dry_run import WouldExecute, stubbed
@@ -308,6 +309,12 @@ async def replay_with(
     history = await load_run(store, run_id, session_id, history=True)
     if history is None:
         raise RunNotFoundError(run_id, session_id)
+    if _erased(history):
+        msg = (
+            f"cannot replay run {run_id}: its subject was erased, so its recorded inputs and "
+            "answers cannot be read (docs/privacy.md)"
+        )
+        raise InvalidArgumentError(msg)
     events = await asyncio.to_thread(store.run_events, history.run_id)
     recording = read_recording(events)
     if recording.forked:
@@ -357,4 +364,17 @@ async def replay_with(
         usage_before=usage_of(history, history.steps, checked_prices),
         usage_after=usage_of(after, after.steps, checked_prices),
         note=note,
+    )
+
+
+def _erased(run: Run) -> bool:
+    """Whether the run's payloads read ``Redacted`` (its subject was erased): its
+    messages, its state or its steps' arguments and results."""
+    steps: list[StepData] = run.steps
+    return (
+        isinstance(run.state, Redacted)
+        or any(isinstance(m.get("content"), Redacted) for m in run.messages)
+        or any(
+            isinstance(s["args"], Redacted) or isinstance(s["result_json"], Redacted) for s in steps
+        )
     )
