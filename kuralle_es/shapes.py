@@ -177,6 +177,9 @@ class RunState(RunHeader):
     parent: dict[str, Any] | None = None
     #: The ids of the child runs this run started, in the order it started them.
     children: list[str] = Field(default_factory=list)
+    #: Whose data the run holds (``runtime.run(..., subject=)``; by default its
+    #: session id): what ``runtime.erase_subject`` names (docs/privacy.md).
+    subject: str | None = None
 
 
 class SignalDelivery(BaseModel):

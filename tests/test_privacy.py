@@ -166,6 +166,9 @@ async def test_erasing_a_subject_redacts_its_payloads_everywhere_and_aborts_its_
     fresh = Runtime(agents=[_agent(executed)], store=open_store())
     state = await fresh.get_run(paused.run_id, "s1")
     assert state is not None and state.status == "aborted" and state.outcome == "erased"
+    assert state.subject == "alice"  # metadata: it stays readable
+    summaries = {r.run_id: r.subject for r in await fresh.views.list_runs()}
+    assert summaries[paused.run_id] == "alice" and summaries[other.run_id] == "s2"
     assert isinstance(state.state, Redacted)
     assert all(isinstance(m.content, Redacted) for m in state.messages)
     steps = await fresh.get_steps(paused.run_id, "s1")

@@ -218,7 +218,7 @@ def expected_summary(state: RunState) -> dict[str, Any]:
     keys = (
         "run_id", "session_id", "kind", "status", "active_flow", "active_node",
         "waiting_for", "lease_holder", "lease_expires_at", "step_count", "updated_at",
-        "flow_version", "parent",
+        "flow_version", "parent", "subject",
     )  # fmt: skip
     dumped = state.model_dump(mode="json")
     # The last flow the run was in: an ended run keeps its flow's digest.

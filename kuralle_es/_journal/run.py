@@ -642,6 +642,7 @@ class Run(Aggregate):
                 else {"run_id": self.parent["run_id"], "step": self.parent["step"]}
             ),
             children=list(self.children),
+            subject=self.data_subject,
         )
 
     def step_records(self) -> list[StepRecord]:

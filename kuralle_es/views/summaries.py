@@ -44,6 +44,8 @@ class RunSummary(RunHeader):
     outcome: str | None = None
     #: The class of the error a run in ``error`` ended its last turn with.
     error_type: str | None = None
+    #: Whose data the run holds (``RunState.subject``; docs/privacy.md).
+    subject: str | None = None
 
     @property
     def cursor(self) -> str:
@@ -109,6 +111,7 @@ def summary(row: RunRow) -> RunSummary:
         "node": row.node,
         "outcome": row.outcome,
         "error_type": row.error_type,
+        "subject": row.subject,
     }
     try:
         return RunSummary.model_validate(fields)
