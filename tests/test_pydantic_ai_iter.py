@@ -240,3 +240,16 @@ async def test_leaving_the_block_early_lets_the_turn_finish(open_store: Any) -> 
     assert (run.result.status, run.result.output) == ("finished", "Refund: refunded 4250")
     assert shop.model_calls == 3 and shop.refunds == [4250]
     assert not isinstance(node, End)
+
+
+async def test_a_retried_keyed_iter_gives_no_node_and_the_first_result(open_store: Any) -> None:
+    shop = Shop(approval=False)
+    agent = on(open_store(), shop)[1]
+    async with agent.iter(PROMPT, session_id=SESSION, idempotency_key="refund-A1") as first:
+        names, _ = await walk(first)
+    async with agent.iter(PROMPT, session_id=SESSION, idempotency_key="refund-A1") as again:
+        retried, _ = await walk(again)
+
+    assert names == SHOP_NODES and retried == []
+    assert again.result == first.result and await again.finished() == first.result
+    assert shop.model_calls == 3 and shop.refunds == [4250]

@@ -25,6 +25,11 @@ journal under it, at the three places where a run touches the world:
 A resume re-runs the agent from the turn's start; every step the journal has
 is replayed, so the model and the tools are asked only for what is new.
 
+``DurableAgent.iter`` is ``Agent.iter`` on a durable turn: the graph runs in the
+turn's task, each node handed to the caller before it runs; the journal calls
+of a node the caller streams (in its own task) are made by the turn's task, so
+the journal is written by the turn that holds the lease only (``_Handoff``).
+
 Agent delegation (a tool that runs another agent) goes through ``delegate``:
 ``await delegate(other).run(prompt)`` inside a tool makes the other agent's
 turn a child run of the calling run (``LoopTurn.child``), journaled step by
