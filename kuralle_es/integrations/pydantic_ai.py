@@ -25,6 +25,11 @@ journal under it, at the three places where a run touches the world:
 A resume re-runs the agent from the turn's start; every step the journal has
 is replayed, so the model and the tools are asked only for what is new.
 
+``DurableAgent.iter`` is ``Agent.iter`` on a durable turn: the graph runs in the
+turn's task, each node handed to the caller before it runs; the journal calls
+of a node the caller streams (in its own task) are made by the turn's task, so
+the journal is written by the turn that holds the lease only (``_Handoff``).
+
 Agent delegation (a tool that runs another agent) goes through ``delegate``:
 ``await delegate(other).run(prompt)`` inside a tool makes the other agent's
 turn a child run of the calling run (``LoopTurn.child``), journaled step by
@@ -45,9 +50,9 @@ import contextlib
 import contextvars
 import inspect
 import json
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union, get_type_hints
+from typing import Any, TypeVar, Union, get_type_hints
 
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 from pydantic_core import to_json, to_jsonable_python
@@ -75,7 +80,7 @@ from kuralle_es.shapes import Message
 
 try:
     from pydantic_ai import Agent, ModelRetry, NativeOutput, PromptedOutput, TextOutput, ToolOutput
-    from pydantic_ai.agent import EventStreamHandler
+    from pydantic_ai.agent import AgentRun, AgentRunResult, EventStreamHandler
     from pydantic_ai.capabilities import AbstractCapability
     from pydantic_ai.messages import (
         AgentStreamEvent,
@@ -107,6 +112,7 @@ try:
     from pydantic_ai.toolsets import AbstractToolset, WrapperToolset
     from pydantic_ai.toolsets.abstract import ToolsetTool
     from pydantic_ai.usage import UsageLimits
+    from pydantic_graph import End
 except ImportError as missing:  # pragma: no cover - the extra is installed in CI
     msg = (
         "kuralle_es.integrations.pydantic_ai needs Pydantic AI: "
@@ -117,6 +123,7 @@ except ImportError as missing:  # pragma: no cover - the extra is installed in C
 __all__ = [
     "Delegate",
     "DurableAgent",
+    "DurableAgentRun",
     "DurableRunResult",
     "DurableStreamedRun",
     "definition",
@@ -137,6 +144,10 @@ _current_call: contextvars.ContextVar[ToolCall | None] = contextvars.ContextVar(
 #: What a ``DurableAgent.run`` call gives the turns it drives (this call's only).
 _call: contextvars.ContextVar[_Call | None] = contextvars.ContextVar(
     "kuralle_pydantic_ai_call", default=None
+)
+#: The handoff whose turn this context runs in (``iter``): its graph's own tasks too.
+_in_turn: contextvars.ContextVar[_Handoff | None] = contextvars.ContextVar(
+    "kuralle_pydantic_ai_in_turn", default=None
 )
 #: The name of the ``value`` step a turn's given message history is journaled as.
 HISTORY = "message_history"
@@ -168,6 +179,102 @@ class _Call:
     outputs: dict[str, Any] = field(default_factory=dict)
     #: Pydantic AI's ``event_stream_handler``: with one, model requests stream.
     handler: EventStreamHandler[Any] | None = None
+    #: An ``iter`` call's: the turn hands it the graph's nodes one at a time.
+    handoff: _Handoff | None = None
+
+
+_T = TypeVar("_T")
+
+
+@dataclass
+class _Work:
+    """A journal call a node makes outside the turn's task, for the turn's task to make."""
+
+    make: Callable[[], Awaitable[Any]]
+    done: asyncio.Future[Any]
+
+    async def run(self) -> None:
+        """Make the call and hand its outcome back; an error also ends the turn (raised
+        here, in the turn's task), as it would have ended a ``run`` of the agent."""
+        try:
+            self.done.set_result(await self.make())
+        except BaseException as error:
+            self.done.set_exception(error)
+            raise
+
+
+#: What the turn hands the caller once it ended (no node follows).
+_ENDED = object()
+
+
+class _Handoff:
+    """Between the turn that runs an agent's graph and the caller iterating its nodes
+    (``DurableAgent.iter``, docs/pydantic-ai.md "Node by node").
+
+    The graph runs in the turn's task, which holds the run's lease. Each node goes
+    to the caller before it runs, and the turn waits until the caller asks for the
+    next one. A node the caller streams meanwhile (``node.stream(run.ctx)``) runs in
+    the caller's task: the journal calls it makes (a model step, a tool step, an
+    approval) are handed to the turn's task, which makes them while it waits, so
+    the journal is written by the turn that holds the lease and only by it.
+    """
+
+    def __init__(self) -> None:
+        #: To the caller: the graph's nodes, then ``_ENDED``.
+        self.nodes: asyncio.Queue[Any] = asyncio.Queue()
+        #: To the turn: journal calls to make, or None (go on to the next node).
+        self.orders: asyncio.Queue[_Work | None] = asyncio.Queue()
+        self.agent_run: AgentRun[Any, Any] | None = None
+        #: Whether the turn runs the graph (it makes the journal calls until it ends).
+        self.serving = False
+        #: Whether the caller left: the turn goes on without handing nodes.
+        self.detached = False
+        #: The errors the journal calls made for the caller raised (the turn's too).
+        self.delivered: list[BaseException] = []
+
+    async def offer(self, node: Any) -> None:
+        """In the turn's task: hand ``node`` to the caller, then make the journal calls
+        its stream asks for, until the caller asks for the next node."""
+        if self.detached:
+            return
+        self.nodes.put_nowait(node)
+        while (work := await self.orders.get()) is not None:
+            await work.run()
+
+    def ended(self) -> None:
+        """In the turn's task, as its graph ends (or fails): no node, no call follows."""
+        self.serving = False
+        self.nodes.put_nowait(_ENDED)
+        while not self.orders.empty():
+            work = self.orders.get_nowait()
+            if work is not None and not work.done.done():
+                work.done.set_exception(RuntimeError("the run's turn ended before this call"))
+
+    async def on_turn(self, make: Callable[[], Awaitable[_T]]) -> _T:
+        """``make()``'s journal call, made by the turn's task whichever task asks."""
+        if not self.serving or _in_turn.get() is self:  # the turn's task, or a task of its graph
+            return await make()
+        if self.detached:
+            msg = (
+                "a node of a durable agent's iter is streamed inside the `async with "
+                "durable_agent.iter(...)` block that gave it (docs/pydantic-ai.md)"
+            )
+            raise InvalidArgumentError(msg)
+        work = _Work(make, asyncio.get_running_loop().create_future())
+        self.orders.put_nowait(work)
+        try:
+            result: _T = await work.done
+        except BaseException as error:
+            self.delivered.append(error)
+            raise
+        return result
+
+
+async def _on_turn(handoff: _Handoff | None, make: Callable[[], Awaitable[_T]]) -> _T:
+    """``make()``, by the turn's task when an ``iter`` call hands its nodes out."""
+    if handoff is None:
+        return await make()
+    return await handoff.on_turn(make)
 
 
 # --------------------------------------------------------------- the result
@@ -219,6 +326,87 @@ class DurableStreamedRun:
     async def result(self) -> DurableRunResult:
         """How the turn ended, as ``DurableAgent.run`` says it."""
         return self._finish(await self._handle.result())
+
+
+class DurableAgentRun:
+    """A durable turn driven node by node (``DurableAgent.iter``), as Pydantic AI's
+    ``AgentRun`` is: ``async for node in run`` gives each node of the agent's graph
+    before it runs (``UserPromptNode``, ``ModelRequestNode``, ``CallToolsNode``,
+    ``End``), and ``async with node.stream(run.ctx) as events`` streams a request
+    or tool node. ``result`` is the turn's ``DurableRunResult`` once it ended.
+    """
+
+    def __init__(
+        self,
+        handle: TurnHandle,
+        handoff: _Handoff,
+        finish: Callable[[TurnResult], DurableRunResult],
+    ) -> None:
+        self._handle = handle
+        self._handoff = handoff
+        self._finish = finish
+        self._holding = False  # whether the turn waits for the caller to go on
+        #: How the turn ended (as ``DurableAgent.run`` says it); None until then.
+        self.result: DurableRunResult | None = None
+
+    async def run_id(self) -> str:
+        """The run's id, once the turn opened it."""
+        return await self._handle.run_id
+
+    @property
+    def ctx(self) -> Any:
+        """The graph's context (``AgentRun.ctx``), for ``node.stream(run.ctx)``."""
+        agent_run = self._handoff.agent_run
+        if agent_run is None:
+            msg = "the run has no graph context before its first node"
+            raise InvalidArgumentError(msg)
+        return agent_run.ctx
+
+    def __aiter__(self) -> DurableAgentRun:
+        return self
+
+    async def __anext__(self) -> Any:
+        if self._holding:  # the node given last may run now
+            self._holding = False
+            self._handoff.orders.put_nowait(None)
+        if self.result is None:
+            node = await self._next_node()
+            if node is not _ENDED:
+                self._holding = True
+                return node
+            await self.finished()
+        raise StopAsyncIteration
+
+    async def _next_node(self) -> Any:
+        """The node the turn hands over next, or ``_ENDED`` once the turn ended (a
+        turn may end before its graph starts: refused, or over its budget)."""
+        getting = asyncio.ensure_future(self._handoff.nodes.get())
+        ending = asyncio.ensure_future(self._handle.result())
+        try:
+            await asyncio.wait({getting, ending}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if ending.done() and not ending.cancelled():
+                ending.exception()  # raised by ``finished``, not lost
+            ending.cancel()
+            if not getting.done():
+                getting.cancel()
+        if getting.done() and not getting.cancelled():
+            return getting.result()
+        if not self._handoff.nodes.empty():
+            return self._handoff.nodes.get_nowait()
+        return _ENDED
+
+    def detach(self) -> None:
+        """The caller is gone: the turn goes on to its end without handing nodes."""
+        self._handoff.detached = True
+        self._holding = False
+        self._handoff.orders.put_nowait(None)
+
+    async def finished(self) -> DurableRunResult:
+        """How the turn ended, once it did (its error raised here), as ``run`` says it."""
+        if self.result is None:
+            self.result = self._finish(await self._handle.result())
+        return self.result
 
 
 def tool_call() -> ToolCall | None:
@@ -403,10 +591,13 @@ def _tool_messages(parts: Sequence[ModelRequestPart]) -> list[Message]:
 class _JournaledModel(WrapperModel):
     """The agent's model, each request a journaled ``model`` step."""
 
-    def __init__(self, wrapped: Model, turn: LoopTurn, callsites: _Callsites) -> None:
+    def __init__(
+        self, wrapped: Model, turn: LoopTurn, callsites: _Callsites, handoff: _Handoff | None
+    ) -> None:
         super().__init__(wrapped)
         self._turn = turn
         self._callsites = callsites
+        self._handoff = handoff
 
     async def request(
         self,
@@ -444,10 +635,14 @@ class _JournaledModel(WrapperModel):
         """The request as a journaled model step (replayed if the journal has it)."""
         last = one.messages[-1] if one.messages else None
         led_here = _tool_messages(last.parts) if isinstance(last, PaiRequest) else []
-        recorded = await self._turn.model(one, ModelRequest(purpose="agent", messages=[]), led_here)
-        response = _rebuilt(recorded)
-        self._callsites.assign(self._turn, response)
-        return response
+
+        async def step() -> PaiResponse:
+            asked = ModelRequest(purpose="agent", messages=[])
+            response = _rebuilt(await self._turn.model(one, asked, led_here))
+            self._callsites.assign(self._turn, response)
+            return response
+
+        return await _on_turn(self._handoff, step)
 
 
 # -------------------------------------------------------------------- tools
@@ -463,6 +658,7 @@ class _JournaledToolset(WrapperToolset[Any]):
 
     turn: LoopTurn | None = None
     callsites: _Callsites | None = None
+    handoff: _Handoff | None = None
 
     async def call_tool(
         self, name: str, tool_args: dict[str, Any], ctx: RunContext[Any], tool: ToolsetTool[Any]
@@ -494,7 +690,9 @@ class _JournaledToolset(WrapperToolset[Any]):
             execute,
             needs_approval=tool.tool_def.kind == "unapproved",
         )
-        result = await turn.tool(journaled, shown, callsite, ctx.tool_call_id)
+        result = await _on_turn(
+            self.handoff, lambda: turn.tool(journaled, shown, callsite, ctx.tool_call_id)
+        )
         if isinstance(result, dict) and set(result) == {MODEL_RETRY_KEY}:
             raise ModelRetry(str(result[MODEL_RETRY_KEY]))
         return result
@@ -512,19 +710,21 @@ def _denial(by: str | None, reason: str | None) -> ToolDenied:
 class _OnTheJournal(AbstractCapability[Any]):
     """Puts the journal under one run of the agent: its model, its tools, its approvals."""
 
-    def __init__(self, turn: LoopTurn) -> None:
+    def __init__(self, turn: LoopTurn, handoff: _Handoff | None = None) -> None:
         self.turn = turn
         self.callsites = _Callsites()
+        #: An ``iter`` call's: the journal calls of the nodes it streams go through it.
+        self.handoff = handoff
 
     @classmethod
     def get_serialization_name(cls) -> str | None:
         return None  # made per turn, never written in an agent spec
 
     def get_wrapper_model(self, model: Model) -> Model | None:
-        return _JournaledModel(model, self.turn, self.callsites)
+        return _JournaledModel(model, self.turn, self.callsites, self.handoff)
 
     def get_wrapper_toolset(self, toolset: AbstractToolset[Any]) -> AbstractToolset[Any] | None:
-        return _JournaledToolset(toolset, self.turn, self.callsites)
+        return _JournaledToolset(toolset, self.turn, self.callsites, self.handoff)
 
     async def handle_deferred_tool_calls(
         self, ctx: RunContext[Any], *, requests: DeferredToolRequests
@@ -533,7 +733,11 @@ class _OnTheJournal(AbstractCapability[Any]):
         results = DeferredToolResults()
         for call in requests.approvals:
             callsite = self.callsites.of(call.tool_call_id)
-            decision = await self.turn.approval(callsite, call.tool_name, call.args_as_dict())
+            args = call.args_as_dict()
+            decision = await _on_turn(
+                self.handoff,
+                lambda: self.turn.approval(callsite, call.tool_name, args),  # noqa: B023
+            )
             if decision.approved:
                 results.approvals[call.tool_call_id] = True
             else:
@@ -630,16 +834,20 @@ class PydanticAILoop:
         given = await turn.given(HISTORY, call.history if call is not None else None)
         if given is not None:
             history = ModelMessagesTypeAdapter.validate_python(given)
-        # A handler (a streamed call: run_stream, or run with one) makes Pydantic AI
-        # stream its model requests (request_stream): their text reaches the turn's
-        # stream as it comes. Without, requests are made whole, as Pydantic AI does.
-        result = await self.agent.run(
-            prompt,
-            message_history=history,
-            deps=call.deps if call is not None else self.deps,
-            capabilities=[_OnTheJournal(turn)],
-            event_stream_handler=call.handler if call is not None else None,
-        )
+        deps = call.deps if call is not None else self.deps
+        if call is not None and call.handoff is not None:
+            result = await self._node_by_node(turn, call.handoff, prompt, history, deps)
+        else:
+            # A handler (a streamed call: run_stream, or run with one) makes Pydantic AI
+            # stream its model requests (request_stream): their text reaches the turn's
+            # stream as it comes. Without, requests are made whole, as Pydantic AI does.
+            result = await self.agent.run(
+                prompt,
+                message_history=history,
+                deps=deps,
+                capabilities=[_OnTheJournal(turn)],
+                event_stream_handler=call.handler if call is not None else None,
+            )
         # Tool results after the last response (an output tool's) ride the turn's close.
         new = result.new_messages()
         if new and isinstance(new[-1], PaiRequest):
@@ -648,6 +856,38 @@ class PydanticAILoop:
         if call is not None:
             call.outputs[turn.run_id] = result.output
         return _output_text(result.output)
+
+    async def _node_by_node(
+        self,
+        turn: LoopTurn,
+        handoff: _Handoff,
+        prompt: str,
+        history: list[ModelMessage],
+        deps: Any,
+    ) -> AgentRunResult[Any]:
+        """The agent's graph run in this turn's task (``Agent.iter``), each node handed
+        to the ``iter`` caller before it runs, the next one run once the caller asks
+        for it (docs/pydantic-ai.md, "Node by node")."""
+        handoff.serving = True
+        token = _in_turn.set(handoff)  # this task's, and the graph's tasks' (copies of it)
+        journal = _OnTheJournal(turn, handoff)
+        try:
+            async with self.agent.iter(
+                prompt, message_history=history, deps=deps, capabilities=[journal]
+            ) as agent_run:
+                handoff.agent_run = agent_run
+                node: Any = agent_run.next_node
+                while True:
+                    await handoff.offer(node)
+                    if isinstance(node, End):
+                        break
+                    node = await agent_run.next(node)
+        finally:
+            _in_turn.reset(token)
+            handoff.ended()
+        result = agent_run.result
+        assert result is not None  # the graph reached its End
+        return result
 
 
 async def _drained(run_context: RunContext[Any], events: Any) -> None:
@@ -732,6 +972,49 @@ class DurableAgent:
         call = _Call(deps, _journalable(message_history), handler=handler)
         handle = await self._opened(call, prompt, session_id, run_id, usage_limits, idempotency_key)
         yield DurableStreamedRun(handle, lambda result: self._result(result, call))
+
+    @contextlib.asynccontextmanager
+    async def iter(
+        self,
+        prompt: str,
+        *,
+        session_id: str,
+        run_id: str | None = None,
+        deps: Any = None,
+        usage_limits: UsageLimits | None = None,
+        message_history: Sequence[ModelMessage] | None = None,
+        idempotency_key: str | None = None,
+    ) -> AsyncIterator[DurableAgentRun]:
+        """``run``, node by node, as ``Agent.iter``: ``async with agent.iter(...) as
+        run:`` then ``async for node in run: ...``; each node of the agent's graph
+        comes before it runs, and the turn waits for the caller to ask for the next,
+        so ``async with node.stream(run.ctx) as events`` streams a model request or
+        a tool node (its model response's events come once its step is journaled).
+        The turn is journaled exactly as ``run``'s; ``run.result`` is the
+        ``DurableRunResult`` once the iteration ended (docs/pydantic-ai.md).
+
+        Leaving the block early lets the turn go on to its end, durably, without
+        handing nodes; the block's end waits for it. A node's stream cut short by the
+        run pausing (a tool awaiting approval) ends the block with ``run.result``
+        paused; the turn's other errors are raised, as ``run`` raises them.
+        """
+        handoff = _Handoff()
+        call = _Call(deps, _journalable(message_history), handoff=handoff)
+        handle = await self._opened(call, prompt, session_id, run_id, usage_limits, idempotency_key)
+        run = DurableAgentRun(handle, handoff, lambda result: self._result(result, call))
+        try:
+            yield run
+        except BaseException as error:
+            run.detach()
+            if not any(error is given for given in handoff.delivered):
+                raise  # the caller's own: the turn goes on without it
+            # The turn ended with the error the journal gave the node's stream.
+            done = await run.finished()
+            if done.status != "paused":
+                raise
+        else:
+            run.detach()
+            await run.finished()
 
     async def _opened(
         self,
