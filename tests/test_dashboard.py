@@ -357,6 +357,13 @@ def _stale(element: Any) -> bool:
 
 
 def text_of(driver: webdriver.Chrome, element_id: str) -> str:
+    """The element's text; read again if a live page replaced the element between
+    finding it and reading it (its runs changed meanwhile)."""
+    for _ in range(20):
+        try:
+            return str(driver.find_element(By.ID, element_id).text)
+        except StaleElementReferenceException:
+            time.sleep(0.05)
     return str(driver.find_element(By.ID, element_id).text)
 
 
