@@ -23,6 +23,7 @@ import pytest
 from events_kit import everything, refund_run, take
 
 from kuralle_es import InvalidArgumentError, RunStore, Runtime
+from kuralle_es._journal.stream_log import StoredPart
 from kuralle_es.events import follow
 from kuralle_es.examples import refund
 
@@ -140,3 +141,29 @@ async def test_behind_pgbouncer_a_follower_listens_only_on_a_direct_server(
         more = await take(stream, len(await everything(store)) - len(got))
         assert {e.run_id for e in more} == {second}
         await stream.aclose()
+
+
+@pytest.mark.pgbouncer
+@pytest.mark.parametrize("direct", [False, True])
+async def test_behind_pgbouncer_a_stream_follower_listens_only_on_a_direct_server(
+    pg_dsn: str, pg_server_dsn: str, pgbouncer: Any, direct: bool
+) -> None:
+    """A stored stream's follower (docs/streaming.md) of another store: no LISTEN
+    through PgBouncer (it would hear nothing once its server connection served
+    another client); it reads every ``POOLED_POLL``, or is woken from the direct server."""
+    url = pgbouncer.url(pg_dsn)
+    if direct:
+        params = psycopg.conninfo.conninfo_to_dict(pg_server_dsn)
+        url += f"&listen_host={params['host']}&listen_port={params['port']}"
+    with RunStore.from_url(url) as writer, RunStore.from_url(url) as reader:
+        ours, theirs = writer.stream_log(0), reader.stream_log(0)
+        async with theirs.following("run-1") as follower:
+            assert _listeners(pg_dsn) == (1 if direct else 0)
+            for offset in (1, 2):
+                ours.add(StoredPart("run-1", offset, "text-delta", 1, 1, '{"delta": "hi"}'))
+                started, parts = time.monotonic(), []
+                while len(parts) < offset and time.monotonic() - started < 5:
+                    await theirs.wait(follower)
+                    parts = await theirs.read("run-1", 0, 10)
+                assert [p.offset for p in parts] == list(range(1, offset + 1))
+                assert time.monotonic() - started < 0.8  # not the lost-wake-up poll (1 s)

@@ -339,7 +339,7 @@ class RunStore:
             log = self._streams.get(partition)
             if log is None:
                 run_log = self.partitions[partition]
-                log = self._streams[partition] = stream_log_for(run_log.recorder)
+                log = self._streams[partition] = stream_log_for(run_log.recorder, run_log.address)
                 log.sealing = StreamSealing(run_log.mapper.transcoder, self.keys)
             return log
 
