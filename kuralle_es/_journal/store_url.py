@@ -8,7 +8,9 @@ part is read by libpq's own parser (``psycopg.conninfo``): several hosts,
 percent-encoding and every libpq parameter (``target_session_attrs``, ...)
 work as in ``psql``; ours beside them are ``partitions=K``, ``pool_size=N``,
 ``pooler`` and ``listen_host``/``listen_port`` (docs/scaling.md,
-docs/high-availability.md). An address renders the ``eventsourcing`` variables, and
+docs/high-availability.md); a PostgreSQL address that names no pooler takes
+``KURALLE_POSTGRES_POOLER`` from the process's environment (``default_pooler``).
+An address renders the ``eventsourcing`` variables, and
 two of ours for what those cannot say, so that every application built from
 a log's environment reaches the database the same way.
 
