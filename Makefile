@@ -65,9 +65,11 @@ test: $(STAMP) browser faketime pgbouncer ha
 	$(BIN)/mkdocs build --strict --quiet
 	$(BIN)/pytest -q
 
-# Only the tests that run through PgBouncer in transaction mode (make test runs them too).
+# The whole PostgreSQL part of the suite once more, every database reached through
+# PgBouncer in transaction mode (tests/conftest.py, KURALLE_TEST_PGBOUNCER): about
+# 20 minutes, so not part of `make test` (which runs the pgbouncer-marked tests).
 test-pgbouncer: $(STAMP) pgbouncer
-	$(BIN)/pytest -q -m pgbouncer
+	KURALLE_TEST_PGBOUNCER=1 KURALLE_REQUIRE_POSTGRES=1 $(BIN)/pytest -q -m postgres
 
 # The documentation site (docs/ -> build/site); strict: a broken reference fails.
 docs: $(STAMP)

@@ -55,6 +55,56 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 ADMIN_DSN_ENV = "KURALLE_TEST_POSTGRES_DSN"
 REQUIRE_ENV = "KURALLE_REQUIRE_POSTGRES"
 DEFAULT_ADMIN_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
+#: ``1``: every ``pg_dsn`` reaches its database through the session's PgBouncer in
+#: transaction mode, and every store (this process's, and those of the processes
+#: the tests start) says so by ``KURALLE_POSTGRES_POOLER`` (``make test-pgbouncer``).
+PGBOUNCER_ENV = "KURALLE_TEST_PGBOUNCER"
+THROUGH_PGBOUNCER = os.environ.get(PGBOUNCER_ENV) == "1"
+POOLER_VAR = "KURALLE_POSTGRES_POOLER"
+
+
+def stripped(name: str, prefixes: tuple[str, ...] | str) -> bool:
+    """Whether a test leaves the variable ``name`` (one of ``prefixes``) out of the
+    environment of a process it starts: never the session's pooler, which every
+    process must inherit under ``KURALLE_TEST_PGBOUNCER=1``."""
+    return name.startswith(prefixes) and name != POOLER_VAR
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Through PgBouncer, the stores' default pooler is set for the whole session,
+    before any test (or process a test starts) opens a store."""
+    config.addinivalue_line(
+        "markers",
+        "direct_only(reason): needs the server itself, not a transaction pooler: "
+        f"skipped under {PGBOUNCER_ENV}=1",
+    )
+    if THROUGH_PGBOUNCER:
+        os.environ[POOLER_VAR] = "transaction"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under ``KURALLE_TEST_PGBOUNCER=1``: skip the tests marked ``direct_only`` (with
+    their reason), and the direct variant of a test that also has a PgBouncer one
+    (its ``pgbouncer`` variant runs through PgBouncer already; the other would be
+    the same test twice)."""
+    if not THROUGH_PGBOUNCER:
+        return
+    twice = pytest.mark.skip(
+        reason=f"{PGBOUNCER_ENV}=1: the same test's pgbouncer variant runs through PgBouncer"
+    )
+    for item in items:
+        marker = item.get_closest_marker("direct_only")
+        if marker is not None:
+            reason = marker.args[0] if marker.args else marker.kwargs.get("reason", "")
+            item.add_marker(pytest.mark.skip(reason=f"{PGBOUNCER_ENV}=1: {reason}"))
+            continue
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if params.get("routed_pg_dsn") == "direct":
+            item.add_marker(twice)
+        elif params.get("backend") == "postgres":
+            sibling = item.nodeid.replace("[postgres", "[pgbouncer", 1)
+            if sibling != item.nodeid and any(other.nodeid == sibling for other in items):
+                item.add_marker(twice)
 
 
 # --------------------------------------------------------------- postgres
@@ -241,9 +291,22 @@ def second_pg_dsn(second_postgres_admin_dsn: str) -> Iterator[str]:
 
 
 @pytest.fixture
-def pg_dsn(postgres_admin_dsn: str) -> Iterator[str]:
-    """A fresh, uniquely named database; dropped (connections and all) afterwards."""
-    yield from _fresh_database(postgres_admin_dsn)
+def pg_dsn(postgres_admin_dsn: str, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh, uniquely named database; dropped (connections and all) afterwards.
+    Under ``KURALLE_TEST_PGBOUNCER=1``, a plain libpq URL of it through the
+    session's PgBouncer (made and dropped on the server directly)."""
+    for dsn in _fresh_database(postgres_admin_dsn):
+        if THROUGH_PGBOUNCER:
+            yield request.getfixturevalue("pgbouncer").dsn(dsn)
+        else:
+            yield dsn
+
+
+@pytest.fixture
+def pg_server_dsn(pg_dsn: str, postgres_admin_dsn: str) -> str:
+    """``pg_dsn``'s database on the server itself, whatever route ``pg_dsn`` takes: for
+    what only a server session can do (a LISTEN of the test's own, a session pooler)."""
+    return dsn_for(postgres_admin_dsn, str(conninfo_to_dict(pg_dsn)["dbname"]))
 
 
 # -------------------------------------------------------------- pgbouncer
@@ -264,10 +327,14 @@ class PgBouncer:
         self.dir = Path(tempfile.mkdtemp(prefix="kuralle-pgbouncer-"))
         self.process: subprocess.Popen[bytes] | None = None
 
+    def dsn(self, dsn: str) -> str:
+        """``dsn``'s database through PgBouncer, as a plain libpq URL."""
+        dbname = conninfo_to_dict(dsn)["dbname"]
+        return f"postgresql://{self.user}@127.0.0.1:{self.port}/{dbname}"
+
     def url(self, dsn: str) -> str:
         """``dsn``'s database through PgBouncer, as a store URL (``?pooler=transaction``)."""
-        dbname = conninfo_to_dict(dsn)["dbname"]
-        return f"postgresql://{self.user}@127.0.0.1:{self.port}/{dbname}?pooler=transaction"
+        return f"{self.dsn(dsn)}?pooler=transaction"
 
     def start(self) -> None:
         host, port = self.server
@@ -315,8 +382,9 @@ class PgBouncer:
 
 
 def _no_package(message: str) -> None:
-    """Skip, or fail under CI=true, where ``make test`` installed the package."""
-    if os.environ.get("CI") == "true":
+    """Skip, or fail under CI=true, where ``make test`` installed the package (and
+    under ``KURALLE_TEST_PGBOUNCER=1``, whose every PostgreSQL test needs it)."""
+    if os.environ.get("CI") == "true" or THROUGH_PGBOUNCER:
         pytest.fail(message, pytrace=False)
     pytest.skip(message)
 

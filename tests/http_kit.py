@@ -29,6 +29,7 @@ from uuid import uuid4
 
 import psycopg
 import pytest
+from conftest import stripped
 from psycopg import sql
 
 from kuralle_es import RunStore
@@ -53,7 +54,7 @@ def clean_env(**extra: str) -> dict[str, str]:
     env = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith(("PERSISTENCE_", "SQLITE_", "POSTGRES_", "KURALLE_", "HTTP_"))
+        if not stripped(k, ("PERSISTENCE_", "SQLITE_", "POSTGRES_", "KURALLE_", "HTTP_"))
         and k not in ("OPENAI_API_KEY", "REFUND_LEDGER")
     }
     env["KURALLE_MODEL"] = "scripted"

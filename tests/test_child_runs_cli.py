@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import stripped
 
 from kuralle_es import RunStore
 
@@ -55,7 +56,7 @@ def _env(folder: Path) -> dict[str, str]:
     env = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith(("PERSISTENCE_", "SQLITE_", "POSTGRES_", "KURALLE_"))
+        if not stripped(k, ("PERSISTENCE_", "SQLITE_", "POSTGRES_", "KURALLE_"))
     }
     return {**env, "KURALLE_STORE": f"sqlite:///{folder / 'runs.db'}"}
 

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import stripped
 
 from kuralle_es import RunStore
 
@@ -30,7 +31,7 @@ from charge_app import read_ledger  # noqa: E402
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KT_", "KURALLE_"))}
+    env = {k: v for k, v in os.environ.items() if not stripped(k, ("KT_", "KURALLE_"))}
     env.update(extra)
     return env
 

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import stripped
 from views_kit import SESSION, agent, expected_summary, populate
 
 from kuralle_es import RunState, RunStore, RunSummary, Runtime, StepRecord
@@ -36,7 +37,7 @@ def _env(**extra: str) -> dict[str, str]:
     env = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith(("PERSISTENCE_", "SQLITE_", "POSTGRES_", "KURALLE_"))
+        if not stripped(k, ("PERSISTENCE_", "SQLITE_", "POSTGRES_", "KURALLE_"))
         and k not in ("OPENAI_API_KEY", refund.LEDGER_ENV)
     }
     env[refund.MODEL_ENV] = "scripted"

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import stripped
 from procs.operator_app import DOWN_ENV, LEDGER_ENV, SLEEP_ENV, VARIANT_ENV, build_agents, ledger
 
 from kuralle_es import RunStore, Runtime, TurnResult, recover_orphaned_runs
@@ -54,7 +55,7 @@ def spawn(env: dict[str, str], *args: str, app: str = APP) -> subprocess.Popen[s
     clean = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith(("PERSISTENCE_", "SQLITE_", "POSTGRES_", "KURALLE_", "OPS_"))
+        if not stripped(k, ("PERSISTENCE_", "SQLITE_", "POSTGRES_", "KURALLE_", "OPS_"))
     }
     return subprocess.Popen(
         [*COMMAND, *args, "--app", app],

@@ -23,6 +23,7 @@ import pytest
 from events_kit import everything, refund_run, take
 
 from kuralle_es import InvalidArgumentError, RunStore, Runtime
+from kuralle_es._journal.stream_log import StoredPart
 from kuralle_es.events import follow
 from kuralle_es.examples import refund
 
@@ -32,6 +33,9 @@ BENCHMARK = Path(__file__).resolve().parent.parent / "benchmarks" / "connections
 WORKER = Path(__file__).resolve().parent / "procs" / "three_steps.py"
 
 
+@pytest.mark.direct_only(
+    "counts the store's connections on the server: behind PgBouncer those are PgBouncer's"
+)
 def test_a_four_partition_store_under_32_runs_holds_at_most_10_connections(pg_dsn: str) -> None:
     done = subprocess.run(
         [sys.executable, str(BENCHMARK), "--dsn", pg_dsn, "--seconds", "2", "--json"],
@@ -58,7 +62,7 @@ def test_pool_size_is_a_whole_number_of_two_or_more(pg_dsn: str) -> None:
 
 @pytest.mark.pgbouncer
 def test_64_worker_coroutines_in_4_processes_share_at_most_10_server_connections_through_pgbouncer(
-    pg_dsn: str, pgbouncer: Any, tmp_path: Path
+    pg_dsn: str, pg_server_dsn: str, pgbouncer: Any, tmp_path: Path
 ) -> None:
     url = pgbouncer.url(pg_dsn)
     RunStore.from_url(url).close()  # the tables, before the workers race to make them
@@ -68,7 +72,7 @@ def test_64_worker_coroutines_in_4_processes_share_at_most_10_server_connections
 
     def sample() -> None:
         nonlocal peak
-        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        with psycopg.connect(pg_server_dsn, autocommit=True) as conn:  # the server's view
             while not stop.is_set():
                 row = conn.execute(
                     "SELECT count(*) FROM pg_stat_activity "
@@ -118,13 +122,13 @@ def _listeners(pg_dsn: str) -> int:
 @pytest.mark.pgbouncer
 @pytest.mark.parametrize("direct", [False, True])
 async def test_behind_pgbouncer_a_follower_listens_only_on_a_direct_server(
-    pg_dsn: str, pgbouncer: Any, direct: bool
+    pg_dsn: str, pg_server_dsn: str, pgbouncer: Any, direct: bool
 ) -> None:
     """No LISTEN through PgBouncer (it would be lost with its server session): a
     follower polls, or listens on the direct server ``listen_host`` names."""
     url = pgbouncer.url(pg_dsn)
     if direct:
-        params = psycopg.conninfo.conninfo_to_dict(pg_dsn)
+        params = psycopg.conninfo.conninfo_to_dict(pg_server_dsn)
         url += f"&listen_host={params['host']}&listen_port={params['port']}"
     with RunStore.from_url(url) as store:
         runtime = Runtime([refund.build_agent()], store=store)
@@ -137,3 +141,29 @@ async def test_behind_pgbouncer_a_follower_listens_only_on_a_direct_server(
         more = await take(stream, len(await everything(store)) - len(got))
         assert {e.run_id for e in more} == {second}
         await stream.aclose()
+
+
+@pytest.mark.pgbouncer
+@pytest.mark.parametrize("direct", [False, True])
+async def test_behind_pgbouncer_a_stream_follower_listens_only_on_a_direct_server(
+    pg_dsn: str, pg_server_dsn: str, pgbouncer: Any, direct: bool
+) -> None:
+    """A stored stream's follower (docs/streaming.md) of another store: no LISTEN
+    through PgBouncer (it would hear nothing once its server connection served
+    another client); it reads every ``POOLED_POLL``, or is woken from the direct server."""
+    url = pgbouncer.url(pg_dsn)
+    if direct:
+        params = psycopg.conninfo.conninfo_to_dict(pg_server_dsn)
+        url += f"&listen_host={params['host']}&listen_port={params['port']}"
+    with RunStore.from_url(url) as writer, RunStore.from_url(url) as reader:
+        ours, theirs = writer.stream_log(0), reader.stream_log(0)
+        async with theirs.following("run-1") as follower:
+            assert _listeners(pg_dsn) == (1 if direct else 0)
+            for offset in (1, 2):
+                ours.add(StoredPart("run-1", offset, "text-delta", 1, 1, '{"delta": "hi"}'))
+                started, parts = time.monotonic(), []
+                while len(parts) < offset and time.monotonic() - started < 5:
+                    await theirs.wait(follower)
+                    parts = await theirs.read("run-1", 0, 10)
+                assert [p.offset for p in parts] == list(range(1, offset + 1))
+                assert time.monotonic() - started < 0.8  # not the lost-wake-up poll (1 s)

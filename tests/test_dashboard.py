@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 
 import pytest
 import uvicorn
+from conftest import stripped
 from pydantic import BaseModel
 from selenium import webdriver
 from selenium.common.exceptions import (
@@ -798,7 +799,7 @@ def test_the_dashboard_answers_no_host_but_its_own(
 def test_the_dashboard_command_answers_its_allowed_hosts(tmp_path: Path) -> None:
     db = tmp_path / "runs.db"
     RunStore.sqlite(str(db)).close()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KURALLE_")}
+    env = {k: v for k, v in os.environ.items() if not stripped(k, "KURALLE_")}
     command = [sys.executable, "-m", "kuralle_es.cli", "--store", f"sqlite:///{db}", "dashboard"]
     public = subprocess.run(
         [*command, "--host", "0.0.0.0"], env={**env, "KURALLE_DASHBOARD_TOKEN": TOKEN},

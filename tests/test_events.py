@@ -342,6 +342,10 @@ async def test_follow_reads_across_the_gap_a_refused_write_leaves(
 
 
 @pytest.mark.postgres
+@pytest.mark.direct_only(
+    "kills the follower's LISTEN connection: behind a transaction pooler a follower "
+    "polls and has none (test_connections covers that route)"
+)
 async def test_a_follower_outlives_its_listen_connection(pg_dsn: str) -> None:
     """The server drops the follower's LISTEN connection: it listens again and goes on."""
     store = RunStore.postgres(pg_dsn)

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import stripped
 
 from kuralle_es import RunStore, Runtime
 from kuralle_es.examples import checkout
@@ -34,7 +35,7 @@ pytestmark = [pytest.mark.postgres, pytest.mark.timeout(120)]
 
 
 def _env(dsn: str, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KT_", "KURALLE_"))}
+    env = {k: v for k, v in os.environ.items() if not stripped(k, ("KT_", "KURALLE_"))}
     return {**env, LEDGER_ENV: dsn, **extra}
 
 

@@ -41,7 +41,14 @@ from kuralle_es._journal import pg_async, subject_keys
 from kuralle_es.events import Consumer, RunFinished, follow
 from kuralle_es.testing import Crash
 
-pytestmark = [pytest.mark.postgres, pytest.mark.failover]
+pytestmark = [
+    pytest.mark.postgres,
+    pytest.mark.failover,
+    pytest.mark.direct_only(
+        "fails over servers of its own (a stalled cluster, a Patroni pair), not the "
+        "session's server behind PgBouncer"
+    ),
+]
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))

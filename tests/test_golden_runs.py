@@ -254,7 +254,10 @@ def golden(
         copy = str(target)
     else:
         copy = str(request.getfixturevalue("pg_dsn"))  # a fresh database, dropped after
-        load_pg_dump(copy, generation.folder / "runs.pg.sql")
+        # On the server itself: a dump sets the session's search_path to '', which
+        # through a transaction pooler would stay on a server connection the
+        # stores are given next.
+        load_pg_dump(request.getfixturevalue("pg_server_dsn"), generation.folder / "runs.pg.sql")
     ledger = tmp_path / "ledger.jsonl"
     generation.app.use_ledger(ledger)
     found = Golden(generation, backend, copy, ledger)

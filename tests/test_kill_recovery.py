@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import stripped
 
 from kuralle_es import RunStore, Runtime
 
@@ -33,7 +34,7 @@ INTERVAL = "0.2"
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KT_", "KURALLE_"))}
+    env = {k: v for k, v in os.environ.items() if not stripped(k, ("KT_", "KURALLE_"))}
     env.update(extra)
     return env
 

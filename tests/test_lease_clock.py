@@ -25,6 +25,7 @@ from uuid import uuid4
 
 import psycopg
 import pytest
+from conftest import stripped
 
 from kuralle_es import LeaseHeldError, RunStore
 from kuralle_es._journal.leases import LeaseOp
@@ -60,7 +61,7 @@ def _faketime() -> str:
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KT_", "KURALLE_"))}
+    env = {k: v for k, v in os.environ.items() if not stripped(k, ("KT_", "KURALLE_"))}
     env.update(extra)
     return env
 

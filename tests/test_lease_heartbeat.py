@@ -23,6 +23,7 @@ from typing import Any
 from uuid import UUID
 
 import pytest
+from conftest import stripped
 from pydantic import BaseModel
 
 from kuralle_es import (
@@ -194,7 +195,7 @@ class Rival:
         self._process = subprocess.Popen(
             [sys.executable, str(PROCS / "lease_app.py"), "rival", _url(open_store), session,
              str(SHORT_LEASE), "60"],
-            env={k: v for k, v in os.environ.items() if not k.startswith("KURALLE_")},
+            env={k: v for k, v in os.environ.items() if not stripped(k, "KURALLE_")},
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         assert self._process.stdout is not None

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import stripped
 
 from kuralle_es import RunStore, define_agent
 from kuralle_es.cli import NO_STORE, store_label
@@ -79,7 +80,7 @@ def _env(**extra: str) -> dict[str, str]:
     env = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith(("PERSISTENCE_", "SQLITE_", "POSTGRES_", "KURALLE_"))
+        if not stripped(k, ("PERSISTENCE_", "SQLITE_", "POSTGRES_", "KURALLE_"))
         and k != "OPENAI_API_KEY"
     }
     return {**env, "KURALLE_MODEL": "scripted", **extra}

@@ -30,6 +30,7 @@ from typing import Any
 import psycopg
 import pytest
 import uvicorn
+from conftest import stripped
 from events_kit import everything, refund_run
 from procs import crashy
 from procs.child import Child, wait_lease_expired
@@ -389,7 +390,7 @@ def kuralle(*args: str) -> str:
     env = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith(("PERSISTENCE_", "POSTGRES_", "KURALLE_"))
+        if not stripped(k, ("PERSISTENCE_", "POSTGRES_", "KURALLE_"))
     }
     env[refund.MODEL_ENV] = "scripted"
     done = subprocess.run(

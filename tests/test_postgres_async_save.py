@@ -112,6 +112,10 @@ async def test_a_version_clash_is_a_stale_write_and_stores_nothing(
     assert stored is not None and stored.version == theirs.version
 
 
+@pytest.mark.direct_only(
+    "kills the store's server connections: behind PgBouncer they are PgBouncer's, "
+    "and the store's own connections to it live on"
+)
 async def test_a_killed_connection_is_replaced_and_the_save_lands(
     store: RunStore, pg_dsn: str
 ) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from conftest import _free_port
+from conftest import _free_port, stripped
 from events_kit import everything, refund_run
 from psycopg.conninfo import conninfo_to_dict
 
@@ -46,7 +46,7 @@ def kuralle(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     clean = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith(("PERSISTENCE_", "SQLITE_", "POSTGRES_", "KURALLE_"))
+        if not stripped(k, ("PERSISTENCE_", "SQLITE_", "POSTGRES_", "KURALLE_"))
     }
     return subprocess.run(
         [*COMMAND, *args], capture_output=True, text=True, timeout=120,
@@ -140,6 +140,10 @@ async def test_a_multi_host_url_reaches_the_host_that_is_up_from_store_follower_
 
 
 @pytest.mark.postgres
+@pytest.mark.direct_only(
+    "reads application_name off the server's connections: PgBouncer's own carry "
+    "whichever client's name was last set on them"
+)
 async def test_every_connection_of_a_store_carries_the_urls_libpq_parameters(
     pg_dsn: str,
 ) -> None:
@@ -195,13 +199,72 @@ def test_a_store_whose_every_host_is_down_is_one_line_naming_them_within_seconds
 
 # --------------------------------------------------------------------- pooler
 @pytest.mark.postgres
-def test_a_pooler_is_parsed_validated_and_carried_to_every_log(pg_dsn: str) -> None:
+def test_a_pooler_is_parsed_validated_and_carried_to_every_log(pg_server_dsn: str) -> None:
+    pg_dsn = pg_server_dsn  # a session pooler's store prepares statements: not through PgBouncer
     with RunStore.postgres(pg_dsn, partitions=2, pooler="transaction") as store:
         assert [log.address.pooler for log in store.partitions] == ["transaction"] * 2  # type: ignore[union-attr]
     with RunStore.from_url(f"{pg_dsn}?pooler=session") as store:
         assert store.partitions[0].address.pooler == "session"  # type: ignore[union-attr]
     with pytest.raises(InvalidArgumentError, match="'transaction' or 'session'"):
         RunStore.postgres(pg_dsn, pooler="statement")
+
+
+POOLER_VAR = "KURALLE_POSTGRES_POOLER"
+
+
+@pytest.mark.postgres
+async def test_the_environment_s_pooler_is_the_default_of_every_postgres_store(
+    pg_dsn: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(POOLER_VAR, "transaction")
+    with RunStore.postgres(pg_dsn) as store:
+        assert store.partitions[0].address.pooler == "transaction"  # type: ignore[union-attr]
+        await one_refund(store)  # and the store works
+    with RunStore.from_url(pg_dsn) as store:
+        assert store.partitions[0].address.pooled  # type: ignore[union-attr]
+    sharded = f"{pg_dsn},sqlite:///{tmp_path / 'shard.db'}"
+    with RunStore.from_url(sharded) as store:
+        assert store.partitions[0].address.pooler == "transaction"  # type: ignore[union-attr]
+    # A process the tests start inherits it: the worker's start line shows it.
+    line, _ = await asyncio.to_thread(worker_start, pg_dsn)
+    assert "worker started" in line and "pooler=transaction" in line, line
+
+
+@pytest.mark.postgres
+def test_a_pooler_the_url_or_the_call_names_wins_over_the_environment_s(
+    pg_server_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pg_dsn = pg_server_dsn  # a session pooler's store prepares statements: not through PgBouncer
+    monkeypatch.setenv(POOLER_VAR, "transaction")
+    with RunStore.from_url(f"{pg_dsn}?pooler=session") as store:
+        assert store.partitions[0].address.pooler == "session"  # type: ignore[union-attr]
+    with RunStore.postgres(pg_dsn, pooler="session") as store:
+        assert store.partitions[0].address.pooler == "session"  # type: ignore[union-attr]
+    # A named pooler does not read the variable: a bad value there does not matter.
+    monkeypatch.setenv(POOLER_VAR, "statement")
+    with RunStore.postgres(f"{pg_dsn}?pooler=transaction") as store:
+        assert store.partitions[0].address.pooled  # type: ignore[union-attr]
+    with RunStore.postgres(pg_dsn, pooler="session") as store:
+        assert not store.partitions[0].address.pooled  # type: ignore[union-attr]
+
+
+def test_a_pooler_variable_we_do_not_know_is_refused_naming_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(POOLER_VAR, "statement")
+    url = f"postgresql://postgres@127.0.0.1:{_free_port()}/db"  # never reached
+    for open_store in (RunStore.from_url, RunStore.postgres):
+        with pytest.raises(InvalidArgumentError) as refused:
+            open_store(url)
+        message = str(refused.value)
+        assert "\n" not in message and POOLER_VAR in message and "'statement'" in message
+        assert "'transaction' or 'session'" in message
+    # SQLite and memory stores have no pooler: the variable is not theirs.
+    RunStore.from_url("memory:").close()
+    done = kuralle("runs", "list", "--store", url, **{POOLER_VAR: "statement"})
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and POOLER_VAR in lines[0] and "'statement'" in lines[0], lines
 
 
 # ------------------------------------------------------------------ passwords

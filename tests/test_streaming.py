@@ -25,6 +25,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from conftest import stripped
 from openai import AsyncOpenAI
 from openai_server import (
     ScriptedOpenAIServer,
@@ -374,7 +375,7 @@ def test_a_process_killed_mid_stream_is_retracted_by_the_next_attempt(
     store_url: str, tmp_path: Path
 ) -> None:
     marker = tmp_path / "run-id"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KURALLE_")}
+    env = {k: v for k, v in os.environ.items() if not stripped(k, "KURALLE_")}
     doomed = subprocess.run(
         [sys.executable, str(PROCS / "stream_app.py"), "kill", store_url, SESSION, str(marker)],
         env=env, capture_output=True, text=True, timeout=120,

@@ -19,6 +19,7 @@ import sys
 import time
 
 import pytest
+from conftest import stripped
 from views_kit import SESSION, agent
 
 from kuralle_es import RunStore, Runtime, RunViews
@@ -39,7 +40,7 @@ def projector(url: str, batch: int = 1) -> subprocess.Popen[str]:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={k: v for k, v in os.environ.items() if not k.startswith("KURALLE_")},
+        env={k: v for k, v in os.environ.items() if not stripped(k, "KURALLE_")},
     )  # fmt: skip
 
 

@@ -95,7 +95,7 @@ class RunStore:
                     raise InvalidArgumentError(msg)
             else:
                 address = replace(address, partitions=postgres_address(
-                    address.params, partitions=partitions
+                    address.params, partitions=partitions, env_pooler=False
                 ).partitions)  # fmt: skip
         base = {**(env or {}), **(address.env() if address is not None else {})}
         keys = _key_table(base, address)
@@ -150,7 +150,8 @@ class RunStore:
         module's docstring says: None opens the logs the database has (one if it is
         new); ``pool_size`` (default 10, or the URL's ``?pool_size=``) the most
         connections the store holds, whatever K; ``pooler="transaction"`` when
-        PgBouncer in transaction mode is in front (docs/high-availability.md);
+        PgBouncer in transaction mode is in front (else the URL's ``?pooler=``, else
+        ``KURALLE_POSTGRES_POOLER``: docs/high-availability.md);
         ``cipher_key`` and ``key_store`` as ``__init__`` says."""
         address = postgres_address(
             dsn_or_params, partitions=partitions, pooler=pooler, pool_size=pool_size
@@ -339,7 +340,7 @@ class RunStore:
             log = self._streams.get(partition)
             if log is None:
                 run_log = self.partitions[partition]
-                log = self._streams[partition] = stream_log_for(run_log.recorder)
+                log = self._streams[partition] = stream_log_for(run_log.recorder, run_log.address)
                 log.sealing = StreamSealing(run_log.mapper.transcoder, self.keys)
             return log
 

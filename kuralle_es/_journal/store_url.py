@@ -8,7 +8,9 @@ part is read by libpq's own parser (``psycopg.conninfo``): several hosts,
 percent-encoding and every libpq parameter (``target_session_attrs``, ...)
 work as in ``psql``; ours beside them are ``partitions=K``, ``pool_size=N``,
 ``pooler`` and ``listen_host``/``listen_port`` (docs/scaling.md,
-docs/high-availability.md). An address renders the ``eventsourcing`` variables, and
+docs/high-availability.md); a PostgreSQL address that names no pooler takes
+``KURALLE_POSTGRES_POOLER`` from the process's environment (``default_pooler``).
+An address renders the ``eventsourcing`` variables, and
 two of ours for what those cannot say, so that every application built from
 a log's environment reaches the database the same way.
 
@@ -44,6 +46,7 @@ __all__ = [
     "SqliteAddress",
     "StoreAddress",
     "address_from_env",
+    "default_pooler",
     "parse_store_url",
     "postgres_address",
     "redact",
@@ -322,9 +325,33 @@ def _sqlite_path(url: str) -> Path:
     return Path(rest[3:])
 
 
-def _postgres_dsn(dsn: str) -> PostgresAddress:
+def default_pooler() -> Pooler | None:
+    """The pooler of a PostgreSQL address that names none (no ``?pooler=``, no
+    ``pooler=`` argument): ``KURALLE_POSTGRES_POOLER`` in the process's environment,
+    so that every store of a deployment behind PgBouncer, and every process it
+    starts, says so once (docs/high-availability.md)."""
+    return _pooler_named_by(POOLER_VAR, os.environ.get(POOLER_VAR))
+
+
+def _pooler_named_by(var: str, raw: str | None) -> Pooler | None:
+    """The pooler the variable ``var`` holds (``raw``; unset or empty: none); a value
+    we do not know is refused on one line that names the variable."""
+    value = (raw or "").strip()
+    if not value:
+        return None
+    if value not in get_args(Pooler):
+        msg = (
+            f"{var} must be 'transaction' or 'session' (PgBouncer's pool_mode) or unset, "
+            f"got {value!r}"
+        )
+        raise InvalidArgumentError(msg)
+    return value  # type: ignore[return-value]
+
+
+def _postgres_dsn(dsn: str, *, env_pooler: bool = True) -> PostgresAddress:
     """A ``postgresql://`` URL (our parameters taken out of its query) or a
-    ``key=value`` conninfo string, read by libpq."""
+    ``key=value`` conninfo string, read by libpq; without ``?pooler=``, the
+    environment's (``default_pooler``) unless ``env_pooler`` is false."""
     conninfo, ours = dsn, {}
     if dsn.startswith(("postgresql://", "postgres://")):
         base, _, query = dsn.partition("?")
@@ -347,7 +374,7 @@ def _postgres_dsn(dsn: str) -> PostgresAddress:
     return _postgres(
         params,
         partitions=_whole(ours.get("partitions")),
-        pooler=ours.get("pooler"),
+        pooler=ours["pooler"] if "pooler" in ours else default_pooler() if env_pooler else None,
         pool_size=_whole(ours.get("pool_size")),
         listen=listen,
         shown=_quoted(dsn),
@@ -365,10 +392,12 @@ def postgres_address(
     partitions: int | None = None,
     pooler: str | None = None,
     pool_size: int | None = None,
+    env_pooler: bool = True,
 ) -> PostgresAddress:
     """``RunStore.postgres``'s database: a URL, a ``key=value`` conninfo string or a
     mapping of libpq parameters; ``partitions``, ``pooler`` and ``pool_size`` win
-    over the URL's."""
+    over the URL's, and a pooler named either way over ``KURALLE_POSTGRES_POOLER``
+    (``env_pooler`` false: that variable is not read)."""
     dsn = dsn_or_params
     if isinstance(dsn_or_params, Mapping):
         given = {str(k): str(v) for k, v in dsn_or_params.items() if v is not None}
@@ -380,7 +409,7 @@ def postgres_address(
     if not isinstance(dsn, str):
         msg = f"a PostgreSQL store takes a URL or a mapping, got {type(dsn).__name__}"
         raise InvalidArgumentError(msg)
-    address = _postgres_dsn(dsn)
+    address = _postgres_dsn(dsn, env_pooler=env_pooler and pooler is None)
     return _postgres(
         address.params,
         partitions=address.partitions if partitions is None else partitions,
@@ -449,9 +478,12 @@ def address_from_env(
         given = {key: environment.get(var) for key, var in _ES_VARS.items()}
         conninfo = make_conninfo(**{k: v for k, v in given.items() if v})
         options = environment.get(OPTIONS_VAR) or ""
+        # The variables' pooler, read here (an empty one, rendered by an address
+        # without a pooler, is none: not the process's default again).
         address = postgres_address(
             f"{options} {conninfo}",
-            pooler=environment.get(POOLER_VAR) or None,
+            pooler=_pooler_named_by(POOLER_VAR, environment.get(POOLER_VAR)),
+            env_pooler=False,
             pool_size=_whole(environment.get(POOL_SIZE_VAR) or None),  # type: ignore[arg-type]
         )
         listen = environment.get(LISTEN_VAR)

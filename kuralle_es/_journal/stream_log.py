@@ -17,7 +17,10 @@ partition), and is written the cheap way:
 - **woken, not polled, where it can be.** After each write the followers of
   the written runs in this process are woken at once; on PostgreSQL the
   write's ``pg_notify`` (payload: the run id) wakes those of other processes;
-  SQLite followers in other processes look again every ``SQLITE_POLL``.
+  SQLite followers in other processes look again every ``SQLITE_POLL``. Behind a
+  transaction pooler a LISTEN would be lost with its server session: the log
+  listens on the direct server the address names (``listen_host``), else its
+  followers look again every ``POOLED_POLL`` (docs/high-availability.md).
 - **without waiting for the disk** on PostgreSQL (``synchronous_commit`` off
   for the stream's own transactions): a database crash may lose the stream's
   last fraction of a second, never a journaled step.
@@ -56,6 +59,7 @@ from psycopg.sql import SQL, Composed, Identifier
 
 from ..redaction import Redacted
 from .sealing import SEALED_KEY, SealedAsList, open_payload, seal_payload, sealed_json
+from .store_url import PostgresAddress
 from .subject_keys import KeyTable
 
 __all__ = [
@@ -77,6 +81,9 @@ SPACING = 0.05
 SQLITE_POLL = 0.05
 #: Seconds a woken-only follower waits before it looks again anyway (a lost notification).
 SAFETY_POLL = 1.0
+#: Seconds between two reads of a follower behind a transaction pooler that names no
+#: server to LISTEN on (other processes' writes cannot wake it): ``follow``'s interval.
+POOLED_POLL = 0.1
 #: Writes of one batch tried before its parts are given up (the journal stands).
 WRITE_ATTEMPTS = 5
 #: Runs whose saves a log counts (the latest: a long-lived process forgets the rest).
@@ -529,9 +536,18 @@ class PostgresStreamLog(StreamLog):
     """Streams in the store's PostgreSQL database, through its recorder's pool;
     followers of other processes woken by ``LISTEN``/``NOTIFY``."""
 
-    def __init__(self, datastore: PostgresDatastore) -> None:
+    def __init__(
+        self, datastore: PostgresDatastore, address: PostgresAddress | None = None
+    ) -> None:
         super().__init__()
         self._datastore = datastore
+        #: Where a listener connects: the pool's server, or behind a transaction
+        #: pooler the direct server ``address`` names; None: nowhere, followers poll.
+        self._listen_at: dict[str, str] | None = {}
+        if address is not None and address.pooled:
+            self._listen_at = None if address.listen is None else dict(address.listen)
+            if self._listen_at is None:
+                self.poll_interval = POOLED_POLL
         table = Composed([Identifier(datastore.schema), SQL("."), Identifier(TABLE)])
         self._create = [
             SQL(
@@ -610,10 +626,14 @@ class PostgresStreamLog(StreamLog):
 
     # ------------------------------------------------------------ LISTEN
     async def _listen(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._listen_at is None:
+            return  # behind a transaction pooler: the followers poll
         with self._guard:
             listener = self._listeners.get(loop)
             if listener is None:
-                listener = self._listeners[loop] = _Listener(self._datastore, self._wake)
+                listener = self._listeners[loop] = _Listener(
+                    self._datastore, self._listen_at, self._wake
+                )
             listener.users += 1
         await listener.started()
 
@@ -641,8 +661,14 @@ class _Listener:
     followers of the run it names. A lost connection is made again; meanwhile
     followers read on their safety poll."""
 
-    def __init__(self, datastore: PostgresDatastore, wake: Callable[[list[str]], None]) -> None:
+    def __init__(
+        self,
+        datastore: PostgresDatastore,
+        at: dict[str, str],
+        wake: Callable[[list[str]], None],
+    ) -> None:
         self._datastore = datastore
+        self._at = at
         self._wake = wake
         self.users = 0
         self._ready = asyncio.Event()
@@ -656,7 +682,7 @@ class _Listener:
     async def _run(self) -> None:
         while True:
             try:
-                params = _connect_params(self._datastore)
+                params = {**_connect_params(self._datastore), **self._at}
                 connection = await psycopg.AsyncConnection.connect(**params, autocommit=True)
                 self._connection = connection
                 await connection.execute(SQL("LISTEN {}").format(Identifier(CHANNEL)))
@@ -691,14 +717,17 @@ class _Listener:
             loop.call_soon_threadsafe(self._task.cancel)
 
 
-def stream_log_for(recorder: Any) -> StreamLog:
+def stream_log_for(recorder: Any, address: object = None) -> StreamLog:
     """The stream log that goes with an application recorder of the store: in its
-    memory, its SQLite file or its PostgreSQL database."""
+    memory, its SQLite file or its PostgreSQL database (``address``, the log's:
+    whether a transaction pooler is in front)."""
     datastore = getattr(recorder, "datastore", None)
     if isinstance(datastore, SQLiteDatastore):
         return SqliteStreamLog(datastore)
     if isinstance(datastore, PostgresDatastore):
-        return PostgresStreamLog(datastore)
+        return PostgresStreamLog(
+            datastore, address if isinstance(address, PostgresAddress) else None
+        )
     return MemoryStreamLog()
 
 
