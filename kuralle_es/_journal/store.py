@@ -363,6 +363,9 @@ class RunStore:
         for stream in streams:  # what they still hold queued goes first
             stream.close()
         _close(self.partitions)
+        keys = self.partitions[0].keys if self.partitions else None
+        if keys is not None:
+            keys.close()
 
 
 def _close(logs: Iterable[RunLog]) -> None:

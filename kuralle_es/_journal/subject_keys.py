@@ -132,6 +132,9 @@ class KeyTable(ABC):
                 self._by_id[found[0]] = (time.monotonic(), None)
         return found is not None
 
+    def close(self) -> None:  # noqa: B027
+        """Let go of the table's connection, if it keeps one (the store is closing)."""
+
     # ------------------------------------------------------------ backends
     @abstractmethod
     def _select_subject(self, subject: str) -> tuple[str, bytes] | None: ...
@@ -208,13 +211,22 @@ class SqliteKeyTable(KeyTable):
 
 
 class PostgresKeyTable(KeyTable):
-    """The key table in a PostgreSQL database; a connection a statement (keys are cached)."""
+    """The key table in a PostgreSQL database, over one connection of its own: its
+    statements are few (keys are cached) and one at a time (under the table's
+    lock), so a store's connections grow by one, not by one per new subject."""
 
     def __init__(self, address: PostgresAddress, wrap: Cipher | None = None) -> None:
         super().__init__(wrap)
         self._address = address
         self._ready = False
         self._table = Identifier(KEYS_TABLE)
+        self._connection: psycopg.Connection[Any] | None = None
+
+    def close(self) -> None:
+        with self._lock:
+            connection, self._connection = self._connection, None
+        if connection is not None:
+            connection.close()
 
     def _run(self, sql: SQL, args: tuple[Any, ...]) -> list[Any]:
         """One statement in a transaction of its own, sent again on a new connection
@@ -231,6 +243,7 @@ class PostgresKeyTable(KeyTable):
                 psycopg.InterfaceError,
                 StoreUnavailableError,
             ) as lost:
+                self._drop()
                 if time.monotonic() + wait >= deadline:
                     why = (
                         str(lost)
@@ -242,8 +255,17 @@ class PostgresKeyTable(KeyTable):
                 time.sleep(wait)
                 wait = min(1.0, wait * 2)
 
+    def _drop(self) -> None:
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            connection.close()
+
     def _run_once(self, sql: SQL, args: tuple[Any, ...]) -> list[Any]:
-        with self._address.connect() as conn, conn.transaction():
+        conn = self._connection
+        if conn is None or conn.closed:
+            conn = self._connection = self._address.connect()
+            conn.prepare_threshold = None  # nothing prepared: a transaction pooler may be in front
+        with conn.transaction():
             if not self._ready:
                 # Locked: two stores creating the table at once would clash.
                 conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (KEYS_TABLE,))
