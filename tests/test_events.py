@@ -62,7 +62,7 @@ def backend(request: pytest.FixtureRequest) -> str:
 #: Each published revision of the version-1 schema, oldest first: history, never edited.
 GOLDENS = sorted((Path(__file__).resolve().parent / "golden").glob("run_events_v1*.schema.json"))
 #: The newest revision, which the current schema must equal.
-GOLDEN = Path(__file__).resolve().parent / "golden" / "run_events_v1.3.schema.json"
+GOLDEN = Path(__file__).resolve().parent / "golden" / "run_events_v1.4.schema.json"
 
 
 class Nothing(BaseModel):
@@ -242,11 +242,13 @@ def test_the_public_schema_is_the_pinned_version_1() -> None:
 
 
 def _kept(old: Any, new: Any) -> bool:
-    """Whether the schema ``new`` accepts all ``old`` accepts, by the one change a
-    revision may make to a field: values appended to an enum (a new wait kind)."""
+    """Whether the schema ``new`` accepts all ``old`` accepts, by the changes a
+    revision may make to a field: values appended to an enum (a new wait kind),
+    and alternatives added to what it accepts (an erased payload, ``Redacted``)."""
     if isinstance(old, dict) and isinstance(new, dict):
-        if set(old) != set(new):
-            return False
+        widened = "anyOf" in new and len(new["anyOf"]) != len(old.get("anyOf", []))
+        if set(old) != set(new) or widened:
+            return _widened(old, new)
         for key, value in old.items():
             if key == "enum":
                 if new[key][: len(value)] != value:
@@ -257,6 +259,19 @@ def _kept(old: Any, new: Any) -> bool:
     if isinstance(old, list) and isinstance(new, list):
         return len(old) == len(new) and all(_kept(o, n) for o, n in zip(old, new, strict=True))
     return bool(old == new)
+
+
+def _widened(old: dict[str, Any], new: dict[str, Any]) -> bool:
+    """Whether ``new`` is ``old`` with alternatives added: each of old's (or old
+    itself) is kept by one of new's ``anyOf``, the rest of new as old has it."""
+    if "anyOf" not in new:
+        return False
+    outer = {k: v for k, v in new.items() if k != "anyOf"}
+    if any(old.get(k) != v for k, v in outer.items()):
+        return False
+    rest = {k: v for k, v in old.items() if k not in outer}
+    olds = rest["anyOf"] if set(rest) == {"anyOf"} else [rest]
+    return all(any(_kept(o, n) for n in new["anyOf"]) for o in olds)
 
 
 @pytest.mark.parametrize("older", GOLDENS, ids=[g.name for g in GOLDENS])

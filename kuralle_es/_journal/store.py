@@ -57,7 +57,7 @@ from .store_url import (
     shards_of,
 )
 from .stream_log import StreamLog, StreamSealing, stream_log_for
-from .subject_keys import KeyTable, key_table_at
+from .subject_keys import KeyTable, PostgresKeyTable, key_table_at
 
 __all__ = ["RunStore"]
 
@@ -422,6 +422,13 @@ def _open_database(
         if connections is not None:
             connections.close()
         raise
+    if (
+        isinstance(keys, PostgresKeyTable)
+        and keys.address == address
+        and connections is not None
+        and connections.datastore is not None
+    ):
+        keys.share(connections.datastore)  # the key table adds no connection of its own
     return logs
 
 

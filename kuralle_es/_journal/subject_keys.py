@@ -27,7 +27,8 @@ from typing import Any
 
 import psycopg
 from eventsourcing.cryptography import AESCipher
-from eventsourcing.persistence import Cipher
+from eventsourcing.persistence import Cipher, InterfaceError, OperationalError
+from eventsourcing.postgres import PostgresDatastore
 from eventsourcing.utils import Environment
 from psycopg.sql import SQL, Identifier
 
@@ -211,9 +212,10 @@ class SqliteKeyTable(KeyTable):
 
 
 class PostgresKeyTable(KeyTable):
-    """The key table in a PostgreSQL database, over one connection of its own: its
-    statements are few (keys are cached) and one at a time (under the table's
-    lock), so a store's connections grow by one, not by one per new subject."""
+    """The key table in a PostgreSQL database: in the store's own database, through
+    the store's pool (``share``), so the key table adds no connection; elsewhere
+    (``key_store=``) over one connection of its own. Its statements are few (keys
+    are cached) and one at a time (under the table's lock)."""
 
     def __init__(self, address: PostgresAddress, wrap: Cipher | None = None) -> None:
         super().__init__(wrap)
@@ -221,6 +223,18 @@ class PostgresKeyTable(KeyTable):
         self._ready = False
         self._table = Identifier(KEYS_TABLE)
         self._connection: psycopg.Connection[Any] | None = None
+        self._shared: PostgresDatastore | None = None
+
+    @property
+    def address(self) -> PostgresAddress:
+        return self._address
+
+    def share(self, datastore: PostgresDatastore) -> None:
+        """Send the statements through ``datastore`` (the store's, over the same
+        database) instead of a connection of the table's own."""
+        with self._lock:
+            self._shared = datastore
+            self._drop()
 
     def close(self) -> None:
         with self._lock:
@@ -241,6 +255,8 @@ class PostgresKeyTable(KeyTable):
             except (
                 psycopg.OperationalError,
                 psycopg.InterfaceError,
+                OperationalError,
+                InterfaceError,
                 StoreUnavailableError,
             ) as lost:
                 self._drop()
@@ -261,25 +277,38 @@ class PostgresKeyTable(KeyTable):
             connection.close()
 
     def _run_once(self, sql: SQL, args: tuple[Any, ...]) -> list[Any]:
+        shared = self._shared
+        if shared is not None:
+            with shared.transaction(commit=True) as cursor:
+                self._set_up(cursor)
+                cursor.execute(sql.format(self._table), args)
+                found = cursor.fetchall() if cursor.description is not None else []
+            self._ready = True
+            return [tuple(row.values()) for row in found]  # the store's rows are dicts
         conn = self._connection
         if conn is None or conn.closed:
             conn = self._connection = self._address.connect()
             conn.prepare_threshold = None  # nothing prepared: a transaction pooler may be in front
-        with conn.transaction():
-            if not self._ready:
-                # Locked: two stores creating the table at once would clash.
-                conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (KEYS_TABLE,))
-                conn.execute(
-                    SQL(
-                        "CREATE TABLE IF NOT EXISTS {} (subject text PRIMARY KEY, "
-                        "key_id text NOT NULL UNIQUE, data_key bytea NOT NULL, "
-                        "created_at timestamptz NOT NULL DEFAULT now())"
-                    ).format(self._table)
-                )
-            cursor = conn.execute(sql.format(self._table), args)
+        with conn.transaction(), conn.cursor() as cursor:
+            self._set_up(cursor)
+            cursor.execute(sql.format(self._table), args)
             rows = cursor.fetchall() if cursor.description is not None else []
         self._ready = True
         return rows
+
+    def _set_up(self, cursor: Any) -> None:
+        """The table, made by the first statement (in its transaction)."""
+        if self._ready:
+            return
+        # Locked: two stores creating the table at once would clash.
+        cursor.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (KEYS_TABLE,))
+        cursor.execute(
+            SQL(
+                "CREATE TABLE IF NOT EXISTS {} (subject text PRIMARY KEY, "
+                "key_id text NOT NULL UNIQUE, data_key bytea NOT NULL, "
+                "created_at timestamptz NOT NULL DEFAULT now())"
+            ).format(self._table)
+        )
 
     def _select_subject(self, subject: str) -> tuple[str, bytes] | None:
         rows = self._run(SQL("SELECT key_id, data_key FROM {} WHERE subject = %s"), (subject,))
