@@ -201,8 +201,14 @@ def test_the_readme_names_every_layer_and_package() -> None:
 
 
 #: The modules that may call the ``Run`` aggregate's commands: the aggregate
-#: itself, and the one writer (every other module hands the writer its changes).
-WRITERS = {"kuralle_es._journal.run", "kuralle_es._runtime.writer"}
+#: itself, the one writer and its saver (every other module hands the writer
+#: its changes), and the changes made from outside a turn.
+WRITERS = {
+    "kuralle_es._journal.run",
+    "kuralle_es._runtime.writer",
+    "kuralle_es._runtime.leased_saver",
+    "kuralle_es._runtime.run_changes",
+}
 
 
 def run_commands() -> set[str]:

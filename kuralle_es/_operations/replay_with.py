@@ -47,6 +47,8 @@ from .._runtime.mail_calls import Mail
 from .._runtime.mailbox import send_message
 from .._runtime.registry import Registry
 from .._runtime.replay_source import Served
+from .._runtime.run_changes import Abandon, change_run
+from .._runtime.step_results import decode
 from .._runtime.turn import drive_turn
 from .._runtime.turn_calls import (
     Command,
@@ -59,7 +61,6 @@ from .._runtime.turn_calls import (
     Wake,
     load_run,
 )
-from .._runtime.writer import Abandon, change_run, decode
 from ..errors import InvalidArgumentError, RunNotFoundError
 from ..redaction import Redacted
 from ..shapes import StepError, StreamPart

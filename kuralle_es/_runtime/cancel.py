@@ -17,7 +17,7 @@ from .._journal.run import Run
 from .._journal.store import RunStore
 from ..errors import InvalidArgumentError
 from ..shapes import RunState
-from .writer import Cancel, change_run
+from .run_changes import Cancel, change_run
 
 __all__ = ["cancel_run"]
 

@@ -67,6 +67,7 @@ from ..shapes import SignalDelivery, StepError, TurnResult
 from .handle import TurnSink
 from .input_checks import check_id
 from .observability import LOGGER_NAME, log_event
+from .step_results import decode
 from .suspensions import WaitRequest, suspend
 from .turn_calls import (
     Command,
@@ -77,7 +78,7 @@ from .turn_calls import (
     new_flow_run,
     require_current_flow,
 )
-from .writer import RunWriter, decode
+from .writer import RunWriter
 
 __all__ = [
     "ChildEnded",

@@ -40,9 +40,10 @@ from .cursor import Cursor
 from .deliveries import EXPIRED, take_message
 from .input_checks import check_name
 from .replay_logger import ReplayQuietLogger
+from .step_results import decode
 from .suspensions import Schemas, WaitRequest, approval_decision, is_deadline_deny, suspend
 from .tool_calls import run_tool
-from .writer import RunWriter, decode
+from .writer import RunWriter
 
 __all__ = ["RunContext", "TurnBound"]
 
@@ -109,7 +110,7 @@ class RunContext(TurnBound):
         """Refuse an effect once the visit ended (``TurnClosedError``) or the turn
         suspended (``SuspendError``); nothing is reserved or executed then."""
         self._require_open(what)
-        self._writer.admit(what)
+        self._writer.admission.admit(what)
 
     @property
     def input(self) -> Any:
@@ -370,7 +371,7 @@ class RunContext(TurnBound):
             recorded: dict[str, Any] = decode(step)
             return recorded
         if writer.unread(name) is None:  # sent since this turn last saved? Look once more.
-            await writer.take_in_mail()
+            await writer.saver.take_in_mail()
         taken = await take_message(writer, site, name)
         if taken is None:
             suspend(writer, site, "message", request, self._schemas)
@@ -429,7 +430,7 @@ class RunContext(TurnBound):
         if left <= 0:
             return
         if left <= self._writer.inline_sleep_limit:
-            await self._writer.hold(left)
+            await self._writer.saver.hold(left)
             return
         suspend(self._writer, site, "timer", WaitRequest(TIMER, deadline=wake_at))
 

@@ -285,7 +285,7 @@ async def accept(writer: RunWriter, delivery: SignalDelivery, payload: Any) -> N
         if "action" not in answer:  # the deadline sweeper's deny
             answer = {"action": "fail", "message": str(answer.get("reason", "denied"))}
         writer.answer_in_doubt(wait.step_index, answer)
-        await writer.persist()
+        await writer.saver.persist()
         return
     if wait.name == BUDGET and payload.get("approved") and payload.get("raise_to"):
         writer.raise_budget(dict(payload["raise_to"]))

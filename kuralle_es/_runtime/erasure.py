@@ -23,7 +23,7 @@ from .._journal.store import RunStore
 from ..errors import InvalidArgumentError, RunNotFoundError
 from ..views.api import RunViews
 from ..views.query import RunQuery
-from .writer import ERASED, Erase, change_run
+from .run_changes import ERASED, Erase, change_run
 
 __all__ = ["ErasureReport", "erase_subject"]
 

@@ -78,11 +78,11 @@ async def drive(
         else:
             reply = await agent_turn(writer, cursor, agent, emit, max_tool_concurrency)
     except Exception:
-        writer.raise_if_stopped()
+        writer.admission.raise_if_stopped()
         raise
     finally:
-        await writer.settle()
-    writer.raise_if_stopped()
+        await writer.admission.settle()
+    writer.admission.raise_if_stopped()
     return Driven(End(None), writer.state(), conversation=True, reply=reply)
 
 
@@ -114,16 +114,16 @@ async def drive_flow(
             returned = await _run_node(node, state, visit)
         except Exception:
             # A suspension (or a stop) wins over whatever the node raised after catching it.
-            writer.raise_if_stopped()
+            writer.admission.raise_if_stopped()
             raise
         finally:
             # The context refuses effects from now on (a task left running);
             # every effect already admitted, such as the rest of a gather batch
             # when one of them suspended or failed, finishes and journals.
             ctx.close()
-            await writer.settle()
+            await writer.admission.settle()
         # A node that caught a suspension and returned: its return is discarded.
-        writer.raise_if_stopped()
+        writer.admission.raise_if_stopped()
         transition = to_transition(returned, flow, node_id)
         if isinstance(transition, Goto) and transition.data:
             state.update(transition.data)

@@ -22,9 +22,10 @@ from .children import conversation_request, start_child, wait_child
 from .context import TurnBound
 from .cursor import Cursor
 from .model_calls import assistant_message, model_turn
+from .step_results import decode
 from .streaming import TurnStream
 from .tool_calls import ask_approval, recorded_approval, run_tool
-from .writer import RunWriter, decode
+from .writer import RunWriter
 
 __all__ = ["JournalTurn"]
 

@@ -94,7 +94,7 @@ class _MailArrives(Opening):
     def apply(self, writer: RunWriter, env: TurnEnv) -> None:
         mail = self.mail
         writer.receive_mail(mail.message_id, mail.name, mail.payload, mail.actor)
-        woken = writer.wake_for_mail()
+        woken = writer.saver.wake_for_mail()
         assert woken, "a receive is woken only with a message for it"
 
 

@@ -31,9 +31,10 @@ from .deliveries import journal_payload
 from .handle import TurnHandle
 from .input_checks import check_id, check_name
 from .mail_calls import Mail, NotWaiting, ReceiveWaits, Send, addressed, ended, waits_in_receive
+from .run_changes import Post, change_run
+from .step_results import result_of
 from .turn import drive_turn
 from .turn_calls import TurnEnv
-from .writer import Post, change_run, result_of
 
 __all__ = ["published_values", "send_message", "wait_published"]
 

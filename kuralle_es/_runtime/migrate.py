@@ -30,9 +30,10 @@ from ..errors import InvalidArgumentError, LeaseHeldError, RunNotFoundError
 from ..shapes import TurnResult
 from .handle import TurnHandle
 from .observability import log_event
+from .run_changes import MigrateTo, change_run
+from .step_results import result_of
 from .turn import drive_turn
 from .turn_calls import Command, Fork, Resume, TurnEnv, load_run
-from .writer import MigrateTo, change_run, result_of
 
 __all__ = ["migrate_run", "migration_id"]
 

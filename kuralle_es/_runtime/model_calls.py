@@ -24,9 +24,10 @@ from .._journal.wait import BUDGET
 from ..errors import BudgetExceededError, InvalidArgumentError, ModelResponseError
 from ..shapes import Message, StreamPart
 from .cursor import Cursor
+from .step_results import decode
 from .streaming import TurnStream
 from .suspensions import WaitRequest, approval_decision, frozen_operation, suspend
-from .writer import RunWriter, decode
+from .writer import RunWriter
 
 __all__ = ["assistant_message", "model_call", "model_turn", "request_digest", "tool_message"]
 
@@ -190,7 +191,7 @@ async def _within_budget(writer: RunWriter, site: Site, agent_budget: Budget | N
     if step is not None and step["status"] == "finished":
         if approval_decision(decode(step)).approved:
             return
-        writer.stop("budget exceeded")
+        writer.admission.stop("budget exceeded")
     request = WaitRequest(
         BUDGET,
         title="Approve spending past the budget",

@@ -37,6 +37,7 @@ from .mailbox import published_values, send_message, wait_published
 from .migrate import migrate_run
 from .registry import Registry
 from .retention import ENDED, PruneReport, prune_runs
+from .run_changes import Abandon, change_run
 from .streaming import stored_parts
 from .turn import drive_turn
 from .turn_calls import (
@@ -52,7 +53,6 @@ from .turn_calls import (
     drifted_run,
     load_run,
 )
-from .writer import Abandon, change_run
 
 if TYPE_CHECKING:
     from ..views import RunViews

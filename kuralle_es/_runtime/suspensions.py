@@ -151,7 +151,7 @@ def suspend(
         schema_topic=topic,
         child_run_id=request.child_run_id,
     )
-    writer.suspend(wait)
+    writer.admission.suspend(wait)
 
 
 def is_deadline_deny(payload: Any) -> bool:

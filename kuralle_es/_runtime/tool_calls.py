@@ -18,8 +18,9 @@ from .._journal.wait import APPROVAL, IN_DOUBT
 from ..errors import ToolApprovalDeniedError
 from ..shapes import ApprovalDecision, StreamPart, ToolCall
 from .children import run_flow_tool
+from .step_results import decode
 from .suspensions import WaitRequest, approval_decision, frozen_operation, suspend
-from .writer import RunWriter, decode
+from .writer import RunWriter
 
 __all__ = ["ask_approval", "recorded_approval", "run_tool", "tool_call", "tool_effect"]
 

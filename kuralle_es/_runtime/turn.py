@@ -29,13 +29,15 @@ from ..errors import (
     error_fields,
 )
 from ..shapes import StepError, StreamPart, TurnResult
+from .admission import RunStopped
 from .children import ChildRuns, driving, follow_up
 from .flow_driver import Driven, drive
 from .handle import TurnSink
 from .observability import log_event, set_status, span
+from .step_results import result_of
 from .streaming import TurnStream
 from .turn_calls import Command, Opening, Recover, Resume, TurnEnv
-from .writer import RunStopped, RunWriter, result_of
+from .writer import RunWriter
 
 __all__ = ["drive_turn", "result_of"]
 
@@ -277,7 +279,7 @@ class _Turn:
         """The turn's first save: the lease taken, with what opens the turn. A turn
         that takes over a running run from another holder (or from none) records
         the takeover, so whoever drove it before loses its next save."""
-        writer.take_lease()
+        writer.saver.take_lease()
         key = self.command.idempotency_key
         if key and key not in run.inbound_keys:
             writer.record_inbound_key(key, self.command.request_digest())
@@ -320,8 +322,8 @@ class _Turn:
             await self._close(writer, StreamPart(type="error", error=error))
 
     async def _close(self, writer: RunWriter, part: StreamPart) -> TurnResult:
-        result = await writer.close_turn(self.command.idempotency_key, self.last_text)
-        if writer.woken_at_close:
+        result = await writer.saver.close_turn(self.command.idempotency_key, self.last_text)
+        if writer.saver.woken_at_close:
             # Not paused after all: the run runs on under this worker's lease.
             self.woken = Resume(self.command.session_id, result.run_id, None)
             return result

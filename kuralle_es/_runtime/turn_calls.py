@@ -165,7 +165,7 @@ class Opening:
     async def open(self, writer: RunWriter, env: TurnEnv) -> None:
         """Hand the writer the opening's changes and save them (with the lease)."""
         self.apply(writer, env)
-        await writer.persist()
+        await writer.saver.persist()
 
     def apply(self, writer: RunWriter, env: TurnEnv) -> None:
         """The opening's changes, saved by ``open`` (none: only the lease)."""
@@ -209,7 +209,7 @@ class _NewRun(Opening):
             writer.enter_node(flow.name, flow.start, {}, 0)
         if self.enters is not None:
             _repin(writer, self.enters[1])
-        await writer.create()
+        await writer.saver.create()
 
 
 @dataclass
@@ -700,7 +700,7 @@ class _ForkOpening(Opening):
 
     async def open(self, writer: RunWriter, env: TurnEnv) -> None:
         writer.fork_from(self.plan)
-        await writer.create()
+        await writer.saver.create()
 
 
 @dataclass
