@@ -7,14 +7,25 @@ it; nobody reads a wait back by string key.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, get_args
 
-from pydantic import ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..shapes import WaitingFor
 from .sites import Lane
 
-__all__ = ["APPROVAL", "BUDGET", "CHILD", "INPUT", "IN_DOUBT", "TIMER", "Wait"]
+__all__ = [
+    "APPROVAL",
+    "BUDGET",
+    "CHILD",
+    "INPUT",
+    "IN_DOUBT",
+    "IN_DOUBT_ACTIONS",
+    "TIMER",
+    "InDoubtAction",
+    "InDoubtAnswer",
+    "Wait",
+]
 
 
 #: The stored names of the waits the runtime makes itself (a signal's own name
@@ -29,6 +40,35 @@ TIMER = "__timer"
 #: The wait of a parent run for a child run to end (``ctx.child``, ``ctx.wait_child``,
 #: a ``flow_tool`` call); the child's end is its delivery, never an operator's.
 CHILD = "__child"
+
+
+#: How a human answers a step in doubt (docs/howto/in-doubt.md).
+InDoubtAction = Literal["retry", "resolve", "fail"]
+IN_DOUBT_ACTIONS: tuple[str, ...] = get_args(InDoubtAction)
+
+
+class InDoubtAnswer(BaseModel):
+    """A human's answer to a step left running by a crash (docs/howto/in-doubt.md):
+    ``retry`` it under its key, ``resolve`` it with the ``result`` to record, or
+    ``fail`` it (``message`` for the node's ``ToolExecutionError``)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    action: InDoubtAction
+    result: Any = None
+    message: str | None = None
+
+    @classmethod
+    def of(cls, payload: Any) -> InDoubtAnswer | None:
+        """The answer a delivered payload holds, or None when it holds none (or,
+        for ``resolve``, no result to record)."""
+        try:
+            answer = cls.model_validate(payload)
+        except ValidationError:
+            return None
+        if answer.action == "resolve" and "result" not in answer.model_fields_set:
+            return None
+        return answer
 
 
 class Wait(WaitingFor):

@@ -24,7 +24,7 @@ from .._journal.json_data import encode_json, plain_json_problem
 from .._journal.mail import receive_step
 from .._journal.run import CANCELLED, Run
 from .._journal.sites import Effect, Lane, Site
-from .._journal.wait import APPROVAL, BUDGET, IN_DOUBT, Wait
+from .._journal.wait import APPROVAL, BUDGET, IN_DOUBT, IN_DOUBT_ACTIONS, InDoubtAnswer, Wait
 from ..errors import InvalidSignalError, KuralleError, SignalMismatchError
 from ..shapes import SignalDelivery, StepKind
 from .input_checks import check_id
@@ -50,8 +50,6 @@ __all__ = [
 #: The key of what a ``receive`` step records when its wait's deadline passed
 #: (the deadline sweeper's deny), in place of a message.
 EXPIRED = "deadline_expired"
-#: How a human answers a step in doubt (docs/howto/in-doubt.md).
-IN_DOUBT_ACTIONS = ("retry", "resolve", "fail")
 #: ``in_doubt_delivery``'s "no result given" (a resolve may record None).
 NO_RESULT: Any = object()
 
@@ -139,16 +137,12 @@ def _check_raise_to(raise_to: Any) -> None:
 
 
 def _check_in_doubt(payload: Any) -> None:
-    action = payload.get("action") if isinstance(payload, Mapping) else None
-    if action not in IN_DOUBT_ACTIONS:
+    if InDoubtAnswer.of(payload) is None:
         msg = (
             "an in-doubt answer must be {'action': 'retry'}, "
             "{'action': 'resolve', 'result': ...} or {'action': 'fail', 'message': ...}; "
             f"got {payload!r}"
         )
-        raise InvalidSignalError(IN_DOUBT, msg)
-    if action == "resolve" and "result" not in payload:
-        msg = "an in-doubt 'resolve' answer needs the 'result' to record"
         raise InvalidSignalError(IN_DOUBT, msg)
 
 
@@ -281,9 +275,10 @@ async def accept(writer: RunWriter, delivery: SignalDelivery, payload: Any) -> N
     assert wait is not None, "check() accepts deliveries to paused runs only"
     writer.accept_signal(delivery, payload)
     if wait.name == IN_DOUBT and wait.step_index is not None:
-        answer = dict(payload)
-        if "action" not in answer:  # the deadline sweeper's deny
-            answer = {"action": "fail", "message": str(answer.get("reason", "denied"))}
+        answer = InDoubtAnswer.of(payload)
+        if answer is None:  # the deadline sweeper's deny (an approval's shape)
+            reason = str(payload.get("reason", "denied"))
+            answer = InDoubtAnswer(action="fail", message=reason)
         writer.answer_in_doubt(wait.step_index, answer)
         await writer.saver.persist()
         return

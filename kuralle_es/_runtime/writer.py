@@ -42,7 +42,7 @@ from .._journal.run import ParentLink, Run, StepData
 from .._journal.sites import Effect, Site
 from .._journal.spending import ModelUsage, Prices, total
 from .._journal.store import RunStore
-from .._journal.wait import Wait
+from .._journal.wait import InDoubtAnswer, Wait
 from ..errors import (
     KuralleError,
     NonDeterminismError,
@@ -498,20 +498,19 @@ class RunWriter:
 
         return recorded
 
-    def answer_in_doubt(self, index: int, answer: dict[str, Any]) -> None:
+    def answer_in_doubt(self, index: int, answer: InDoubtAnswer) -> None:
         """Apply a human's answer to a step left running: retry, resolve or fail.
 
         Only triggers events; they are saved with the delivery that carried them.
         """
-        action = answer["action"]
         step = self._run.step(index)
-        if action == "retry":
+        if answer.action == "retry":
             self._run.allow_retry(index)
-        elif action == "resolve":
+        elif answer.action == "resolve":
             what = f"the resolved result of {step['kind']} {step['name']!r}"
-            self._run.finish_step(index, encode_json(answer.get("result"), what))
+            self._run.finish_step(index, encode_json(answer.result, what))
         else:
-            message = str(answer.get("message") or "failed by a human after a crash")
+            message = answer.message or "failed by a human after a crash"
             self._run.fail_step(index, StepError(type="InDoubtFailed", message=message, data={}))
 
     async def _attempts(
