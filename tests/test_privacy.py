@@ -327,3 +327,36 @@ async def test_subject_keys_can_live_in_another_database(tmp_path: Path) -> None
     state = await runtime.get_run(run.run_id, "s5")
     assert state is not None and isinstance(state.messages[0].content, Redacted)
     store.close()
+
+
+def test_two_stores_asking_for_a_new_subjects_key_at_once_get_one_key(database: Any) -> None:
+    """A subject's key is made once, whoever asks first: stores of several processes
+    (here two stores, each with threads) that ask for a new subject's key at the
+    same moment all get the one key that was stored, and a subject that has a key
+    keeps it (on PostgreSQL, asked in one statement)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    stores = [database(), database()]
+    for store in stores:
+        assert store.keys is not None
+    subjects = [f"s-{n}" for n in range(6)]
+
+    def ask(job: tuple[int, str]) -> str:
+        which, subject = job
+        keys = stores[which].keys
+        assert keys is not None
+        return keys.key_for(subject).key_id
+
+    jobs = [(n % 2, subject) for subject in subjects for n in range(8)]
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        key_ids = list(pool.map(ask, jobs))
+    by_subject: dict[str, set[str]] = {}
+    for (_, subject), key_id in zip(jobs, key_ids, strict=True):
+        by_subject.setdefault(subject, set()).add(key_id)
+    assert all(len(ids) == 1 for ids in by_subject.values()), by_subject
+    assert len({next(iter(ids)) for ids in by_subject.values()}) == len(subjects)
+    # Asked again by a store that has not cached it: the same key, not a new one.
+    fresh = database()
+    assert fresh.keys is not None
+    for subject, ids in by_subject.items():
+        assert fresh.keys.key_for(subject).key_id in ids

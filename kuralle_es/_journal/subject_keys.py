@@ -87,15 +87,12 @@ class KeyTable(ABC):
         if cached is not None and now - cached[0] < CACHE_SECONDS:
             return cached[1]
         with self._lock:
-            found = self._select_subject(subject)
-            if found is None:
-                raw = AESCipher.random_bytes(32)
-                stored = self._wrap.encrypt(raw) if self._wrap is not None else raw
-                self._insert(subject, uuid.uuid4().hex, stored)  # the first insert wins
-                found = self._select_subject(subject)
-                if found is None:  # erased between the two statements: try again
-                    msg = f"the key of subject {subject!r} was erased while it was made"
-                    raise RuntimeError(msg)
+            raw = AESCipher.random_bytes(32)
+            stored = self._wrap.encrypt(raw) if self._wrap is not None else raw
+            found = self._get_or_make(subject, uuid.uuid4().hex, stored)
+            if found is None:  # erased between two statements: try again
+                msg = f"the key of subject {subject!r} was erased while it was made"
+                raise RuntimeError(msg)
             key = self._unwrapped(*found)
         self._by_subject[subject] = (now, key)
         self._by_id[key.key_id] = (now, key)
@@ -137,6 +134,15 @@ class KeyTable(ABC):
         """Let go of the table's connection, if it keeps one (the store is closing)."""
 
     # ------------------------------------------------------------ backends
+    def _get_or_make(self, subject: str, key_id: str, data_key: bytes) -> tuple[str, bytes] | None:
+        """The subject's stored key, made of ``key_id`` and ``data_key`` when it has
+        none (the first insert wins); None if it was erased meanwhile."""
+        found = self._select_subject(subject)
+        if found is None:
+            self._insert(subject, key_id, data_key)
+            found = self._select_subject(subject)
+        return found
+
     @abstractmethod
     def _select_subject(self, subject: str) -> tuple[str, bytes] | None: ...
 
@@ -326,6 +332,23 @@ class PostgresKeyTable(KeyTable):
             ),
             (subject, key_id, data_key),
         )
+
+    def _get_or_make(self, subject: str, key_id: str, data_key: bytes) -> tuple[str, bytes] | None:
+        """One statement, whether the subject has a key or not (a new run's first save
+        waits for it). A key another store inserts meanwhile is not in the
+        statement's snapshot: it is read by a second statement."""
+        rows = self._run(
+            SQL(
+                "WITH made AS (INSERT INTO {0} (subject, key_id, data_key) VALUES (%s, %s, %s) "
+                "ON CONFLICT (subject) DO NOTHING RETURNING key_id, data_key) "
+                "SELECT key_id, data_key FROM made "
+                "UNION ALL SELECT key_id, data_key FROM {0} WHERE subject = %s"
+            ),
+            (subject, key_id, data_key, subject),
+        )
+        if not rows:
+            return self._select_subject(subject)
+        return str(rows[0][0]), bytes(rows[0][1])
 
     def _delete(self, subject: str) -> None:
         self._run(SQL("DELETE FROM {} WHERE subject = %s"), (subject,))
