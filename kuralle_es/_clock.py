@@ -11,7 +11,9 @@ The testing kit's ``TestClock`` is one whose time moves only when a test says
 
 from __future__ import annotations
 
+import asyncio
 import math
+import random
 from datetime import UTC, datetime, timedelta
 from typing import Protocol, runtime_checkable
 
@@ -23,6 +25,8 @@ __all__ = [
     "FixedClock",
     "SystemClock",
     "TestClock",
+    "as_utc",
+    "back_off",
     "check_clock",
     "utc",
 ]
@@ -151,7 +155,20 @@ def utc(at: object, what: str) -> datetime:
     if not isinstance(at, datetime):
         msg = f"{what} must be a datetime, got {at!r}"
         raise InvalidArgumentError(msg)
+    return as_utc(at)
+
+
+def as_utc(at: datetime) -> datetime:
+    """``at`` as an aware UTC ``datetime`` (a naive one is taken as UTC): the one
+    way a time read from a store, a user or a clock is made comparable."""
     return at.replace(tzinfo=UTC) if at.tzinfo is None else at.astimezone(UTC)
+
+
+async def back_off(attempt: int) -> None:
+    """A short random pause before a lost compare-and-set is tried again (``attempt``
+    counts from 0): it grows with the attempt up to 50 ms, so writers racing for
+    one run spread out instead of clashing again in step."""
+    await asyncio.sleep(random.uniform(0, min(0.05, 0.002 * (attempt + 1))))
 
 
 class _Checked:

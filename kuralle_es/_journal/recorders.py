@@ -52,6 +52,7 @@ from eventsourcing.sqlite import SQLiteCursor, SQLiteDatastore
 from eventsourcing.utils import retry
 from psycopg.sql import SQL, Composed, Identifier, Literal
 
+from .._clock import as_utc
 from .eventsourcing_hooks import SQLiteInsertHook
 from .leases import Lease, LeaseOp, LeaseRefused, store_now
 
@@ -87,10 +88,6 @@ class LeasingRecorder(Protocol):
     ) -> Sequence[int] | None: ...
 
     def select_lease(self, run_id: UUID) -> Lease | None: ...
-
-
-def _as_utc(at: datetime) -> datetime:
-    return at.replace(tzinfo=UTC) if at.tzinfo is None else at.astimezone(UTC)
 
 
 # ------------------------------------------------------------------ memory
@@ -158,7 +155,7 @@ SQLITE_TIME_FORMAT = "%Y-%m-%d %H:%M:%S.%f"
 
 
 def sqlite_time(at: datetime) -> str:
-    return _as_utc(at).strftime(SQLITE_TIME_FORMAT)
+    return as_utc(at).strftime(SQLITE_TIME_FORMAT)
 
 
 class LeasingSQLiteRecorder(SQLiteInsertHook):
@@ -519,7 +516,7 @@ class OneTripPostgresRecorder(PostgresApplicationRecorder):
             row = curs.fetchone()
         if row is None:
             return None
-        return Lease(row["holder"], _as_utc(row["expires_at"]), row["token"], row["live"])
+        return Lease(row["holder"], as_utc(row["expires_at"]), row["token"], row["live"])
 
 
 class InDoubt(Exception):

@@ -18,7 +18,6 @@ while the turn drives it are taken into the save they clashed with
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from datetime import timedelta
 from typing import Any
 from uuid import uuid4
 
+from .._clock import back_off
 from .._journal.json_data import encode_json
 from .._journal.leases import LeaseOp, LeaseRefused
 from .._journal.mail import receive_step, take_in_mail
@@ -225,7 +225,7 @@ class LeasedSaver:
             try:
                 await self._store.save_run_async(latest, None)
             except StaleWriteError:
-                await asyncio.sleep(random.uniform(0, min(0.05, 0.002 * (attempt + 1))))
+                await back_off(attempt)
                 continue
             return True
         return False

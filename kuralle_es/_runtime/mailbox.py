@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import random
 import time
 from typing import Any
 
+from .._clock import back_off
 from .._durations import positive_seconds
 from .._journal.run import Run
 from ..errors import LeaseHeldError, NotPublishedError, StaleWriteError
@@ -77,12 +77,8 @@ async def send_message(env: TurnEnv, run_id: str, session_id: str, mail: Mail) -
             send = functools.partial(drive_turn, env, Send(session_id, run_id, mail))
             return await TurnHandle(send).result()
         except (NotWaiting, LeaseHeldError, StaleWriteError):
-            await _back_off(attempt)  # it moved on (or another wakes it): once more
+            await back_off(attempt)  # it moved on (or another wakes it): once more
     raise StaleWriteError(run_id, f"message {mail.name!r} lost its save {_SEND_ATTEMPTS} times")
-
-
-async def _back_off(attempt: int) -> None:
-    await asyncio.sleep(random.uniform(0, min(0.05, 0.002 * (attempt + 1))))
 
 
 def _values(run: Run) -> dict[str, Any]:

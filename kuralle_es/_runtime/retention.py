@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from datetime import UTC, datetime
+from datetime import datetime
 
 from pydantic import BaseModel, Field
 
+from .._clock import as_utc
 from .._journal.pruning import PRUNE_BATCH
 from .._journal.store import RunStore
 from ..errors import InvalidArgumentError
@@ -54,7 +55,7 @@ def ended_before_of(value: object) -> datetime:
     if not isinstance(value, datetime):
         msg = f"ended_before must be a datetime or ISO-8601 text, got {value!r}"
         raise InvalidArgumentError(msg)
-    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+    return as_utc(value)
 
 
 def _statuses(statuses: Sequence[str]) -> list[str]:

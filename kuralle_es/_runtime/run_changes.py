@@ -7,13 +7,12 @@ next save, and its heartbeat finds the lease record gone.
 
 from __future__ import annotations
 
-import asyncio
-import random
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from .._clock import back_off
 from .._journal.leases import Lease, LeaseOp
 from .._journal.run import Run
 from .._journal.store import RunStore
@@ -147,7 +146,7 @@ async def change_run(store: RunStore, run_id: str, session_id: str, change: RunC
         try:
             await store.save_run_async(run, LeaseOp.clear(run.id) if change.clears_lease else None)
         except StaleWriteError:
+            await back_off(attempt)
             attempt += 1
-            await asyncio.sleep(random.uniform(0, min(0.05, 0.002 * attempt)))
             continue
         return run

@@ -31,10 +31,10 @@ import copy
 import inspect
 import json
 from collections.abc import Awaitable, Callable
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Generic, Never, NoReturn, TypeVar, overload
 
-from .._clock import SYSTEM_CLOCK, Clock
+from .._clock import SYSTEM_CLOCK, Clock, as_utc
 from .._definitions.budget import Budget
 from .._definitions.retry import NO_RETRY, RetryPolicy
 from .._journal.json_data import encode_json
@@ -68,10 +68,6 @@ if TYPE_CHECKING:
     from .fork import ForkPlan
 
 __all__ = ["RunWriter"]
-
-
-def _as_utc(at: datetime) -> datetime:
-    return at.replace(tzinfo=UTC) if at.tzinfo is None else at
 
 
 _T = TypeVar("_T")
@@ -559,7 +555,7 @@ class RunWriter:
         """Wait until the next attempt is due (the lease kept by the heartbeat
         meanwhile), then journal its start; a crash before that save resumes
         the wait, never the count."""
-        delay = (_as_utc(retry_at) - self.now()).total_seconds()
+        delay = (as_utc(retry_at) - self.now()).total_seconds()
         if delay > 0:
             await self.saver.hold(delay)
         async with self.saver.lock:

@@ -15,11 +15,12 @@ import argparse
 import asyncio
 import json
 from collections.abc import Sequence
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 from pydantic import BaseModel
 
+from .._clock import as_utc
 from .._definitions.agents import Agent
 from .._journal.spending import Prices
 from .._journal.store import RunStore
@@ -112,7 +113,7 @@ def _since(text: str | None) -> datetime | None:
         raise CliError(
             f"--since must be an ISO-8601 time such as 2025-01-31T09:00:00Z, got {text!r}"
         ) from None
-    return at.replace(tzinfo=UTC) if at.tzinfo is None else at
+    return as_utc(at)
 
 
 async def _selected(store: RunStore, args: argparse.Namespace) -> list[tuple[str, str]]:

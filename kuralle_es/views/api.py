@@ -15,6 +15,7 @@ from dataclasses import replace
 from datetime import datetime
 from typing import Any, TypeVar
 
+from .._clock import as_utc
 from .._journal.log import RunLog, retry_schema_setup
 from .._journal.recorders import (
     LeasingPOPORecorder,
@@ -27,7 +28,7 @@ from .._journal.store import RunStore
 from ..errors import InvalidArgumentError
 from ..shapes import Usage
 from .backend import ViewBackend
-from .fold import RunRow, StepRow, as_utc
+from .fold import RunRow, StepRow
 from .memory import MemoryViews
 from .postgres import PostgresViews
 from .projector import DEFAULT_BATCH, catch_up

@@ -15,9 +15,10 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
+from .._clock import as_utc
 from .._journal import catalogue as stored
 from .._journal.sealing import Sealed, sealed_json
 from .._journal.spending import result_usage
@@ -120,13 +121,6 @@ class StepRow:
         if self.finished_at is None:
             return None
         return (self.finished_at - self.started_at).total_seconds() * 1000.0
-
-
-def as_utc(value: datetime) -> datetime:
-    """An aware UTC datetime (naive ones are taken as UTC)."""
-    if value.tzinfo is None:
-        return value.replace(tzinfo=UTC)
-    return value.astimezone(UTC)
 
 
 def public_wait(raw: Mapping[str, Any]) -> dict[str, Any]:

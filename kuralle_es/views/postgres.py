@@ -31,10 +31,11 @@ from psycopg import Cursor
 from psycopg.rows import DictRow
 from psycopg.sql import SQL, Composed, Identifier
 
+from .._clock import as_utc
 from .._journal.eventsourcing_hooks import insert_tracking
 from .._journal.store_url import PostgresAddress
 from .backend import StepKey, ViewBackend
-from .fold import RunRow, StepRow, as_utc
+from .fold import RunRow, StepRow
 from .query import (
     ADDED_COLUMNS,
     RUN_COLUMNS,

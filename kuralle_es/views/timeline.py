@@ -14,12 +14,12 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from .._clock import as_utc
 from .._journal import catalogue as stored
 from .._journal.store import RunStore
 from .._journal.wait import BUDGET, IN_DOUBT
 from ..redaction import Redacted
 from ..shapes import RunState, StepRecord, WaitingFor
-from .fold import as_utc
 
 __all__ = ["Delivery", "answer_hint", "format_timeline", "read_deliveries"]
 
