@@ -260,3 +260,14 @@ def test_only_the_writer_changes_a_run() -> None:
                     offences.append(f"{name}.{function.name} calls {node.func.value.id}."
                                     f"{node.func.attr}()")  # fmt: skip
     assert offences == []
+
+
+def test_every_module_says_its_one_job_in_its_first_docstring_line() -> None:
+    """docs/architecture.md sends a reader to the modules: each one's first line
+    says what it holds, so a listing of first lines is a map of the house."""
+    silent = [
+        name
+        for name, (_, tree) in modules().items()
+        if not (ast.get_docstring(tree) or "").strip().splitlines()[:1]
+    ]
+    assert silent == []
