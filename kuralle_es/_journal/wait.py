@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictStr, ValidationError
 
 from ..shapes import WaitingFor
 from .sites import Lane
@@ -22,6 +22,7 @@ __all__ = [
     "IN_DOUBT",
     "IN_DOUBT_ACTIONS",
     "TIMER",
+    "ApprovalAnswer",
     "InDoubtAction",
     "InDoubtAnswer",
     "Wait",
@@ -40,6 +41,20 @@ TIMER = "__timer"
 #: The wait of a parent run for a child run to end (``ctx.child``, ``ctx.wait_child``,
 #: a ``flow_tool`` call); the child's end is its delivery, never an operator's.
 CHILD = "__child"
+
+
+class ApprovalAnswer(BaseModel):
+    """An approver's answer to an approval wait (``__approval``; a budget's
+    ``__budget`` too, whose ``raise_to`` raises its limits): what the delivered
+    payload must hold. Other keys are kept in the journal, and ignored here."""
+
+    model_config = ConfigDict(frozen=True)
+
+    approved: StrictBool
+    by: StrictStr | None = None
+    reason: StrictStr | None = None
+    #: Checked against the budget's limits where a budget is raised (``deliveries``).
+    raise_to: Any = None
 
 
 #: How a human answers a step in doubt (docs/howto/in-doubt.md).

@@ -24,7 +24,15 @@ from .._journal.json_data import encode_json, plain_json_problem
 from .._journal.mail import receive_step
 from .._journal.run import CANCELLED, Run
 from .._journal.sites import Effect, Lane, Site
-from .._journal.wait import APPROVAL, BUDGET, IN_DOUBT, IN_DOUBT_ACTIONS, InDoubtAnswer, Wait
+from .._journal.wait import (
+    APPROVAL,
+    BUDGET,
+    IN_DOUBT,
+    IN_DOUBT_ACTIONS,
+    ApprovalAnswer,
+    InDoubtAnswer,
+    Wait,
+)
 from ..errors import InvalidSignalError, KuralleError, SignalMismatchError
 from ..shapes import SignalDelivery, StepKind
 from .input_checks import check_id
@@ -103,17 +111,19 @@ def validate_payload(wait: Wait, payload: Any, schemas: Schemas, *, from_sweeper
 
 
 def _check_approval(payload: Any, name: str = APPROVAL) -> None:
-    if not isinstance(payload, Mapping) or not isinstance(payload.get("approved"), bool):
-        msg = (
-            f"an approval payload must be a mapping with a boolean 'approved' "
-            f"(optional 'by', 'reason'), got {payload!r}"
-        )
-        raise InvalidSignalError(name, msg)
-    for field in ("by", "reason"):
-        value = payload.get(field)
-        if value is not None and not isinstance(value, str):
-            msg = f"approval field {field!r} must be a string or absent, got {value!r}"
-            raise InvalidSignalError(name, msg)
+    try:
+        ApprovalAnswer.model_validate(payload)
+    except ValidationError as e:
+        where = e.errors()[0]["loc"]
+        field = where[0] if where else None
+        if field in ("by", "reason"):
+            msg = f"approval field {field!r} must be a string or absent, got {payload[field]!r}"
+        else:
+            msg = (
+                f"an approval payload must be a mapping with a boolean 'approved' "
+                f"(optional 'by', 'reason'), got {payload!r}"
+            )
+        raise InvalidSignalError(name, msg) from None
 
 
 def _check_raise_to(raise_to: Any) -> None:
@@ -282,8 +292,10 @@ async def accept(writer: RunWriter, delivery: SignalDelivery, payload: Any) -> N
         writer.answer_in_doubt(wait.step_index, answer)
         await writer.saver.persist()
         return
-    if wait.name == BUDGET and payload.get("approved") and payload.get("raise_to"):
-        writer.raise_budget(dict(payload["raise_to"]))
+    if wait.name == BUDGET:
+        decision = ApprovalAnswer.model_validate(payload)
+        if decision.approved and decision.raise_to:
+            writer.raise_budget(dict(decision.raise_to))
     site = Site(wait.logical_run, wait.callsite, wait.lane)
     if wait.kind == "message":
         # Only the deadline sweeper delivers to a receive: it records the expiry,
