@@ -1,6 +1,6 @@
 """Tool definitions: what a tool is, how its input is validated and how it is invoked.
 
-A tool knows nothing of journals: the funnel in ``journal`` decides whether
+A tool knows nothing of journals: the run's writer (``_runtime/writer.py``) decides whether
 ``invoke`` runs at all.
 """
 

@@ -3,7 +3,7 @@
 What would the new prompt, model or flow have done on last week's runs,
 what would it have called, what would it have cost? ``replay_with`` reads a
 recorded run and drives it again from its first turn, through the ordinary
-turns and the ordinary funnel, on a scratch in-memory store under the code
+turns and the ordinary writer, on a scratch in-memory store under the code
 given, feeding it what the recording was given from outside (its first
 message, input, deliveries, later user turns; ``recording``):
 

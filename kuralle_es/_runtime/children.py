@@ -4,7 +4,7 @@ A child is a flow run (``ctx.child``, ``flow_tool``) or a user turn of an
 agent's conversation (an agent delegating to another from inside a tool,
 ``LoopTurn.child``: docs/pydantic-ai.md). Its start is one step of its
 parent (kind ``child``, named after the child's flow or agent), journaled
-through the funnel like a tool call: its intent is
+through the writer like a tool call: its intent is
 saved first, and the child's run id derives from that step's idempotency key,
 so a replay, an in-doubt re-execution after a crash, or two workers racing
 find the one child (creating a run is compare-and-set on its id). Executing

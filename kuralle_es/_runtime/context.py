@@ -1,4 +1,4 @@
-"""``RunContext``: what an ``action`` node sees (API). Thin wrappers over the funnel.
+"""``RunContext``: what an ``action`` node sees (API). Thin wrappers over the writer.
 
 A context is bound to one node visit: once the node has returned (or
 raised), every effect asked of it raises ``TurnClosedError`` and executes

@@ -3,7 +3,7 @@
 A delivery is checked in the order docs/contract.md gives (duplicate, match,
 deadline, payload); every refusal raises before anything is written.
 Acceptance hands the run's writer the delivery and journals the wait's step
-through the funnel; the turn saves them with its lease in one
+through the writer (``RunWriter.record_value``); the turn saves them with its lease in one
 compare-and-set, so of two racing identical deliveries exactly one is
 stored. ``approval_delivery`` is an approve or deny as the delivery it is,
 so the approval's shape is written once (``Runtime.approve``, the dashboard,
@@ -278,7 +278,7 @@ def waits_for(run: Run, delivery: SignalDelivery) -> bool:
 async def accept(writer: RunWriter, delivery: SignalDelivery, payload: Any) -> None:
     """Journal an accepted delivery: the payload and actor, and the wait's step.
 
-    The wait's step is journaled through the funnel at the site that
+    The wait's step is journaled by the writer at the site that
     suspended, so re-executing the node finds the payload there.
     """
     wait = writer.waiting

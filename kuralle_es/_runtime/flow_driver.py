@@ -34,7 +34,7 @@ from ..shapes import Message, StreamPart
 from .agent_loop import agent_turn
 from .context import RunContext
 from .cursor import Cursor
-from .loop_turn import JournalTurn
+from .loop_turn import JournaledLoopTurn
 from .model_calls import model_turn
 from .streaming import TurnStream
 from .suspensions import Schemas, WaitRequest, suspend
@@ -74,7 +74,7 @@ async def drive(
     cursor = Cursor(logical_run_id(writer.run_id, writer.epoch), writer.callsite_base)
     try:
         if agent.loop is not None:  # an agent loop of its own (docs/pydantic-ai.md)
-            reply = await agent.loop.drive(JournalTurn(writer, cursor, agent, emit))
+            reply = await agent.loop.drive(JournaledLoopTurn(writer, cursor, agent, emit))
         else:
             reply = await agent_turn(writer, cursor, agent, emit, max_tool_concurrency)
     except Exception:

@@ -1,6 +1,6 @@
 """The journaled turn an agent's own loop drives (internal; docs/pydantic-ai.md).
 
-``JournalTurn`` is the runtime's side of ``LoopTurn``: it hands the loop the
+``JournaledLoopTurn`` is the runtime's side of ``LoopTurn``: it hands the loop the
 same machinery the built-in agent loop uses (``model_turn`` for model steps,
 ``run_tool`` for tool steps, the approval lane of a tool call, the child
 runs of ``children``), so a turn driven by another framework's loop is
@@ -27,10 +27,10 @@ from .streaming import TurnStream
 from .tool_calls import ask_approval, recorded_approval, run_tool
 from .writer import RunWriter
 
-__all__ = ["JournalTurn"]
+__all__ = ["JournaledLoopTurn"]
 
 
-class JournalTurn(TurnBound):
+class JournaledLoopTurn(TurnBound):
     """One user turn of a conversation run whose agent has a ``loop``."""
 
     def __init__(

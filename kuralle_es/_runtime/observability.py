@@ -169,7 +169,7 @@ def replayed_spans() -> str:
 
 
 def _replays(writer: Any, effect: Any, kwargs: Mapping[str, Any]) -> bool:
-    """Whether this call of the funnel will replay a recorded step (return its
+    """Whether this call of the writer will replay a recorded step (return its
     result or raise its frozen error) rather than execute: what the journal has
     recorded for the effect, asked before the call (a mismatch the call itself
     refuses, unexecuted, reads as not replayed). A step left running (in doubt,
@@ -181,7 +181,7 @@ def _replays(writer: Any, effect: Any, kwargs: Mapping[str, Any]) -> bool:
 
 
 def traced_step(method: _Step) -> _Step:
-    """Make each call of a journal funnel method (``effect``, ``record_value``) a
+    """Make each call of the writer's one decision (``effect``, ``record_value``) a
     ``kuralle.step`` span: run id, step kind, name, callsite, whether it was
     replayed (``kuralle.replayed``) and how it ended (``finished``, ``error``,
     ``suspended``). With ``KURALLE_TRACE_REPLAYED=omit`` a replayed step makes

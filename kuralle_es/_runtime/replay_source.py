@@ -1,7 +1,7 @@
 """Where a step's outcome may come from instead of its execution: a recorded run (internal).
 
 ``kuralle_es.testing.replay_with`` re-drives a recorded run through the
-ordinary turn and the ordinary funnel (``RunWriter.effect`` and
+ordinary turn and the ordinary writer (``RunWriter.effect`` and
 ``record_value``), on a scratch store. The writer asks its ``ReplaySource``
 before it executes a step it has not journaled: a step the recording holds
 under the same key is journaled with the recorded outcome (a result, or the

@@ -1,4 +1,4 @@
-"""Running one tool call durably: policy, approval, in-doubt, then the funnel.
+"""Running one tool call durably: policy, approval, in-doubt, then the writer.
 
 Both ``ctx.tool`` (action nodes) and the agent loop (model-requested calls)
 run tools through ``run_tool``, so a tool behaves the same whoever calls it.

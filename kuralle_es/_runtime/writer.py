@@ -336,7 +336,7 @@ class RunWriter:
             return latest, mismatch
         return latest, None
 
-    # ---------------------------------------------------------------- funnel
+    # ---------------------------------------------------------------- the one decision
     @traced_step
     async def effect(
         self,
