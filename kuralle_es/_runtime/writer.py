@@ -73,7 +73,7 @@ __all__ = ["RunWriter"]
 _T = TypeVar("_T")
 
 
-class _OfRun(Generic[_T]):
+class _RunAttribute(Generic[_T]):
     """A read-only attribute of a ``RunWriter``: its run's attribute of the same
     name, read through (the run changes as the turn goes, so it is never copied)."""
 
@@ -81,12 +81,12 @@ class _OfRun(Generic[_T]):
         self._name = name
 
     @overload
-    def __get__(self, writer: None, owner: type[RunWriter]) -> _OfRun[_T]: ...
+    def __get__(self, writer: None, owner: type[RunWriter]) -> _RunAttribute[_T]: ...
 
     @overload
     def __get__(self, writer: RunWriter, owner: type[RunWriter]) -> _T: ...
 
-    def __get__(self, writer: RunWriter | None, owner: type[RunWriter]) -> _OfRun[_T] | _T:
+    def __get__(self, writer: RunWriter | None, owner: type[RunWriter]) -> _RunAttribute[_T] | _T:
         if writer is None:
             return self
         value: _T = getattr(writer._run, self._name)
@@ -139,21 +139,21 @@ class RunWriter:
         self.tracing = tracing_on()
 
     # ---------------------------------------------------------------- reads
-    session_id = _OfRun[str]()
-    epoch = _OfRun[int]()
-    flow_digest = _OfRun[str | None]()
-    active_node = _OfRun[str | None]()
+    session_id = _RunAttribute[str]()
+    epoch = _RunAttribute[int]()
+    flow_digest = _RunAttribute[str | None]()
+    active_node = _RunAttribute[str | None]()
     #: Where the active node's (or epoch's) callsites start.
-    callsite_base = _OfRun[int]()
-    waiting = _OfRun[Wait | None]()
-    active_flow = _OfRun[str | None]()
-    flow_version = _OfRun[str | None]()
-    status = _OfRun[RunStatus]()
-    outcome = _OfRun[str | None]()
+    callsite_base = _RunAttribute[int]()
+    waiting = _RunAttribute[Wait | None]()
+    active_flow = _RunAttribute[str | None]()
+    flow_version = _RunAttribute[str | None]()
+    status = _RunAttribute[RunStatus]()
+    outcome = _RunAttribute[str | None]()
     #: The run's aggregate version (its saved events so far, and those pending).
-    version = _OfRun[int]()
+    version = _RunAttribute[int]()
     #: How many steps the run has journaled: the index its next step gets.
-    step_count = _OfRun[int]()
+    step_count = _RunAttribute[int]()
 
     def last_recorded_callsite(self) -> int | None:
         """The highest callsite the active node's (or epoch's) live steps hold: a
@@ -161,11 +161,11 @@ class RunWriter:
         return max((step["callsite"] for step in self._run.steps), default=None)
 
     #: A typed flow's validated input as JSON data (``ctx.input``), if it was given one.
-    input = _OfRun[dict[str, Any] | None]()
+    input = _RunAttribute[dict[str, Any] | None]()
     #: The run that started this one (a child run), if any.
-    parent_link = _OfRun[ParentLink | None]()
+    parent_link = _RunAttribute[ParentLink | None]()
     #: The ids of the child runs this run started.
-    children = _OfRun[list[str]]()
+    children = _RunAttribute[list[str]]()
 
     def now(self) -> datetime:
         """The time by the runtime's clock (a ``TestClock`` in tests)."""
