@@ -61,13 +61,14 @@ ha:
 
 test: $(STAMP) browser faketime pgbouncer ha
 	$(BIN)/ruff check kuralle_es tests benchmarks
+	$(BIN)/ruff format --check kuralle_es tests benchmarks
 	$(BIN)/mypy kuralle_es
 	$(BIN)/mkdocs build --strict --quiet
 	$(BIN)/pytest -q
 
 # The whole PostgreSQL part of the suite once more, every database reached through
 # PgBouncer in transaction mode (tests/conftest.py, KURALLE_TEST_PGBOUNCER): about
-# 20 minutes, so not part of `make test` (which runs the pgbouncer-marked tests).
+# 11 minutes on 2 cores, so not part of `make test` (which runs the pgbouncer-marked tests).
 test-pgbouncer: $(STAMP) pgbouncer
 	KURALLE_TEST_PGBOUNCER=1 KURALLE_REQUIRE_POSTGRES=1 $(BIN)/pytest -q -m postgres
 

@@ -145,9 +145,7 @@ async def main() -> None:
     finally:
         with psycopg.connect(args.dsn, autocommit=True) as conn:
             conn.execute(
-                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
-                    sql.Identifier(database)
-                )
+                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(database))
             )
     print(f"commits per sequential tool step: {tool:.3f}   (target <= 1.05)")
     print(f"commits per ctx.now() step:       {now:.3f}   (target <= 0.05)")

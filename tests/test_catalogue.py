@@ -170,6 +170,7 @@ def test_a_snapshot_before_child_runs_holds_no_input_parent_or_children() -> Non
     aggregate.Run.upcast_v3_v4(state)
     assert (state["input"], state["parent"], state["children"]) == (None, None, [])
 
+
 def test_every_stored_class_declares_which_of_its_fields_are_payload() -> None:
     """Erasure redacts what a class declares as payload (docs/privacy.md): a class
     added without a declaration of its own would keep its user data readable."""

@@ -123,9 +123,11 @@ async def test_a_keyed_turn_retried_after_its_crash_was_recovered_runs_no_second
     assert recovered is not None and recovered.status == "finished"
     executions = dict(world.executions)
 
-    retry = await runtime(world, open_store(), "web").run(
-        SESSION, input="a flight to Paris", idempotency_key="turn-1"
-    ).result()
+    retry = (
+        await runtime(world, open_store(), "web")
+        .run(SESSION, input="a flight to Paris", idempotency_key="turn-1")
+        .result()
+    )
     assert (retry.run_id, retry.status) == (run_id, "finished")
     after = await rescuer.get_run(run_id, SESSION)
     assert after is not None

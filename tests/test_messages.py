@@ -295,8 +295,7 @@ class SendsAsItPauses(RunStore):
 
     async def save_run_async(self, run: Run, lease: LeaseOp | None = None) -> None:
         pausing = any(
-            isinstance(e, Paused) and e.waiting_for["kind"] == "message"
-            for e in run.pending_events
+            isinstance(e, Paused) and e.waiting_for["kind"] == "message" for e in run.pending_events
         )
         woken = any(isinstance(e, MailDelivered) for e in run.pending_events)
         if pausing and self.sender is not None:

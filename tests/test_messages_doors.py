@@ -25,9 +25,11 @@ async def started(store_url: str) -> str:
     """An ``order`` run paused in its first receive, started in this process."""
     store = RunStore.from_url(store_url)
     try:
-        result = await Runtime(mail_app.AGENTS, store=store).run(
-            SESSION, kind="flow", flow_name="order"
-        ).result()
+        result = (
+            await Runtime(mail_app.AGENTS, store=store)
+            .run(SESSION, kind="flow", flow_name="order")
+            .result()
+        )
         assert result.status == "paused" and result.waiting_for is not None
         assert result.waiting_for.kind == "message"
         return result.run_id

@@ -621,9 +621,9 @@ async def test_two_concurrent_different_deliveries_store_exactly_one_decision(
         assert len(errors) == 1, f"exactly one of two different deliveries must lose: {outcomes}"
         # The loser lost the save, found the winner's lease live (refused before
         # its delivery is looked at), or found the run no longer waiting.
-        assert isinstance(
-            errors[0], StaleWriteError | LeaseHeldError | SignalMismatchError
-        ), errors[0]
+        assert isinstance(errors[0], StaleWriteError | LeaseHeldError | SignalMismatchError), (
+            errors[0]
+        )
         state = await state_of(rt1, run_id)
         assert state.status == "finished"
         approvals = [s for s in await rt1.get_steps(run_id, SESSION) if s.kind == "approval"]

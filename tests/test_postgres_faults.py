@@ -87,9 +87,9 @@ async def finish(agent: Any, dsn: str, run_id: str) -> Any:
     for _ in range(5):
         with RunStore.postgres(dsn) as store:
             try:
-                return await Runtime([agent], store=store, holder="w").run(
-                    "s", run_id=run_id
-                ).result()
+                return (
+                    await Runtime([agent], store=store, holder="w").run("s", run_id=run_id).result()
+                )
             except Exception:  # a fault the resume itself met: try again
                 continue
     raise AssertionError(f"run {run_id} did not finish")

@@ -58,8 +58,9 @@ class Item(BaseModel):
 Call = tuple[dict[str, int] | None, bool, int]
 
 usages = st.none() | st.builds(
-    lambda i, o, with_total: {"input_tokens": i, "output_tokens": o}
-    | ({"total_tokens": i + o} if with_total else {}),
+    lambda i, o, with_total: (
+        {"input_tokens": i, "output_tokens": o} | ({"total_tokens": i + o} if with_total else {})
+    ),
     st.integers(0, 500),
     st.integers(0, 500),
     st.booleans(),
