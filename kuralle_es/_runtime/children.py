@@ -78,7 +78,7 @@ from .turn_calls import (
     new_flow_run,
     require_current_flow,
 )
-from .writer import RunWriter
+from .writer import UNJOURNALED, RunWriter
 
 __all__ = [
     "ChildEnded",
@@ -266,7 +266,7 @@ async def start_child(writer: RunWriter, site: Site, request: ChildRequest) -> s
         await _runs().launch(child_run_id, request, parent)
         return {"run_id": child_run_id}
 
-    recorded = await writer.effect(effect, execute=execute, journal_errors=False)
+    recorded = await writer.effect(effect, execute=execute, attempts=UNJOURNALED)
     return str(recorded["run_id"])
 
 

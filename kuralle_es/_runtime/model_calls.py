@@ -27,7 +27,7 @@ from .cursor import Cursor
 from .step_results import decode
 from .streaming import TurnStream
 from .suspensions import WaitRequest, approval_decision, frozen_operation, suspend
-from .writer import RunWriter
+from .writer import UNJOURNALED, RunWriter
 
 __all__ = ["assistant_message", "model_call", "model_turn", "request_digest", "tool_message"]
 
@@ -109,12 +109,7 @@ async def model_turn(
         if on_new is not None:
             on_new(ModelResponse.model_validate(value))
 
-    value = await writer.effect(
-        call,
-        execute=ask,
-        on_recorded=recorded,
-        journal_errors=False,
-    )
+    value = await writer.effect(call, execute=ask, attempts=UNJOURNALED, on_recorded=recorded)
     response = ModelResponse.model_validate(value)
     if texts is not None and response.content:
         done = writer.peek(call)

@@ -20,7 +20,7 @@ from ..shapes import ApprovalDecision, StreamPart, ToolCall
 from .children import run_flow_tool
 from .step_results import decode
 from .suspensions import WaitRequest, approval_decision, frozen_operation, suspend
-from .writer import RunWriter
+from .writer import Attempts, RunWriter
 
 __all__ = ["ask_approval", "recorded_approval", "run_tool", "tool_call", "tool_effect"]
 
@@ -162,15 +162,14 @@ async def run_tool(
                 )
             )
 
-    return await writer.effect(
-        effect,
-        execute=execute,
+    attempts = Attempts(
         replay=tool.replay,
-        on_running=ask_in_doubt,
-        on_executed=executed,
         retry=tool.retry,
         heartbeat_for=tool.timeout,
         # A result left unsaved by a crash is re-run under its key: only a tool
         # that may run again in doubt lets its result ride the next save.
         defer_result=tool.on_in_doubt == "retry",
+    )
+    return await writer.effect(
+        effect, execute=execute, attempts=attempts, on_running=ask_in_doubt, on_executed=executed
     )

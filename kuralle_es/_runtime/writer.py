@@ -31,6 +31,7 @@ import copy
 import inspect
 import json
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Generic, Never, NoReturn, TypeVar, overload
 
@@ -67,10 +68,40 @@ from .step_results import UNRECORDABLE, frozen_error, result_of, settled, step_e
 if TYPE_CHECKING:
     from .fork import ForkPlan
 
-__all__ = ["RunWriter"]
+__all__ = ["TOOL_ATTEMPTS", "UNJOURNALED", "Attempts", "RunWriter"]
 
 
 _T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class Attempts:
+    """How a step's attempts go in ``RunWriter.effect``.
+
+    ``replay=False`` (a read re-run on every pass): a recorded step is run
+    again on the same record, one step per key, its ``attempts`` counting the
+    passes. ``retry``: which failed attempts are journaled and tried again
+    (same key) instead of being frozen. ``journal_errors=False``: a failed
+    attempt is not journaled; its error propagates and the step stays
+    ``running``, so the next pass runs it again as its next attempt (a model
+    call: nothing is frozen). ``heartbeat_for``: the heartbeat keeps the lease
+    this many seconds at most while an attempt executes (a tool's ``timeout``;
+    None: as long as it runs). ``defer_result``: the result rides the turn's
+    next save (docs/guarantees.md, "One commit a step").
+    """
+
+    replay: bool = True
+    retry: RetryPolicy = NO_RETRY
+    journal_errors: bool = True
+    heartbeat_for: float | None = None
+    defer_result: bool = False
+
+
+#: A tool's attempts by default: replayed, never retried, errors frozen.
+TOOL_ATTEMPTS = Attempts()
+#: Attempts whose failures are never journaled (a model call, a child's start):
+#: the next pass runs the step again.
+UNJOURNALED = Attempts(journal_errors=False)
 
 
 class _RunAttribute(Generic[_T]):
@@ -343,31 +374,18 @@ class RunWriter:
         effect: Effect,
         *,
         execute: Callable[[], Awaitable[Any]],
-        replay: bool = True,
+        attempts: Attempts = TOOL_ATTEMPTS,
         on_running: Callable[[StepData], Awaitable[None]] | None = None,
         on_recorded: Callable[[Any], None] | None = None,
         on_executed: Callable[[Any], None] | None = None,
-        retry: RetryPolicy = NO_RETRY,
-        journal_errors: bool = True,
-        heartbeat_for: float | None = None,
-        defer_result: bool = False,
     ) -> Any:
         """Run one effect through the journal; returns its (recorded) JSON result.
 
-        ``on_running`` is consulted when a step was left ``running`` by a crash
-        (it may suspend to ask a human instead of re-executing). With
-        ``replay=False`` (a read re-run on every pass) a recorded step is run
-        again on the same record: one step per key, its ``attempts`` counting
-        the passes. ``retry`` says which failed attempts are journaled and
-        tried again (same key) instead of being frozen. ``on_recorded`` runs
-        with a fresh result before the save that carries it (the events it
-        triggers ride on that save); ``on_executed`` runs after. With
-        ``journal_errors=False`` a failed attempt is not journaled: its error
-        propagates and the step stays ``running``, so the next pass runs it
-        again as its next attempt (a model call: nothing is frozen). While an
-        attempt executes, the heartbeat keeps the lease ``heartbeat_for``
-        seconds at most (a tool's ``timeout``; None: as long as it runs). With
-        ``defer_result`` the result rides the turn's next save (``_defer``).
+        ``attempts`` says how its attempts go (``Attempts``). ``on_running`` is
+        consulted when a step was left ``running`` by a crash (it may suspend to
+        ask a human instead of re-executing). ``on_recorded`` runs with a fresh
+        result before the save that carries it (the events it triggers ride on
+        that save); ``on_executed`` runs after.
         """
         self.admission.require_open(f"{effect.kind} {effect.name!r}")
         self.admission.enter()
@@ -378,7 +396,7 @@ class RunWriter:
                 step = self.recorded(effect)
                 if step is None:
                     index = self._run.start_step(effect)
-                elif not replay:
+                elif not attempts.replay:
                     index = step["index"]
                     if step["status"] != "running":  # a new pass: its attempts count anew
                         counted_from = step.get("failures", 0)
@@ -397,17 +415,15 @@ class RunWriter:
                     # else between attempts of a retried tool: not in doubt.
                 served = self._served(effect)
             if served is not None:
-                execute, retry = served, NO_RETRY
+                execute, attempts = served, replace(attempts, retry=NO_RETRY)
             await self.saver.save_intent()
             if retry_at is not None:
                 await self._next_attempt(index, retry_at)
-            value = await self._attempts(
-                index, execute, retry, counted_from, journal_errors, heartbeat_for
-            )
+            value = await self._attempts(index, execute, attempts, counted_from)
             try:
                 result_json = encode_json(value, f"the result of {effect.kind} {effect.name!r}")
             except (TypeError, KuralleError) as exc:
-                if not journal_errors:
+                if not attempts.journal_errors:
                     raise
                 error = StepError(
                     type=type(exc).__name__, message=str(exc), data={"reason": UNRECORDABLE}
@@ -421,7 +437,8 @@ class RunWriter:
                     on_recorded(result)
 
             await self.saver.save_outcome(
-                Outcome(index, succeeded, f"{effect.kind} {effect.name!r}"), defer=defer_result
+                Outcome(index, succeeded, f"{effect.kind} {effect.name!r}"),
+                defer=attempts.defer_result,
             )
             if on_executed is not None:
                 on_executed(result)
@@ -513,10 +530,8 @@ class RunWriter:
         self,
         index: int,
         execute: Callable[[], Awaitable[Any]],
-        retry: RetryPolicy,
+        attempts: Attempts,
         counted_from: int,
-        journal_errors: bool = True,
-        heartbeat_for: float | None = None,
     ) -> Any:
         """Execute until an attempt succeeds; a failure the policy retries is
         journaled (the step stays running) and waited out, the last one frozen.
@@ -524,15 +539,16 @@ class RunWriter:
         Failures count from ``counted_from`` (earlier passes of a ``replay=False``
         read do not use up this pass's attempts)."""
         while True:
-            beating = self.saver.heartbeat.enter(heartbeat_for)
+            beating = self.saver.heartbeat.enter(attempts.heartbeat_for)
             try:
                 return await execute()
             except (SuspendError, asyncio.CancelledError):
                 raise
             except Exception as exc:
-                if not journal_errors:
+                if not attempts.journal_errors:
                     raise
                 error = step_error(exc)
+                retry = attempts.retry
                 failures = self._run.step(index).get("failures", 0) + 1 - counted_from
                 if not retry.retries(exc, failures):
                     raise await self._record_failure(index, error) from exc
