@@ -32,13 +32,9 @@ def tool_effect(site: Site, tool: Tool[Any], args: BaseModel) -> Effect:
     return Effect(site, "tool", tool.name, args.model_dump(mode="json"), override)
 
 
-def tool_call(writer: RunWriter, site: Site, tool: Tool[Any], args: BaseModel) -> ToolCall:
-    """What the tool (and its policy) learn about this call, its key included."""
-    return _call_of(writer, tool_effect(site, tool, args))
-
-
-def _call_of(writer: RunWriter, effect: Effect) -> ToolCall:
-    """What the tool learns about the call the journal files as ``effect``."""
+def tool_call(writer: RunWriter, effect: Effect) -> ToolCall:
+    """What the tool (and its policy) learn about the call the journal files as
+    ``effect``, its key included."""
     return ToolCall(
         idempotency_key=effect.key,
         run_id=writer.run_id,
@@ -63,10 +59,10 @@ async def _approved_args(
             raise ToolApprovalDeniedError(tool.name, decision.by, decision.reason)
         frozen: BaseModel = tool.validate(shown)
         return frozen
-    call = tool_call(writer, site, tool, args)
-    if writer.recorded(tool_effect(site, tool, args)) is not None:
+    effect = tool_effect(site, tool, args)
+    if writer.recorded(effect) is not None:
         return args  # decided on an earlier pass: replay, never ask the policy again
-    answer = tool.decide(args, call)
+    answer = tool.decide(args, tool_call(writer, effect))
     if answer == "allow":
         return args
     if answer == "deny":
@@ -120,7 +116,7 @@ async def run_tool(
         args = await _approved_args(writer, site, tool, args)
     args_json = args.model_dump(mode="json")
     effect = tool_effect(site, tool, args)  # made once: its key hashes the args
-    call = _call_of(writer, effect)
+    call = tool_call(writer, effect)
 
     async def ask_in_doubt(step: StepData) -> None:
         if tool.on_in_doubt == "ask":
