@@ -170,6 +170,29 @@ async def test_a_save_whose_server_never_comes_back_fails_as_unavailable_in_boun
         assert time.monotonic() - started < 10
 
 
+def _kill_server(cluster: _ThrowawayCluster) -> None:
+    """SIGKILL the cluster's postmaster, then wait until its other processes have
+    exited too: until a backend notices its postmaster died, a connection a pool
+    already holds may still answer a statement (CI saw a key made that way), so
+    the server is gone only once they are."""
+    with psycopg.connect(cluster.admin_dsn, autocommit=True) as conn:
+        pids = [row[0] for row in conn.execute("SELECT pid FROM pg_stat_activity")]
+    os.kill(cluster.postmaster_pid(), signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while any(_running(pid) for pid in pids):
+        assert time.monotonic() < deadline, "the cluster's backends outlived their postmaster"
+        time.sleep(0.01)
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` still runs (an exited one not yet reaped does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
 async def test_a_key_table_whose_server_is_gone_fails_as_unavailable_in_bounded_time(
     stalled_cluster: _ThrowawayCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -179,7 +202,7 @@ async def test_a_key_table_whose_server_is_gone_fails_as_unavailable_in_bounded_
     monkeypatch.setattr(subject_keys, "SAVE_DEADLINE", 2.0)
     with RunStore.from_url(stalled_cluster.admin_dsn) as store:
         stored_run(store, "s-known")
-        os.kill(stalled_cluster.postmaster_pid(), signal.SIGKILL)
+        _kill_server(stalled_cluster)
         started = time.monotonic()
         with pytest.raises(StoreUnavailableError, match="cannot reach the subjects' key table"):
             store.keys.key_for("s-new")  # a subject this process has no key of
