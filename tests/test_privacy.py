@@ -360,3 +360,49 @@ def test_two_stores_asking_for_a_new_subjects_key_at_once_get_one_key(database: 
     assert fresh.keys is not None
     for subject, ids in by_subject.items():
         assert fresh.keys.key_for(subject).key_id in ids
+
+
+async def test_a_long_payload_is_compressed_before_it_is_sealed_and_reads_back(
+    database: StoreFactory,
+) -> None:
+    """Ciphertext does not compress, so a long payload is compressed before it is
+    sealed (docs/privacy.md, "What sealing costs"): a run whose state bag holds
+    40 KB of repetitive text stores far fewer bytes than that, none of them its
+    text, and reads back whole; a payload sealed before compression existed (as
+    runs of earlier releases hold it) still opens; an erased one reads
+    ``Redacted``."""
+    from kuralle_es._journal.sealing import Sealed, open_payload, seal_payload
+
+    long_note = (SECRET + " said the refund was late. ") * 800
+
+    async def remember(state: dict[str, Any], ctx: Any) -> Any:
+        state["note"] = long_note
+        await ctx.tool("lookup", {"note": long_note})
+        return end("noted")
+
+    tools = [define_tool("lookup", "lookup", Refund, lambda args: {"found": len(args.note)})]
+    flow = define_flow("remember", "remember", "start", [action("start", remember)])
+    agent = define_agent("a", "help", None, tools, flows=[flow])
+    store = database()
+    runtime = Runtime(agents=[agent], store=store)
+    run = await runtime.run(session_id="s1", kind="flow", flow_name="remember").result()
+    assert run.status == "finished"
+    assert store.keys is not None
+    key = store.keys.key_for("s1")
+    transcoder = store.mapper.transcoder
+    assert len(seal_payload(transcoder, key, long_note).blob) < len(long_note) // 10
+    earlier = Sealed(key.key_id, key.cipher.encrypt(transcoder.encode(long_note)))
+    assert open_payload(transcoder, store.keys, earlier) == long_note
+    store.close()
+    raw = _raw(database)
+    assert SECRET.encode() not in raw
+    assert len(raw) < 3 * len(long_note)  # the bag, the tool's args, the snapshot-free events
+
+    again = Runtime(agents=[agent], store=database())
+    state = await again.get_run(run.run_id, "s1")
+    assert state is not None and state.state["note"] == long_note
+    steps = await again.get_steps(run.run_id, "s1")
+    assert steps[0].result == {"found": len(long_note)}
+    await again.erase_subject("s1")
+    erased = await again.get_run(run.run_id, "s1")
+    assert erased is not None and isinstance(erased.state, Redacted)

@@ -12,11 +12,17 @@ is not read at all (``SnapshotErased``): the run is folded from its events.
 Events stored before subjects had keys hold plain values and read as they
 are. ``seal_payload`` / ``open_payload`` are the same sealing for any other
 stored payload of a run (docs/privacy.md).
+
+A payload's JSON of ``COMPRESS_FROM`` bytes or more is compressed before it
+is sealed (docs/privacy.md, "What sealing costs"): ciphertext does not
+compress, so neither PostgreSQL's TOAST nor a store compressor could shrink a
+sealed snapshot afterwards.
 """
 
 from __future__ import annotations
 
 import threading
+import zlib
 from base64 import b64decode, b64encode
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -100,11 +106,22 @@ def _kept_clear(cls: type[Any], path: tuple[str, ...]) -> KeepClear | None:
     return keep.get(".".join(path))
 
 
+#: Bytes of a payload's JSON from which it is compressed before it is sealed.
+COMPRESS_FROM = 1024
+#: The first byte of a compressed plaintext (zlib's data follows). JSON text never
+#: starts with a control character, so a payload sealed before compression
+#: existed reads as it was.
+COMPRESSED = b"\x01"
+
+
 def seal_payload(transcoder: Transcoder, key: SubjectKey, value: Any, clear: Any = None) -> Sealed:
     """``value`` sealed under ``key``: the one way a run's payload is encrypted for
     its subject (events here; any other stored payload of the run, such as a
-    stored stream part, the same way)."""
-    return Sealed(key.key_id, key.cipher.encrypt(transcoder.encode(value)), clear)
+    stored stream part, the same way). A long one is compressed first."""
+    plain = transcoder.encode(value)
+    if len(plain) >= COMPRESS_FROM:
+        plain = COMPRESSED + zlib.compress(plain, 1)
+    return Sealed(key.key_id, key.cipher.encrypt(plain), clear)
 
 
 def open_payload(transcoder: Transcoder, keys: KeyTable, sealed: Sealed) -> Any:
@@ -114,7 +131,10 @@ def open_payload(transcoder: Transcoder, keys: KeyTable, sealed: Sealed) -> Any:
         redacted = Redacted()
         redacted.kept = sealed.clear
         return redacted
-    return transcoder.decode(key.cipher.decrypt(sealed.blob))
+    plain = key.cipher.decrypt(sealed.blob)
+    if plain[:1] == COMPRESSED:
+        plain = zlib.decompress(plain[1:])
+    return transcoder.decode(plain)
 
 
 def _walk(state: dict[str, Any], path: tuple[str, ...], change: Callable[[Any], Any]) -> None:
