@@ -45,7 +45,7 @@ from .sites import Effect, Lane, Site
 from .spending import result_usage
 from .wait import Wait
 
-__all__ = ["CANCELLED", "MIGRATED", "ParentLink", "Run", "StepData", "step_record"]
+__all__ = ["MIGRATED", "ParentLink", "Run", "StepData", "step_record"]
 
 
 class StepData(TypedDict):
@@ -241,6 +241,12 @@ class Run(Aggregate):
     @property
     def run_id(self) -> str:
         return str(self.id)
+
+    @property
+    def cancelled(self) -> bool:
+        """Whether the run was cancelled (``cancel``): a flow aborted, or a
+        conversation's turn ended, with the outcome ``"cancelled: <reason>"``."""
+        return (self.outcome or "").startswith(CANCELLED)
 
     @property
     def data_subject(self) -> str:
@@ -482,9 +488,7 @@ class Run(Aggregate):
         (``InvalidArgumentError``).
         """
         outcome = f"{CANCELLED}{reason}"
-        if self.status == "aborted" or (
-            self.status == "finished" and (self.outcome or "").startswith(CANCELLED)
-        ):
+        if self.status == "aborted" or (self.status == "finished" and self.cancelled):
             return False
         if self.status == "finished":
             msg = (

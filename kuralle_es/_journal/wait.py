@@ -23,6 +23,7 @@ __all__ = [
     "IN_DOUBT_ACTIONS",
     "TIMER",
     "ApprovalAnswer",
+    "DeadlineDeny",
     "InDoubtAction",
     "InDoubtAnswer",
     "Wait",
@@ -55,6 +56,29 @@ class ApprovalAnswer(BaseModel):
     reason: StrictStr | None = None
     #: Checked against the budget's limits where a budget is raised (``deliveries``).
     raise_to: Any = None
+
+
+class DeadlineDeny(BaseModel):
+    """What the deadline sweeper delivers to a wait whose deadline passed: a denial
+    by ``"deadline"``, stored as the wait's payload. A typed signal's node gets
+    ``DeadlineExpiredError`` for it instead (docs/node-code.md)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    approved: Literal[False] = False
+    denied: Literal[True] = True
+    by: Literal["deadline"] = "deadline"
+    reason: Literal["deadline-expired"] = "deadline-expired"
+
+    @classmethod
+    def payload(cls) -> dict[str, Any]:
+        """The deny as a delivery carries it, and the journal keeps it."""
+        return cls().model_dump()
+
+    @classmethod
+    def is_one(cls, payload: Any) -> bool:
+        """Whether a delivered payload is the sweeper's deny, and nothing more."""
+        return isinstance(payload, dict) and payload == cls.payload()
 
 
 #: How a human answers a step in doubt (docs/howto/in-doubt.md).

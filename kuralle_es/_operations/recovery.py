@@ -48,11 +48,11 @@ from typing import Any, Protocol, runtime_checkable
 
 from .._clock import SYSTEM_CLOCK, FixedClock
 from .._durations import positive_seconds
+from .._journal.wait import DeadlineDeny
 from .._runtime.children import ChildEnded
 from .._runtime.handle import TurnSink
 from .._runtime.observability import LOGGER_NAME, log_event
 from .._runtime.runtime import Runtime
-from .._runtime.suspensions import DEADLINE_DENY
 from .._runtime.turn import drive_turn
 from .._runtime.turn_calls import Command, Deliver, Recover, ResumeInDoubt, TurnEnv, Wake
 from ..errors import InvalidArgumentError
@@ -206,7 +206,7 @@ def _deadline_deny(summary: RunSummary) -> Command | None:
     delivery = SignalDelivery(
         signal_id=f"deadline:{wait.request_id}",
         name=wait.name,
-        payload=dict(DEADLINE_DENY),
+        payload=DeadlineDeny.payload(),
         request_id=wait.request_id,
         actor=DEADLINE_ACTOR,
     )

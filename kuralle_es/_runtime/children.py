@@ -54,7 +54,7 @@ from .._definitions.flow_input import FlowInput, flow_input
 from .._definitions.flows import Flow
 from .._definitions.tools import Tool
 from .._journal.leases import Lease
-from .._journal.run import CANCELLED, ParentLink, Run
+from .._journal.run import ParentLink, Run
 from .._journal.sites import Effect, Lane, Site, step_key
 from .._journal.wait import CHILD
 from ..errors import (
@@ -222,7 +222,7 @@ def _outcome(child: Run) -> dict[str, Any] | None:
     if child.status not in ENDED:
         return None
     status = child.status
-    if child.kind == "conversation" and (child.outcome or "").startswith(CANCELLED):
+    if child.kind == "conversation" and child.cancelled:
         status = "aborted"
     return {
         "run_id": child.run_id,

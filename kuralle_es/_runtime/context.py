@@ -26,7 +26,7 @@ from .._definitions.tools import Tool
 from .._durations import deadline_at, positive_seconds
 from .._journal.run import StepData
 from .._journal.sites import Effect, Lane, Site
-from .._journal.wait import APPROVAL, TIMER
+from .._journal.wait import APPROVAL, TIMER, DeadlineDeny
 from ..errors import (
     DeadlineExpiredError,
     InvalidArgumentError,
@@ -41,7 +41,7 @@ from .deliveries import EXPIRED, take_message
 from .input_checks import check_name
 from .replay_logger import ReplayQuietLogger
 from .step_results import decode
-from .suspensions import Schemas, WaitRequest, approval_decision, is_deadline_deny, suspend
+from .suspensions import Schemas, WaitRequest, approval_decision, suspend
 from .tool_calls import run_tool
 from .writer import RunWriter
 
@@ -290,7 +290,7 @@ class RunContext(TurnBound):
         )
         if schema is None:
             return payload
-        if is_deadline_deny(payload):
+        if DeadlineDeny.is_one(payload):
             # A typed wait never hands node code an untyped deny: the deadline is
             # an exception the node may catch (docs/node-code.md).
             args = step.get("args") or {}

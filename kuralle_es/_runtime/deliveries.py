@@ -22,7 +22,7 @@ from pydantic import BaseModel, ValidationError
 from .._definitions.budget import Budget
 from .._journal.json_data import encode_json, plain_json_problem
 from .._journal.mail import receive_step
-from .._journal.run import CANCELLED, Run
+from .._journal.run import Run
 from .._journal.sites import Effect, Lane, Site
 from .._journal.wait import (
     APPROVAL,
@@ -167,7 +167,7 @@ def is_duplicate(run: Run, delivery: SignalDelivery) -> bool:
 
 def _state_of(run: Run) -> str:
     """The run's status, with why it was aborted (a refusal says so clearly)."""
-    if run.outcome and (run.status == "aborted" or run.outcome.startswith(CANCELLED)):
+    if run.outcome and (run.status == "aborted" or run.cancelled):
         return f"{run.status} ({run.outcome})"
     return run.status
 

@@ -9,7 +9,6 @@ next effect (docs/node-code.md). Re-suspending on the same wait keeps its
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, NoReturn
@@ -26,22 +25,12 @@ from ..shapes import ApprovalDecision, FrozenOperation, WaitKind
 from .writer import RunWriter
 
 __all__ = [
-    "DEADLINE_DENY",
     "Schemas",
     "WaitRequest",
     "approval_decision",
     "frozen_operation",
-    "is_deadline_deny",
     "suspend",
 ]
-
-#: What the deadline sweeper delivers to a wait whose deadline passed.
-DEADLINE_DENY: dict[str, Any] = {
-    "approved": False,
-    "denied": True,
-    "by": "deadline",
-    "reason": "deadline-expired",
-}
 
 
 class Schemas:
@@ -152,10 +141,6 @@ def suspend(
         child_run_id=request.child_run_id,
     )
     writer.admission.suspend(wait)
-
-
-def is_deadline_deny(payload: Any) -> bool:
-    return isinstance(payload, Mapping) and dict(payload) == DEADLINE_DENY
 
 
 def approval_decision(payload: Any) -> ApprovalDecision:
