@@ -417,3 +417,38 @@ async def test_short_steps_start_no_heartbeat_thread_beyond_the_one_of_the_proce
     assert {r.status for r in results} == {"finished"}
     beating = [t for t in threading.enumerate() if t.name == "kuralle-lease-heartbeat"]
     assert len(beating) == 1
+
+
+def test_the_heartbeat_thread_sleeps_through_short_steps_and_beats_for_one_that_finished() -> None:
+    """Short effects do not wake the process's heartbeat thread: while the lease is
+    held it sleeps until the next beat is due, whether or not an effect is
+    executing when it looks; then it beats once for the effects that finished
+    meanwhile, and not again while none executes or finishes."""
+    from kuralle_es._runtime.heartbeat import _PULSE, Heartbeat
+
+    beats: list[float] = []
+
+    def renew() -> bool:
+        beats.append(time.monotonic())
+        return True
+
+    heartbeat = Heartbeat(renew, lambda: None, interval=0.3)
+    heartbeat.renewed(time.monotonic())
+    try:
+        for _ in range(500):  # 500 short steps, each in and out at once
+            heartbeat.leave(heartbeat.enter())
+        deadline = time.monotonic() + 2.0
+        while _PULSE.wakes_at == float("inf") and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert heartbeat.renewed_at is not None
+        assert _PULSE.wakes_at <= heartbeat.renewed_at + heartbeat.interval
+        asleep_until = _PULSE.wakes_at
+        for _ in range(500):
+            heartbeat.leave(heartbeat.enter())
+        assert _PULSE.wakes_at == asleep_until  # not woken by those steps
+        time.sleep(0.6)  # the beat falls due: the steps finished since the last one
+        assert len(beats) == 1
+        time.sleep(0.7)  # nothing executed or finished since: no beat, however long
+        assert len(beats) == 1
+    finally:
+        heartbeat.stop()

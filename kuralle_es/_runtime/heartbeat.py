@@ -14,9 +14,11 @@ the journal).
 
 An effect counts itself in and out (``enter``/``leave``: an entry in a
 list, no lock); the pulse is only told of it when it would otherwise sleep
-past the heartbeat's next beat, so a step shorter than the interval costs
-no thread, no lock and, mostly, no wake-up (as many Python calls a step as
-before the heartbeat had a thread). An effect with a ``bound`` (a tool's
+past the heartbeat's next beat. While a turn holds its lease the pulse
+sleeps until the next beat is due, whether or not an effect is executing
+at the moment it looks, and beats then if an effect executes or finished
+since the last beat; so a step shorter than the interval costs no thread,
+no lock and no wake-up of the pulse. An effect with a ``bound`` (a tool's
 ``timeout``) is kept alive that long at most: past it, the lease lapses as
 if nothing executed. A renewal that finds the lease taken over (a
 recovery, a cancel) ends the heartbeat and tells the writer, whose next save
@@ -65,6 +67,11 @@ class Heartbeat:
         #: list are each one step under the interpreter's lock, and ``enter`` and
         #: ``leave`` are on every step's path.
         self._effects: list[float] = []
+        #: Effects that finished in all, and as many as the latest beat had seen:
+        #: one that came and went between two looks of the pulse still earns a
+        #: beat (one past its bound that never finished does not).
+        self._finished = 0
+        self._finished_at_beat = 0
         #: Whether the pulse watches this heartbeat yet.
         self._watched = False
         #: Monotonic time the latest renewal was sent (None: no lease held).
@@ -91,8 +98,9 @@ class Heartbeat:
     def leave(self, entry: float) -> None:
         """The effect of ``entry`` is done executing (entries with the same bound
         are alike: any one of them goes)."""
-        try:  # noqa: SIM105 - not contextlib.suppress: this is on every step's path
+        try:
             self._effects.remove(entry)
+            self._finished += 1
         except ValueError:  # stopped meanwhile: a task the node left ran on past its turn
             pass
 
@@ -119,16 +127,23 @@ class Heartbeat:
 
     # ------------------------------------------------------------ the pulse's
     def due(self, now: float) -> float:
-        """When the next beat is due (monotonic; infinite while none is needed)."""
+        """When the pulse should next look (monotonic; infinite while no beat is
+        needed): the next beat's time while it is ahead; once it is reached, now
+        if an effect executes (within its bound) or finished since the last beat,
+        else never (the next ``enter`` tells the pulse)."""
         with self._guard:
             if self._over or self.renewed_at is None:
                 return math.inf
-            if not any(until > now for until in self._effects.copy()):
-                return math.inf
-            return max(self.renewed_at + self.interval, self._retry_at)
+            at = max(self.renewed_at + self.interval, self._retry_at)
+            if at > now or self._finished != self._finished_at_beat:
+                return at
+            if any(until > now for until in self._effects.copy()):
+                return at
+            return math.inf
 
     def beat(self) -> None:
         """Renew the lease (on the pulse thread)."""
+        self._finished_at_beat = self._finished
         sent_at = time.monotonic()
         try:
             held = self._renew()
