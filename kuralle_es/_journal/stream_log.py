@@ -559,12 +559,14 @@ class PostgresStreamLog(StreamLog):
                 Identifier(f"{TABLE}_step"), table
             ),
         ]
+        # The columns go as binary arrays (%b): text arrays would be escaped
+        # element by element, a regular expression a sealed part.
         self._insert_sql = SQL(
             "INSERT INTO {} (run_id, position, type, step, attempt, part, version) "
-            "SELECT * FROM unnest(%s::text[], %s::bigint[], %s::text[], %s::int[], %s::int[], "
-            "%s::text[], %s::bigint[]) ON CONFLICT DO NOTHING"
+            "SELECT * FROM unnest(%b::text[], %b::bigint[], %b::text[], %b::int[], %b::int[], "
+            "%b::text[], %b::bigint[]) ON CONFLICT DO NOTHING"
         ).format(table)
-        self._notify_sql = SQL("SELECT pg_notify({}, run) FROM unnest(%s::text[]) AS run").format(
+        self._notify_sql = SQL("SELECT pg_notify({}, run) FROM unnest(%b::text[]) AS run").format(
             SQL("'" + CHANNEL + "'")
         )
         self._select_sql = SQL(
