@@ -406,3 +406,43 @@ async def test_a_long_payload_is_compressed_before_it_is_sealed_and_reads_back(
     await again.erase_subject("s1")
     erased = await again.get_run(run.run_id, "s1")
     assert erased is not None and isinstance(erased.state, Redacted)
+
+
+async def test_stream_parts_still_queued_when_their_subject_is_erased_stay_unreadable(
+    database: StoreFactory,
+) -> None:
+    """A turn's stream parts are written in batches after the turn: erased before
+    they are written, they are sealed under the key their turn took, now gone,
+    never under a fresh key made for the subject; the key table keeps no key of
+    the subject, and every part reads back with its payload gone."""
+    store = database()
+    runtime = Runtime(agents=[_agent([])], store=store)
+    chat = await runtime.run(session_id="s1", input=SECRET, subject="carol").result()
+    paused = await runtime.run(
+        session_id="s1", kind="flow", flow_name="refund", input=SECRET, subject="carol"
+    ).result()
+    assert paused.status == "paused"
+    await runtime.erase_subject("carol")  # the turns' parts may still be queued
+    await asyncio.sleep(0.3)  # the stream's batches are written by now
+    store.close()
+
+    if database.backend == "sqlite":
+        import sqlite3
+
+        assert database.target is not None
+        with sqlite3.connect(database.target) as conn:
+            keyed = [r[0] for r in conn.execute("SELECT subject FROM kuralle_subject_keys")]
+    else:
+        assert database.target is not None
+        with psycopg.connect(database.target) as conn:
+            keyed = [r[0] for r in conn.execute("SELECT subject FROM kuralle_subject_keys")]
+    assert "carol" not in keyed
+    assert SECRET.encode() not in _raw(database)
+
+    fresh = Runtime(agents=[_agent([])], store=database())
+    for run in (chat, paused):
+        parts = [p async for p in fresh.stream(run.run_id, "s1")]
+        assert parts and [p.offset for p in parts] == list(range(1, len(parts) + 1))
+        for part in parts:
+            kept = part.model_dump(exclude_none=True)
+            assert set(kept) <= {"type", "step", "attempt", "offset"}, kept

@@ -32,7 +32,10 @@ dropped, never written twice.
 A part's JSON is a payload of its run like any other: it is stored sealed under
 the run's data subject's key (``StreamSealing``, the journal's own sealing), so
 the table holds no plaintext, and once the subject is erased its parts read
-back with their payload gone (docs/privacy.md). A pruned run's parts are
+back with their payload gone (docs/privacy.md). A part carries the key its
+turn took when it opened the stream (``key_for_async``), not its subject: a
+part still queued when its subject is erased is written under the erased key,
+never under a fresh one that would read it back. A pruned run's parts are
 deleted with it (``delete``).
 """
 
@@ -60,7 +63,7 @@ from psycopg.sql import SQL, Composed, Identifier
 from ..redaction import Redacted
 from .sealing import SEALED_KEY, SealedAsList, open_payload, seal_payload, sealed_json
 from .store_url import PostgresAddress
-from .subject_keys import KeyTable
+from .subject_keys import KeyTable, SubjectKey
 
 __all__ = [
     "SPACING",
@@ -107,9 +110,9 @@ class StoredPart:
     attempt: int | None
     body: str
     version: int | None = None
-    #: Whose data the part is (the run's data subject): its body is sealed under
-    #: that subject's key when it is written. Not stored.
-    subject: str | None = None
+    #: The key of the run's data subject as the turn took it: the body is sealed
+    #: under it when it is written. Not stored.
+    key: SubjectKey | None = None
 
     def row(self) -> tuple[str, int, str, int | None, int | None, str, int | None]:
         return (
@@ -136,9 +139,9 @@ class StreamSealing:
     keys: KeyTable
 
     def seal(self, part: StoredPart) -> StoredPart:
-        if part.subject is None:
+        if part.key is None:
             return part
-        sealed = seal_payload(self.transcoder, self.keys.key_for(part.subject), part.body)
+        sealed = seal_payload(self.transcoder, part.key, part.body)
         return dataclasses.replace(part, body=json.dumps(sealed_json(sealed)))
 
     def open(self, part: StoredPart) -> StoredPart:
@@ -225,6 +228,18 @@ class StreamLog(ABC):
             if writer is not None and not writer.get_loop().is_closed():
                 return
             self._writer = asyncio.get_running_loop().create_task(self._write_batches())
+
+    async def key_for_async(self, subject: str) -> SubjectKey | None:
+        """The key a turn seals its parts under: the subject's, read off the loop
+        when it is not at hand and the log waits on a database; None when parts
+        are not sealed."""
+        sealing = self.sealing
+        if sealing is None:
+            return None
+        keys = sealing.keys
+        if self.blocking and not keys.has_cached(subject):
+            return await asyncio.to_thread(keys.key_for, subject)
+        return keys.key_for(subject)
 
     def given(self, run_id: str) -> int:
         """The last offset this process gave the run's parts (0: none)."""

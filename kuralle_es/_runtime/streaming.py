@@ -30,6 +30,7 @@ from pydantic_core import PydanticSerializationError
 
 from .._journal.store import RunStore
 from .._journal.stream_log import StoredPart, StreamLog
+from .._journal.subject_keys import SubjectKey
 from .._unicode import printable
 from ..errors import InvalidArgumentError, RunNotFoundError
 from ..shapes import StreamPart
@@ -55,17 +56,19 @@ class TurnStream:
         self._sink = sink
         self._log: StreamLog | None = None
         self._run_id = ""
-        self._subject: str | None = None
+        self._key: SubjectKey | None = None
         self._offset = 0
 
     async def open(self, store: RunStore, run_id: str, subject: str, *, fresh: bool) -> None:
         """Find the run's stored stream and its last offset (a new run has none); its
-        parts are stored sealed under ``subject``'s key (docs/privacy.md)."""
+        parts are stored sealed under ``subject``'s key as it is now, even if the
+        subject is erased before they are written (docs/privacy.md)."""
         log = await store.stream_log_async(run_id)
         if log is None:
             return
+        self._key = await log.key_for_async(subject)
         self._offset = log.given(run_id) if fresh else await log.last_offset(run_id)
-        self._log, self._run_id, self._subject = log, run_id, subject
+        self._log, self._run_id = log, run_id
 
     def __call__(self, part: StreamPart, version: int | None = None) -> None:
         """Send ``part``; refused (``InvalidArgumentError``) if it has no JSON form.
@@ -86,7 +89,7 @@ class TurnStream:
                 part.attempt,
                 body,
                 version,
-                self._subject,
+                self._key,
             )
         )
         self._sink(numbered)
