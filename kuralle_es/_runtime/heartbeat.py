@@ -142,8 +142,9 @@ class Heartbeat:
             return math.inf
 
     def beat(self) -> None:
-        """Renew the lease (on the pulse thread)."""
-        self._finished_at_beat = self._finished
+        """Renew the lease (on the pulse thread). A failed renewal leaves the
+        finished effects it was for counted, so it is tried again."""
+        finished = self._finished
         sent_at = time.monotonic()
         try:
             held = self._renew()
@@ -153,6 +154,7 @@ class Heartbeat:
             logger.warning("a lease renewal failed; trying again", exc_info=True)
             return
         if held:
+            self._finished_at_beat = finished
             self.renewed(sent_at)
             return
         with self._guard:
