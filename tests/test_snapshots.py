@@ -48,7 +48,7 @@ def full_fold(store: RunStore, run: Run) -> Run:
     return aggregate
 
 
-def test_a_long_runs_snapshots_add_up_to_under_twice_its_latest_one(
+def test_a_long_runs_snapshots_add_up_to_about_twice_its_latest_one(
     open_store: StoreFactory,
 ) -> None:
     store = open_store()
@@ -67,7 +67,11 @@ def test_a_long_runs_snapshots_add_up_to_under_twice_its_latest_one(
     assert [s.originator_version for s in snapshots] == [101, 201, 401, 801]
     sizes = [len(s.state) for s in snapshots]
     assert sizes == sorted(sizes)
-    assert sum(sizes) < 2 * sizes[-1]
+    # Doubling spacings keep the total near twice the latest snapshot: 2.04x here,
+    # above 2 by each snapshot's fixed part (its fields), which the compressed
+    # steps no longer dwarf. A snapshot every 100 versions would make it 2.5x at
+    # four and grow with the run.
+    assert sum(sizes) < 2.2 * sizes[-1]
     loaded = open_store().load(run.run_id)  # the snapshot at 801, then 100 events
     assert loaded is not None
     rebuilt = full_fold(store, run)
