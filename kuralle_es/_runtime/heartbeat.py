@@ -135,9 +135,11 @@ class Heartbeat:
             if self._over or self.renewed_at is None:
                 return math.inf
             at = max(self.renewed_at + self.interval, self._retry_at)
-            if at > now or self._finished != self._finished_at_beat:
-                return at
-            if any(until > now for until in self._effects.copy()):
+            if (
+                at > now
+                or self._finished != self._finished_at_beat
+                or any(until > now for until in self._effects.copy())
+            ):
                 return at
             return math.inf
 
