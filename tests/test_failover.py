@@ -273,6 +273,10 @@ class Follower:
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, daemon=True)
 
+    async def _stopped(self) -> None:
+        while not self.stop.is_set():  # noqa: ASYNC110 - a threading.Event, set by the test
+            await asyncio.sleep(0.1)
+
     def _run(self) -> None:
         async def read(store: RunStore) -> None:
             async for event in follow(store):
@@ -289,7 +293,10 @@ class Follower:
                 consumer = Consumer(store, "audit", consume)
                 reading = asyncio.ensure_future(read(store))
                 consuming = asyncio.ensure_future(consumer.run())
-                stopped = asyncio.ensure_future(asyncio.to_thread(self.stop.wait))
+                # Polled, not waited for on an executor thread: a test that fails
+                # before it sets ``stop`` must not leave a thread that keeps the
+                # interpreter from exiting.
+                stopped = asyncio.ensure_future(self._stopped())
                 await asyncio.wait(
                     {reading, consuming, stopped}, return_when=asyncio.FIRST_COMPLETED
                 )

@@ -453,3 +453,67 @@ def test_the_heartbeat_thread_sleeps_through_short_steps_and_beats_for_one_that_
         assert len(beats) == 1
     finally:
         heartbeat.stop()
+
+
+# ------------------------------------------------- a save slower than the lease
+@pytest.mark.postgres
+async def test_an_effect_never_starts_under_a_lease_that_lapsed_while_its_intent_was_saved(
+    pg_dsn: str,
+) -> None:
+    """A save can outlast the lease: the store tries it again across a failover
+    (CI caught a step executed twice that way: its intent committed on the new
+    primary after the lease had lapsed, the tool ran, a sweeper took the run
+    over and ran it again). Here the events table is locked for two and a
+    half leases while the step's intent waits to be saved, and the lease
+    record a little longer (so that a heartbeat's renewal cannot beat the
+    tool to it): the tool must not start until the turn holds a live lease
+    again, so it finds its lease live when it starts."""
+    import psycopg
+
+    lease_ttl = 1.0
+    locked = threading.Event()
+    started_live: list[bool] = []
+    store, watching = RunStore.postgres(pg_dsn), RunStore.postgres(pg_dsn)
+
+    def lock(run_id: str, table: str, seconds: float, ready: threading.Event) -> None:
+        with psycopg.connect(pg_dsn) as conn:
+            if table == "runstore_events":
+                conn.execute("LOCK TABLE runstore_events IN EXCLUSIVE MODE")
+            else:
+                conn.execute(
+                    "SELECT 1 FROM runstore_leases WHERE run_id = %s FOR UPDATE", (UUID(run_id),)
+                )
+            ready.set()
+            time.sleep(seconds)
+
+    def check(args: NoArgs, call: Any) -> dict[str, Any]:
+        lease = watching.lease(call.run_id)
+        started_live.append(lease is not None and lease.live)
+        return {"ok": True}
+
+    async def node(state: dict[str, Any], ctx: Any) -> Any:
+        if not locked.is_set():  # once
+            table, row = threading.Event(), threading.Event()
+            for name, seconds, ready in (
+                ("runstore_events", 2.5 * lease_ttl, table),
+                ("runstore_leases", 2.8 * lease_ttl, row),
+            ):
+                threading.Thread(target=lock, args=(ctx.run_id, name, seconds, ready)).start()
+            assert table.wait(10) and row.wait(10)
+            locked.set()
+        await ctx.tool("check")
+        return end("done")
+
+    tool = define_tool("check", "reads its run's lease", NoArgs, check)
+    flow = define_flow("slow-save", "a save slower than the lease", "n", [action("n", node)])
+    runtime = Runtime(
+        [define_agent("a", "i", None, [tool], [flow])],
+        store=store, lease_ttl=lease_ttl, holder="worker-a",
+    )  # fmt: skip
+    try:
+        result = await runtime.run("s-slow-save", kind="flow", flow_name="slow-save").result()
+    finally:
+        store.close()
+        watching.close()
+    assert result.status == "finished"
+    assert started_live == [True], "the tool started under a lease that had lapsed"

@@ -172,6 +172,12 @@ class LeasedSaver:
             await asyncio.sleep(0)
         async with self.lock:
             await self.save_locked()
+            # A save may outlast the lease (the store tries it again across a
+            # failover): the lease may have lapsed meanwhile, and another worker
+            # may take the run over. The effect starts only once the lease is
+            # known live, so a second save renews it when it is older than half
+            # a TTL (refused if taken over: StaleWriteError, nothing executed).
+            await self.save_locked()
 
     async def save_outcome(self, outcome: Outcome, *, defer: bool = False) -> None:
         """Record the outcome of a step and save it (with ``defer``, with the turn's
