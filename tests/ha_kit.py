@@ -69,7 +69,11 @@ class HaPair:
         return f"postgresql://postgres@127.0.0.1:{self.nodes[name]['pg']}/{dbname}"
 
     # ---------------------------------------------------------------- start
-    def start(self, timeout: float = 60.0) -> None:
+    def start(self, timeout: float = 180.0) -> None:
+        """etcd, then node1 until it is primary, then node2 until it is its
+        synchronous standby. Each wait allows three minutes: on a machine busy
+        with the rest of the suite, bootstrapping a node (initdb, a base backup)
+        once took longer than one."""
         client, peer = f"http://127.0.0.1:{self.etcd_port}", f"http://127.0.0.1:{self.etcd_peer}"
         etcd = [
             ETCD, "--name", "e1", "--data-dir", str(self.dir / "etcd"),
