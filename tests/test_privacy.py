@@ -253,6 +253,31 @@ async def test_prune_deletes_exactly_the_ended_runs_before_the_date_and_keeps_us
     assert (await runtime.prune(cutoff - timedelta(days=1))).runs == []
 
 
+async def test_a_run_pruned_while_its_last_stream_parts_are_queued_leaves_no_part_behind(
+    open_store: StoreFactory,
+) -> None:
+    """A turn's last stream parts are written after it (in batches): a prune
+    right after the turn deletes them too, queued or not. Written after the
+    delete, they outlived their run, and the session's next conversation (its
+    run takes the same id) found the old answer at its offsets."""
+    answers = iter(["OLD pruned answer", "NEW answer after prune"])
+    agent = define_agent("a", "help", ScriptedModel(lambda request: next(answers)), [])
+    runtime = Runtime(agents=[agent], store=open_store())
+    old = await runtime.run(session_id="s1", input="first").result()
+    report = await runtime.prune(datetime.now(UTC) + timedelta(minutes=1))
+    assert report.runs == [old.run_id]
+    await asyncio.sleep(0.3)  # the stream's batches are written by now
+    streams = runtime.store.stream_log(0)
+    assert await streams.read(old.run_id, 0, 100) == []
+
+    new = await runtime.run(session_id="s1", input="second").result()
+    assert new.run_id == old.run_id and new.output == "NEW answer after prune"
+    parts = [p async for p in runtime.stream(new.run_id, "s1")]
+    assert [p.offset for p in parts] == list(range(1, len(parts) + 1))
+    assert [p.text for p in parts if p.type == "text"] == ["NEW answer after prune"]
+    assert "".join(p.delta or "" for p in parts) == "NEW answer after prune"
+
+
 async def _said(runtime: Runtime, session: str) -> Any:
     return await runtime.run(session_id=session, input=SECRET).result()
 

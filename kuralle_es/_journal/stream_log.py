@@ -294,10 +294,13 @@ class StreamLog(ABC):
 
     def _write(self, batch: list[StoredPart]) -> None:
         """One transaction of ``batch`` (several runs' parts), then the wake-ups."""
-        runs = list(dict.fromkeys(part.run_id for part in batch))
         with self._write_lock:
             if self._shut:
                 return  # the store is closing: its connections are going
+            # Read under the lock: a delete meanwhile took its runs' parts out.
+            runs = list(dict.fromkeys(part.run_id for part in batch))
+            if not batch:
+                return
             self._insert_sealed(batch, runs)
         self.writes += 1
         self.saves.update(runs)
@@ -357,10 +360,22 @@ class StreamLog(ABC):
         return [sealing.open(part) for part in parts] if sealing else parts
 
     def delete(self, run_ids: Sequence[str]) -> None:
-        """Delete the runs' stored parts (pruned runs: ``RunStore.delete_runs``)."""
-        if run_ids:
-            with self._write_lock:
-                self._delete(list(run_ids))
+        """Delete the runs' stored parts (pruned runs: ``RunStore.delete_runs``), and
+        those not written yet (a turn's last parts, still queued when it ended):
+        written after the delete, they would outlive their run, and a run that
+        takes its id again (a session's conversation) would find them at its
+        offsets."""
+        gone = set(run_ids)
+        if not gone:
+            return
+        with self._write_lock:
+            with self._guard:
+                self._queued = [p for p in self._queued if p.run_id not in gone]
+                # The batch taken for writing, in place: its write waits for this lock.
+                self._writing[:] = [p for p in self._writing if p.run_id not in gone]
+                for run_id in gone:
+                    self._given.pop(run_id, None)
+            self._delete(list(gone))
 
     async def _call(self, hook: Any, *args: Any) -> Any:
         if self.blocking:
