@@ -229,6 +229,7 @@ def test_the_in_doubt_and_message_forms_need_the_token_a_login_and_the_pages_csr
         (doubt, {"choice": "undo"}, 422, "InvalidSignalError"),
         (f"/runs/{runs['approval']}/in-doubt", {"choice": "retry"}, 409, "SignalMismatchError"),
         (message, {"name": "item", "payload": "{no"}, 422, "not JSON"),
+        (message, {"name": "item", "payload": "[" * 5000}, 422, "nested too deeply"),
         (message, {"name": "__item", "payload": "1"}, 422, "__"),
     ]
     for n, (path, form, code, said) in enumerate(refusals):

@@ -130,6 +130,10 @@ def _json(fields: Mapping[str, str], name: str, empty: Any = None) -> Any:
         return json.loads(raw)
     except json.JSONDecodeError as e:
         raise ActionRefused(f"The {name} is not JSON: {e}.") from None
+    except RecursionError:  # thousands of brackets: deeper than the decoder goes
+        raise ActionRefused(
+            f"The {name} is nested too deeply; a payload is nested at most 100 deep."
+        ) from None
 
 
 def _signal(fields: Mapping[str, str], operator: str) -> SignalDelivery:
