@@ -173,7 +173,15 @@ async def _contained(work: Awaitable[Any]) -> Any:
     testing kit's ``Crash`` (the process dying there) pass through untouched."""
     try:
         return await work
-    except (Exception, asyncio.CancelledError, GeneratorExit, Crash):
+    except GeneratorExit as exc:
+        # Closing this coroutine closes the tool's first and then raises a new
+        # GeneratorExit here (PEP 380), with this frame alone in its traceback;
+        # one the tool raised itself comes out of the tool's frames.
+        traceback = exc.__traceback__
+        if traceback is None or traceback.tb_next is None:
+            raise
+        raise ToolExited(exc) from exc
+    except (Exception, asyncio.CancelledError, Crash):
         raise
     except BaseException as exc:
         raise ToolExited(exc) from exc
