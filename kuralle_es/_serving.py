@@ -50,6 +50,13 @@ __all__ = [
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 ALLOWED_HOSTS_ENV = "KURALLE_ALLOWED_HOSTS"
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+#: The names in-process test clients send: Starlette's ``TestClient``
+#: (``testserver``) and httpx's ``ASGITransport`` as FastAPI's docs set it up
+#: (``test``). An app made without ``host`` (not told where it is served)
+#: answers them besides the loopback names, so it can be tested as it is made;
+#: neither is a public DNS name ("test" is reserved by RFC 2606), and the
+#: servers (``kuralle-es serve``, ``kuralle-es dashboard``) always give ``host``.
+TEST_CLIENT_NAMES = frozenset({"testserver", "test"})
 #: A ``Host`` header: a name or an IPv6 address in brackets, and perhaps a port.
 _HOST = re.compile(r"(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<name>[A-Za-z0-9._-]+))(?::\d*)?")
 
@@ -96,13 +103,18 @@ def host_name(header: str) -> str | None:
     return None if match is None else (match["v6"] or match["name"]).lower()
 
 
-def served_hosts(host: str, allowed: Iterable[str] | None = None) -> frozenset[str]:
+def served_hosts(host: str | None, allowed: Iterable[str] | None = None) -> frozenset[str]:
     """The names a server bound to ``host`` answers for: the loopback names if ``host``
-    is loopback, and ``allowed`` (default: ``KURALLE_ALLOWED_HOSTS``, comma-separated).
-    Refuses (``InvalidArgumentError``) a name that is not a host, or no name at all."""
+    is loopback (and ``TEST_CLIENT_NAMES`` too when ``host`` is None: an app not told
+    where it is served), and ``allowed`` (default: ``KURALLE_ALLOWED_HOSTS``,
+    comma-separated). Refuses (``InvalidArgumentError``) a name that is not a host,
+    or no name at all."""
     if allowed is None:
         allowed = os.environ.get(ALLOWED_HOSTS_ENV, "").split(",")
-    names = set(LOOPBACK_NAMES) if is_loopback(host) else set()
+    if host is None:
+        names = set(LOOPBACK_NAMES | TEST_CLIENT_NAMES)
+    else:
+        names = set(LOOPBACK_NAMES) if is_loopback(host) else set()
     for given in (a.strip() for a in allowed):
         bare_v6 = given.count(":") > 1 and not given.startswith("[")
         name = host_name(f"[{given}]" if bare_v6 else given)

@@ -479,6 +479,38 @@ def test_a_request_for_another_host_is_400_and_reads_nothing(served: Served) -> 
         assert served.ok("GET", runs(f"/{run_id}"), headers={"Host": host})["run_id"] == run_id
 
 
+def test_an_app_made_without_a_host_answers_in_process_test_clients() -> None:
+    """``create_app(runtime)`` is tested as it is made: Starlette's ``TestClient``
+    sends ``Host: testserver`` and httpx's ``ASGITransport`` is usually set up
+    with ``http://test``; both are answered, a foreign host is not, and an app
+    told where it is served (as ``kuralle-es serve`` tells it) answers neither."""
+    from fastapi.testclient import TestClient
+
+    from kuralle_es import Runtime, action, define_agent, define_flow, end
+    from kuralle_es.dashboard import create_app as create_dashboard
+    from kuralle_es.http import create_app
+
+    async def done(state: dict[str, Any], ctx: Any) -> Any:
+        return end("done")
+
+    flow = define_flow("ship", "", "go", [action("go", done)])
+    store = RunStore.memory()
+    runtime = Runtime([define_agent("a", "", None, [], [flow])], store=store)
+    bearer = {"Authorization": "Bearer t0k"}
+    app = create_app(runtime, token="t0k")
+    started = TestClient(app).post("/api/runs", json={"session_id": "s", "flow": "ship"},
+                                   headers=bearer)  # fmt: skip
+    assert started.status_code == 200 and started.json()["status"] == "finished"
+    assert TestClient(app, base_url="http://test").get("/api/runs", headers=bearer).json()
+    foreign = TestClient(app).get("/api/runs", headers={**bearer, "Host": "attacker.example"})
+    assert foreign.status_code == 400 and foreign.json()["error"] == "UnservedHostError"
+    served = create_app(runtime, token="t0k", host="127.0.0.1")
+    assert TestClient(served).get("/api/runs", headers=bearer).status_code == 400
+    dashboard = create_dashboard(store, lambda s: runtime)
+    assert TestClient(dashboard).get("/").status_code == 200
+    assert TestClient(dashboard).get("/", headers={"Host": "attacker.example"}).status_code == 400
+
+
 def test_serve_without_a_token_answers_no_other_host_dns_rebinding(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'runs.db'}"
     with_token = start_server(url, tmp_path, name="writer")

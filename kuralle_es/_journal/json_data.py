@@ -20,6 +20,7 @@ from ..errors import InvalidArgumentError, PayloadTooLargeError, UnrecordableVal
 __all__ = [
     "MAX_JSON_DEPTH",
     "check_size",
+    "decode_json",
     "encode_json",
     "max_payload_bytes",
     "plain_json_problem",
@@ -28,6 +29,18 @@ __all__ = [
 
 #: The deepest nesting of JSON data the journal accepts.
 MAX_JSON_DEPTH = 100
+
+
+def decode_json(text: str | bytes) -> Any:
+    """``json.loads``, whose every refusal is a ``ValueError`` that says why. A
+    document nested deeper than the decoder goes (thousands of brackets in a
+    form field or a flag) makes it raise ``RecursionError``, which a caller's
+    ``except ValueError`` would miss: a crash instead of a refusal."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        msg = f"it is nested too deeply (JSON here is nested at most {MAX_JSON_DEPTH} deep)"
+        raise ValueError(msg) from None
 
 
 def unicode_problem(text: str) -> str | None:

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
+from .._journal.json_data import decode_json
 from .._runtime.deliveries import IN_DOUBT_ACTIONS, NO_RESULT, in_doubt_delivery
 from .._runtime.runtime import Runtime
 from ..shapes import TurnResult
@@ -134,8 +134,8 @@ def _raise_to(text: str | None) -> dict[str, Any] | None:
     if text is None:
         return None
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
+        value = decode_json(text)
+    except ValueError as e:
         msg = f"--raise-to is not JSON ({e}); e.g. '{{\"max_total_tokens\": 20000}}'"
         raise CliError(msg) from None
     if not isinstance(value, dict):
@@ -170,8 +170,8 @@ async def _json_option(value: str, flag: str) -> Any:
     """A JSON option's value (given, ``@FILE`` or ``-``), or a clear refusal."""
     text = await asyncio.to_thread(_payload_text, value, flag)
     try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
+        return decode_json(text)
+    except ValueError as e:
         raise CliError(f"{flag} is not JSON: {e}") from None
 
 

@@ -17,11 +17,11 @@ error, like any other turn that ended in error.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .._journal.json_data import decode_json
 from .._runtime.deliveries import NO_RESULT, in_doubt_delivery
 from .._runtime.handle import TurnHandle
 from .._runtime.runtime import RECOVERIES, Runtime
@@ -127,13 +127,9 @@ def _json(fields: Mapping[str, str], name: str, empty: Any = None) -> Any:
     if len(raw) > FIELD_MAX:
         raise ActionRefused(f"The {name} is longer than {FIELD_MAX} characters.")
     try:
-        return json.loads(raw)
-    except json.JSONDecodeError as e:
+        return decode_json(raw)
+    except ValueError as e:
         raise ActionRefused(f"The {name} is not JSON: {e}.") from None
-    except RecursionError:  # thousands of brackets: deeper than the decoder goes
-        raise ActionRefused(
-            f"The {name} is nested too deeply; a payload is nested at most 100 deep."
-        ) from None
 
 
 def _signal(fields: Mapping[str, str], operator: str) -> SignalDelivery:

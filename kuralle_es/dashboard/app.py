@@ -95,11 +95,11 @@ _SECURITY_HEADERS = {
 
 
 def check_bind(
-    host: str, token: str | None, allowed_hosts: Iterable[str] | None = None
+    host: str | None, token: str | None, allowed_hosts: Iterable[str] | None = None
 ) -> frozenset[str]:
     """Refuse to expose run data beyond this machine without a token, or on an interface
     with no host name to answer for; the names it answers for (``served_hosts``)."""
-    refuse_open_bind(host, token, server="the dashboard", data="run data", token_env=TOKEN_ENV)
+    refuse_open_bind(host or "127.0.0.1", token, server="the dashboard", data="run data", token_env=TOKEN_ENV)
     return served_hosts(host, allowed_hosts)
 
 
@@ -548,7 +548,7 @@ def create_app(
     store: RunStore,
     runtime_factory: RuntimeFactory,
     *,
-    host: str = "127.0.0.1",
+    host: str | None = None,
     token: str | None = None,
     allowed_hosts: Iterable[str] | None = None,
     refresh_seconds: int = REFRESH_SECONDS,
@@ -566,7 +566,9 @@ def create_app(
     browser that runs no script (one that does updates in place, live). It
     answers only requests whose ``Host`` is a loopback name (when ``host`` is
     loopback) or one of ``allowed_hosts`` (default:
-    ``KURALLE_ALLOWED_HOSTS``); any other is 400.
+    ``KURALLE_ALLOWED_HOSTS``); any other is 400. Without ``host`` it is taken
+    as served on loopback, and it answers the names in-process test clients
+    send too (``testserver``, ``test``).
     """
     hosts = check_bind(host, token, allowed_hosts)
     gate = Gate(token)

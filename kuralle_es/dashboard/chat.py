@@ -12,11 +12,11 @@ the run now waits to have approved says so on its card, where an operator decide
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._journal.json_data import decode_json
 from .._journal.wait import APPROVAL
 from ..redaction import Redacted
 from ..shapes import Message, RunState, StepRecord
@@ -60,7 +60,7 @@ def _json(text: Any) -> Any:
     if not isinstance(text, str):
         return text
     try:
-        return json.loads(text)
+        return decode_json(text)
     except ValueError:
         return text
 

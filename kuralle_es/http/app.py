@@ -508,7 +508,7 @@ def create_app(
     runtime: Runtime,
     *,
     token: str | None = None,
-    host: str = "127.0.0.1",
+    host: str | None = None,
     allowed_hosts: Iterable[str] | None = None,
 ) -> FastAPI:
     """The HTTP API over ``runtime`` as an ASGI app (docs/http.md).
@@ -518,7 +518,9 @@ def create_app(
     change is answered 403), and ``serve`` binds it to loopback only. The app
     answers only requests whose ``Host`` is a loopback name (``host``, where it
     is served, is loopback) or one of ``allowed_hosts`` (default:
-    ``KURALLE_ALLOWED_HOSTS``); any other is 400.
+    ``KURALLE_ALLOWED_HOSTS``); any other is 400. Without ``host`` it is taken
+    as served on loopback, and it answers the names in-process test clients
+    send too (``testserver``, ``test``).
     """
     token = token if token is not None else os.environ.get(TOKEN_ENV) or None
     hosts = check_bind(host, token, allowed_hosts)
