@@ -199,6 +199,26 @@ async def test_list_runs_refuses_a_limit_that_is_not_a_positive_integer(
             await views.list_runs(limit=bad)
 
 
+async def test_the_sweepers_queries_and_the_catch_up_wait_refuse_bad_arguments_naming_them(
+    open_store: StoreFactory,
+) -> None:
+    """A time that is not a datetime, a timeout that is not a positive finite number:
+    ``InvalidArgumentError`` naming the argument, not an ``AttributeError`` from
+    deep inside or a ``TimeoutError`` that says nothing of the argument."""
+    views = RunViews(open_store())
+    bad: Any
+    for query in (views.orphaned_runs, views.expired_deadlines, views.due_timers):
+        for bad in ("yesterday", 5, 1.5):
+            with pytest.raises(InvalidArgumentError, match="now"):
+                await query(bad)
+    with pytest.raises(InvalidArgumentError, match="before"):
+        await views.in_doubt_runs("x")  # type: ignore[arg-type]
+    for bad in (float("nan"), float("inf"), -1, 0, "5", True):
+        with pytest.raises(InvalidArgumentError, match="timeout"):
+            await views.wait_until_caught_up(bad)
+    await views.wait_until_caught_up(5)  # a good one still waits
+
+
 async def test_events_applied_again_without_their_position_are_refused_not_counted_twice(
     backend: str, open_store: StoreFactory
 ) -> None:

@@ -15,7 +15,8 @@ from dataclasses import replace
 from datetime import datetime
 from typing import Any, TypeVar
 
-from .._clock import as_utc
+from .._clock import as_utc, utc
+from .._durations import positive_seconds
 from .._journal.log import RunLog, retry_schema_setup
 from .._journal.recorders import (
     LeasingPOPORecorder,
@@ -73,8 +74,10 @@ def _created(views: _V) -> _V:
     return views
 
 
-def _utcnow() -> datetime:
-    return as_utc(datetime.now().astimezone())
+def _now_or(now: object, what: str = "now") -> datetime:
+    """``now`` as aware UTC (a naive one is UTC), or the current time for None; any
+    other value is refused (``InvalidArgumentError`` naming ``what``)."""
+    return as_utc(datetime.now().astimezone()) if now is None else utc(now, what)
 
 
 class RunViews:
@@ -162,19 +165,19 @@ class RunViews:
 
     async def orphaned_runs(self, now: datetime | None = None) -> list[RunSummary]:
         """Running runs whose lease expired before ``now``: their worker is gone."""
-        at = as_utc(now) if now is not None else _utcnow()
+        at = _now_or(now)
         return await self._runs(RunQuery(status="running", lease_expired_before=at, order="lease"))
 
     async def expired_deadlines(self, now: datetime | None = None) -> list[RunSummary]:
         """Paused runs whose wait's deadline is before ``now`` (timers excluded)."""
-        at = as_utc(now) if now is not None else _utcnow()
+        at = _now_or(now)
         return await self._runs(
             RunQuery(status="paused", not_wait_kind="timer", deadline_before=at, order="deadline")
         )
 
     async def due_timers(self, now: datetime | None = None) -> list[RunSummary]:
         """Paused runs whose durable sleep's wake time is at or before ``now``."""
-        at = as_utc(now) if now is not None else _utcnow()
+        at = _now_or(now)
         return await self._runs(
             RunQuery(
                 status="paused",
@@ -189,7 +192,7 @@ class RunViews:
         """Runs in ``error`` whose last step was left ``running`` (in doubt: a model
         call that failed, whose answer was never recorded), last updated before
         ``before`` (default: now), least recently updated first."""
-        at = as_utc(before) if before is not None else _utcnow()
+        at = _now_or(before, "before")
         return await self._runs(
             RunQuery(status="error", in_doubt=True, updated_until=at, order="oldest")
         )
@@ -255,7 +258,8 @@ class RunViews:
         Raises ``TimeoutError`` if that takes longer than ``timeout`` seconds
         (another projector holding the views' lock, or a backlog).
         """
-        await asyncio.wait_for(self.catch_up(), timeout)
+        seconds = positive_seconds(timeout, "timeout")
+        await asyncio.wait_for(self.catch_up(), seconds)
 
     async def rebuild(self) -> int:
         """Empty the views and apply the whole log again; returns the events applied."""
