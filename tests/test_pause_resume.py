@@ -511,6 +511,35 @@ async def test_a_typed_signal_validates_its_payload_and_returns_the_model(
     assert state.state["address"] == {"street": "Main St", "zip": "1"}
 
 
+async def test_a_typed_signal_whose_schema_is_defined_in_a_function_works_each_time_it_is_made(
+    open_store: Any,
+) -> None:
+    """A schema class defined in a function (a test's, a factory's) is a new class
+    each time the function runs, under one module path: each run waits on the
+    class its flow was made with, and a second one is not refused as a
+    duplicate."""
+
+    def make_flow() -> Any:
+        class Parcel(BaseModel):
+            weight: int
+
+        async def wait(state: dict[str, Any], ctx: Any) -> Any:
+            parcel = await ctx.signal("parcel", schema=Parcel)
+            assert isinstance(parcel, Parcel)
+            return end(f"weighs {parcel.weight}")
+
+        return define_flow("parcel", "typed signal", "wait", [action("wait", wait)])
+
+    for weight in (1, 2):
+        agent = define_agent("a", "i", None, [], [make_flow()])
+        runtime = Runtime([agent], store=open_store())
+        session = f"s-parcel-{weight}"
+        paused = await runtime.run(session, kind="flow", flow_name="parcel").result()
+        assert paused.status == "paused"
+        done = await runtime.signal(paused.run_id, session, "parcel", {"weight": weight})
+        assert (done.status, done.output) == ("finished", f"weighs {weight}")
+
+
 async def test_a_delivery_reexecutes_the_active_node_not_the_flow_from_its_start(
     runtime: Runtime,
 ) -> None:

@@ -14,7 +14,7 @@ from datetime import datetime, timedelta
 from typing import Any, NoReturn
 from uuid import uuid4
 
-from eventsourcing.utils import get_topic, resolve_topic
+from eventsourcing.utils import resolve_topic
 from pydantic import BaseModel
 
 from .._durations import deadline_at
@@ -44,7 +44,11 @@ class Schemas:
         self._by_topic: dict[str, type[BaseModel]] = {}
 
     def remember(self, schema: type[BaseModel]) -> str:
-        topic = get_topic(schema)
+        # The topic as ``eventsourcing`` writes one, without its registry: a class
+        # defined in a function is a new class each time the function runs (a
+        # test's, a factory's), and the registry refuses a second class under one
+        # topic (``TopicError``).
+        topic = f"{schema.__module__}:{schema.__qualname__}"
         self._by_topic[topic] = schema
         return topic
 
