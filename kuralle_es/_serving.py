@@ -72,11 +72,12 @@ def is_loopback(host: str) -> bool:
 
 
 def refuse_open_bind(
-    host: str, token: str | None, *, server: str, data: str, token_env: str
+    host: str | None, token: str | None, *, server: str, data: str, token_env: str
 ) -> None:
     """Refuse to serve ``data`` beyond this machine without a token: ``server`` binds a
-    ``host`` other machines can reach only with ``token_env`` set."""
-    if not token and not is_loopback(host):
+    ``host`` other machines can reach only with ``token_env`` set (None: an app not
+    told where it is served, taken as served on loopback)."""
+    if not token and host is not None and not is_loopback(host):
         msg = (
             f"refusing to serve {server} on {host!r} without {token_env}: {data} would be "
             f"readable from other machines. Set {token_env} to a long random secret, or bind "

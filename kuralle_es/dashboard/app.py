@@ -99,9 +99,7 @@ def check_bind(
 ) -> frozenset[str]:
     """Refuse to expose run data beyond this machine without a token, or on an interface
     with no host name to answer for; the names it answers for (``served_hosts``)."""
-    refuse_open_bind(
-        host or "127.0.0.1", token, server="the dashboard", data="run data", token_env=TOKEN_ENV
-    )
+    refuse_open_bind(host, token, server="the dashboard", data="run data", token_env=TOKEN_ENV)
     return served_hosts(host, allowed_hosts)
 
 

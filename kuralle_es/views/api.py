@@ -12,7 +12,7 @@ import asyncio
 import weakref
 from collections.abc import Callable
 from dataclasses import replace
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from .._clock import as_utc, utc
@@ -77,7 +77,7 @@ def _created(views: _V) -> _V:
 def _now_or(now: object, what: str = "now") -> datetime:
     """``now`` as aware UTC (a naive one is UTC), or the current time for None; any
     other value is refused (``InvalidArgumentError`` naming ``what``)."""
-    return as_utc(datetime.now().astimezone()) if now is None else utc(now, what)
+    return datetime.now(UTC) if now is None else utc(now, what)
 
 
 class RunViews:
